@@ -1,0 +1,53 @@
+"""Exact numerics of every format as pure torch quantize-dequantize functions (see FORMATS.md)."""
+
+from __future__ import annotations
+
+import torch
+
+from .bfp import BFP16, MX4, MX6, MX9, BFPSpec, bfp_quantize_dequantize
+from .bits import RoundFn
+from .floats import BF16, FP8_E4M3FN, FP8_E5M2, FP16, FloatSpec, float_quantize_dequantize
+from .integer import INT_RANGES, IntSpec, int_quantize_dequantize, int_scale_zero_point
+from .mx import (
+    MX_ELEMENTS,
+    MXFP4,
+    MXFP6_E2M3,
+    MXFP6_E3M2,
+    MXFP8_E4M3,
+    MXFP8_E5M2,
+    MXINT8,
+    MXSpec,
+    mx_quantize_dequantize,
+)
+
+FormatSpec = IntSpec | FloatSpec | BFPSpec | MXSpec
+
+__all__ = [
+    "BF16", "BFP16", "FP16", "FP8_E4M3FN", "FP8_E5M2", "INT_RANGES", "MX4", "MX6", "MX9", "MX_ELEMENTS",
+    "MXFP4", "MXFP6_E2M3", "MXFP6_E3M2", "MXFP8_E4M3", "MXFP8_E5M2", "MXINT8", "BFPSpec", "FloatSpec",
+    "FormatSpec", "IntSpec", "MXSpec", "RoundFn", "bfp_quantize_dequantize", "float_quantize_dequantize",
+    "int_quantize_dequantize", "int_scale_zero_point", "mx_quantize_dequantize", "quantize_dequantize",
+]
+
+
+def quantize_dequantize(
+    x: torch.Tensor,
+    spec: FormatSpec,
+    scale: torch.Tensor | float | None = None,
+    zero_point: torch.Tensor | float | None = None,
+) -> torch.Tensor:
+    """Quantize-dequantize x in any format; INT needs a scale (zero point defaults to 0), float
+    formats take an optional scale/zero point, block formats carry their scales in the data."""
+    if isinstance(spec, IntSpec):
+        if scale is None:
+            raise ValueError("an integer format needs a scale")
+        return int_quantize_dequantize(x, scale, 0.0 if zero_point is None else zero_point, spec)
+    if isinstance(spec, FloatSpec):
+        return float_quantize_dequantize(x, spec, 1.0 if scale is None else scale, 0.0 if zero_point is None else zero_point)
+    if scale is not None or zero_point is not None:
+        raise ValueError(f"{type(spec).__name__} derives its scales from the data; do not pass a scale or zero point")
+    if isinstance(spec, BFPSpec):
+        return bfp_quantize_dequantize(x, spec)
+    if isinstance(spec, MXSpec):
+        return mx_quantize_dequantize(x, spec)
+    raise TypeError(f"unknown format spec {spec!r}")

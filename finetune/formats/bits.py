@@ -1,0 +1,88 @@
+"""Exact float32 building blocks shared by every format: exponent fields, power-of-two scaling,
+rounding modes and straight-through gradients."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+RoundFn = Callable[[torch.Tensor], torch.Tensor]
+
+EXPONENT_BIAS = 127
+EXPONENT_FIELD_INF_NAN = 255
+MANTISSA_BITS = 23
+
+ROUND_HALF_AWAY_FROM_ZERO = 0
+ROUND_HALF_UP = 1
+ROUND_HALF_TO_EVEN = 2
+ROUNDING_MODES = (ROUND_HALF_AWAY_FROM_ZERO, ROUND_HALF_UP, ROUND_HALF_TO_EVEN)
+
+
+def exponent_field(x: torch.Tensor) -> torch.Tensor:
+    """The biased exponent field (bits 23..30) of float32 values, as int32; exact, unlike log2."""
+    return (x.view(torch.int32) >> MANTISSA_BITS) & 0xFF
+
+
+def pow2(k: torch.Tensor) -> torch.Tensor:
+    """2**k as float32, built from its bit pattern, for integer k in [-126, 127]."""
+    return ((k.to(torch.int32) + EXPONENT_BIAS) << MANTISSA_BITS).view(torch.float32)
+
+
+def scale_by_pow2(x: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """x * 2**k exactly (up to the final rounding of the result), even where 2**k alone is not a
+    normal float32: the shift is split in two halves, each a normal power of two."""
+    half = torch.div(k, 2, rounding_mode="floor")
+    return x * pow2(half) * pow2(k - half)
+
+
+def round_half_even(v: torch.Tensor) -> torch.Tensor:
+    """Round to nearest, ties to even (IEEE default, ONNX Round)."""
+    return torch.round(v)
+
+
+def round_half_away_from_zero(v: torch.Tensor) -> torch.Tensor:
+    """Round to nearest, ties away from zero; the tie test v - trunc(v) is exact in float32."""
+    t = torch.trunc(v)
+    return torch.where((v - t).abs() >= 0.5, t + torch.sign(v), t)
+
+
+def round_half_up(v: torch.Tensor) -> torch.Tensor:
+    """Round to nearest, ties toward +inf."""
+    t = torch.trunc(v)
+    frac = v - t
+    up = torch.where(frac >= 0.5, t + 1, t)
+    return torch.where(frac < -0.5, t - 1, up)
+
+
+_ROUNDERS: dict[int, RoundFn] = {
+    ROUND_HALF_AWAY_FROM_ZERO: round_half_away_from_zero,
+    ROUND_HALF_UP: round_half_up,
+    ROUND_HALF_TO_EVEN: round_half_even,
+}
+
+
+def rounder(mode: int) -> RoundFn:
+    """The rounding function for a `rounding_mode` attribute value (0, 1 or 2)."""
+    if mode not in _ROUNDERS:
+        raise ValueError(f"rounding_mode must be one of {ROUNDING_MODES}, got {mode!r}")
+    return _ROUNDERS[mode]
+
+
+def straight_through(x: torch.Tensor, y: torch.Tensor, passes: torch.Tensor | None) -> torch.Tensor:
+    """Value of y with the gradient of x where `passes` (identity inside the range), zero elsewhere."""
+    if not x.requires_grad:
+        return y
+    grad_path = x - x.detach()
+    if passes is not None:
+        grad_path = grad_path * passes
+    return y.detach() + grad_path
+
+
+def compute_in_float32(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """Run a float32 QDQ on x, casting float16/bfloat16 inputs up and the result back."""
+    if x.dtype == torch.float32:
+        return fn(x)
+    if not x.is_floating_point():
+        raise TypeError(f"quantize-dequantize expects a floating-point tensor, got {x.dtype}")
+    return fn(x.float()).to(x.dtype)

@@ -1,0 +1,68 @@
+"""FP16, BF16 and FP8 (E4M3FN, E5M2) quantize-dequantize with an optional scale and zero point,
+round-to-nearest-even, and saturation to the largest finite value instead of inf."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .bits import compute_in_float32, straight_through
+from .blocks import broadcast_param
+
+FLOAT_TYPES: dict[str, torch.dtype] = {
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+}
+
+
+@dataclass(frozen=True)
+class FloatSpec:
+    """A narrow float format; `saturate` clamps overflow to the largest finite value (the default)."""
+
+    dtype: str = "bfloat16"
+    saturate: bool = True
+    axis: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in FLOAT_TYPES:
+            raise ValueError(f"dtype must be one of {tuple(FLOAT_TYPES)}, got {self.dtype!r}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return FLOAT_TYPES[self.dtype]
+
+    @property
+    def max_value(self) -> float:
+        return float(torch.finfo(self.torch_dtype).max)
+
+
+BF16 = FloatSpec("bfloat16")
+FP16 = FloatSpec("float16")
+FP8_E4M3FN = FloatSpec("float8_e4m3fn")
+FP8_E5M2 = FloatSpec("float8_e5m2")
+
+
+def float_quantize_dequantize(
+    x: torch.Tensor,
+    spec: FloatSpec,
+    scale: torch.Tensor | float = 1.0,
+    zero_point: torch.Tensor | float = 0.0,
+) -> torch.Tensor:
+    """y = (float(round_to_type(x / s + zp)) - zp) * s; NaN stays NaN, overflow saturates when
+    `spec.saturate`, and the straight-through gradient is zero where a value saturated."""
+    return compute_in_float32(lambda xf: _float_float32(xf, spec, scale, zero_point), x)
+
+
+def _float_float32(x: torch.Tensor, spec: FloatSpec, scale: torch.Tensor | float, zero_point: torch.Tensor | float) -> torch.Tensor:
+    s = broadcast_param(torch.as_tensor(scale, dtype=torch.float32), x, spec.axis, None)
+    zp = broadcast_param(torch.as_tensor(zero_point, dtype=torch.float32), x, spec.axis, None)
+    with torch.no_grad():
+        v = x.detach() / s + zp
+        inside = v.abs() <= spec.max_value
+        if spec.saturate:
+            v = v.clamp(-spec.max_value, spec.max_value)
+        y = (v.to(spec.torch_dtype).float() - zp) * s
+    return straight_through(x, y, inside | v.isnan())

@@ -1,0 +1,106 @@
+"""Integer quantize-dequantize with QuantizeLinear/DequantizeLinear semantics, int4..uint32, per
+tensor / per channel / per block, with an optional rounding hook for AdaRound."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .bits import RoundFn, compute_in_float32, pow2, round_half_even
+from .blocks import broadcast_param
+
+# Code range of each integer type. The float32 upper bound of int32/uint32 is the largest float32
+# below 2^31 / 2^32, so a clamped code still converts to the integer type exactly.
+INT_RANGES: dict[str, tuple[float, float]] = {
+    "int4": (-8.0, 7.0),
+    "uint4": (0.0, 15.0),
+    "int8": (-128.0, 127.0),
+    "uint8": (0.0, 255.0),
+    "int16": (-32768.0, 32767.0),
+    "uint16": (0.0, 65535.0),
+    "int32": (-2147483648.0, 2147483520.0),
+    "uint32": (0.0, 4294967040.0),
+}
+
+
+@dataclass(frozen=True)
+class IntSpec:
+    """An integer format: element type, symmetry, granularity (per tensor when axis is None, per
+    channel with an axis, per block with axis and block_size) and whether scales are powers of two."""
+
+    dtype: str = "int8"
+    symmetric: bool = True
+    axis: int | None = None
+    block_size: int | None = None
+    power_of_two: bool = False
+
+    def __post_init__(self) -> None:
+        if self.dtype not in INT_RANGES:
+            raise ValueError(f"dtype must be one of {tuple(INT_RANGES)}, got {self.dtype!r}")
+        if self.block_size is not None and (self.axis is None or self.block_size < 1):
+            raise ValueError("a block_size needs an axis and must be positive")
+
+    @property
+    def qmin(self) -> float:
+        return INT_RANGES[self.dtype][0]
+
+    @property
+    def qmax(self) -> float:
+        return INT_RANGES[self.dtype][1]
+
+    @property
+    def signed(self) -> bool:
+        return not self.dtype.startswith("u")
+
+
+def int_quantize_dequantize(
+    x: torch.Tensor,
+    scale: torch.Tensor | float,
+    zero_point: torch.Tensor | float,
+    spec: IntSpec,
+    rounding: RoundFn | None = None,
+) -> torch.Tensor:
+    """y = (clamp(round(x / s) + zp, qmin, qmax) - zp) * s. The straight-through gradient passes
+    inside the range and is zero where clamped; `rounding` replaces round-half-to-even (AdaRound)."""
+    return compute_in_float32(lambda xf: _int_float32(xf, scale, zero_point, spec, rounding), x)
+
+
+def _int_float32(
+    x: torch.Tensor, scale: torch.Tensor | float, zero_point: torch.Tensor | float, spec: IntSpec, rounding: RoundFn | None
+) -> torch.Tensor:
+    s = broadcast_param(torch.as_tensor(scale, dtype=torch.float32), x, spec.axis, spec.block_size)
+    zp = broadcast_param(torch.as_tensor(zero_point, dtype=torch.float32), x, spec.axis, spec.block_size)
+    v = x / s
+    codes = rounding(v) if rounding is not None else _ste_round(v)
+    return (torch.clamp(codes + zp, spec.qmin, spec.qmax) - zp) * s
+
+
+def _ste_round(v: torch.Tensor) -> torch.Tensor:
+    """Round half to even with an identity gradient."""
+    rounded = round_half_even(v.detach())
+    return v + (rounded - v).detach() if v.requires_grad else rounded
+
+
+def int_scale_zero_point(
+    min_value: torch.Tensor, max_value: torch.Tensor, spec: IntSpec
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale and zero point that cover [min_value, max_value] (each widened to include 0), as
+    QuantizeLinear expects them; power-of-two scales round up so nothing extra is clipped."""
+    lo = torch.clamp(torch.as_tensor(min_value, dtype=torch.float32), max=0.0)
+    hi = torch.clamp(torch.as_tensor(max_value, dtype=torch.float32), min=0.0)
+    levels = spec.qmax - spec.qmin
+    if spec.symmetric:
+        scale = torch.maximum(-lo, hi) / (levels / 2)
+    else:
+        scale = (hi - lo) / levels
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    if spec.power_of_two:
+        scale = pow2(torch.ceil(torch.log2(scale)).clamp(-126, 127))
+    if spec.symmetric:
+        mid = 0.0 if spec.signed else math.ceil(levels / 2)
+        zero_point = torch.full_like(scale, mid)
+    else:
+        zero_point = torch.clamp(round_half_even(spec.qmin - lo / scale), spec.qmin, spec.qmax)
+    return scale, zero_point

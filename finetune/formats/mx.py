@@ -1,0 +1,120 @@
+"""OCP Microscaling (MXFP8/6/4, MXINT8): a power-of-two scale shared by a block of small floats or
+int8 fixed-point elements, exactly as FORMATS.md (no clamp of the scale to the E8M0 range)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .bits import (
+    EXPONENT_BIAS,
+    EXPONENT_FIELD_INF_NAN,
+    ROUNDING_MODES,
+    compute_in_float32,
+    exponent_field,
+    pow2,
+    round_half_even,
+    rounder,
+    scale_by_pow2,
+    straight_through,
+)
+from .blocks import to_blocks
+
+
+@dataclass(frozen=True)
+class MXElement:
+    """An MX element type: exponent/mantissa bits, its largest exponent and largest finite value."""
+
+    name: str
+    exponent_bits: int
+    mantissa_bits: int
+    emax: int
+    max_value: float
+
+    @property
+    def is_int(self) -> bool:
+        return self.exponent_bits == 0
+
+    @property
+    def min_normal_exponent(self) -> int:
+        """Exponent of the smallest normal element; below it the element is subnormal."""
+        return 2 - 2 ** (self.exponent_bits - 1)
+
+
+INT8_FRACTION_BITS = 6
+MX_ELEMENTS: dict[str, MXElement] = {
+    e.name: e
+    for e in (
+        MXElement("fp8_e5m2", 5, 2, 15, 57344.0),
+        MXElement("fp8_e4m3", 4, 3, 8, 448.0),
+        MXElement("fp6_e3m2", 3, 2, 4, 28.0),
+        MXElement("fp6_e2m3", 2, 3, 2, 7.5),
+        MXElement("fp4_e2m1", 2, 1, 2, 6.0),
+        MXElement("int8", 0, INT8_FRACTION_BITS, 0, 127 / 64),
+    )
+}
+
+
+@dataclass(frozen=True)
+class MXSpec:
+    """Attributes of `MXQuantizeDequantize`; field names are the ONNX attribute names."""
+
+    element_dtype: str = "int8"
+    block_size: int = 32
+    axis: int = 1
+    rounding_mode: int = 2
+
+    def __post_init__(self) -> None:
+        if self.element_dtype not in MX_ELEMENTS:
+            raise ValueError(f"element_dtype must be one of {tuple(MX_ELEMENTS)}, got {self.element_dtype!r}")
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
+        if self.rounding_mode not in ROUNDING_MODES:
+            raise ValueError(f"rounding_mode must be one of {ROUNDING_MODES}, got {self.rounding_mode!r}")
+
+    @property
+    def element(self) -> MXElement:
+        return MX_ELEMENTS[self.element_dtype]
+
+
+MXINT8 = MXSpec("int8")
+MXFP8_E4M3 = MXSpec("fp8_e4m3")
+MXFP8_E5M2 = MXSpec("fp8_e5m2")
+MXFP6_E3M2 = MXSpec("fp6_e3m2")
+MXFP6_E2M3 = MXSpec("fp6_e2m3")
+MXFP4 = MXSpec("fp4_e2m1")
+
+
+def mx_quantize_dequantize(x: torch.Tensor, spec: MXSpec) -> torch.Tensor:
+    """Quantize-dequantize x in the OCP MX format `spec`, with a straight-through gradient inside
+    the element range and zero gradient where an element saturated."""
+    return compute_in_float32(lambda xf: _mx_float32(xf, spec), x)
+
+
+def _mx_float32(x: torch.Tensor, spec: MXSpec) -> torch.Tensor:
+    if x.numel() == 1:
+        return x
+    with torch.no_grad():
+        blocks, layout = to_blocks(x.detach(), spec.axis, spec.block_size)
+        field = exponent_field(blocks)
+        finite = field != EXPONENT_FIELD_INF_NAN
+        shared = torch.where(finite, field, 0).amax(dim=2, keepdim=True) - EXPONENT_BIAS - spec.element.emax
+        scaled = scale_by_pow2(blocks, -shared)
+        quantized = _quantize_element(scaled, spec)
+        y = torch.where(finite, scale_by_pow2(quantized, shared), blocks)
+        inside = (scaled.abs() <= spec.element.max_value) | ~finite
+        y, inside = layout.restore(y), layout.restore(inside)
+    return straight_through(x, y, inside)
+
+
+def _quantize_element(v: torch.Tensor, spec: MXSpec) -> torch.Tensor:
+    """Round block-scaled values to the element grid and saturate at the largest element."""
+    element = spec.element
+    if element.is_int:
+        step = 2.0**INT8_FRACTION_BITS
+        return rounder(spec.rounding_mode)(v * step).clamp(-128, 127) / step
+    exponent = torch.clamp(exponent_field(v) - EXPONENT_BIAS, min=element.min_normal_exponent)
+    quantum_exp = exponent - element.mantissa_bits
+    rounded = round_half_even(v * pow2(-quantum_exp)) * pow2(quantum_exp)
+    return rounded.clamp(-element.max_value, element.max_value)

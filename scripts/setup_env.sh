@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Create ./.venv (if missing) and install finetune with its test extras into it.
+# torch/torchvision are pinned to the releases that lie on this kind of machine's disk; elsewhere,
+# set TORCH_SPEC (e.g. a CUDA or ROCm build's index URL and version) before running.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV="${VENV:-.venv}"
+PYTHON="${PYTHON:-python3.11}"
+if [ ! -x "$VENV/bin/python" ]; then
+    "$PYTHON" -m venv "$VENV"
+fi
+"$VENV/bin/python" -m pip install --quiet --upgrade pip
+# shellcheck disable=SC2086
+"$VENV/bin/python" -m pip install --quiet ${TORCH_SPEC:-torch==2.14.1 torchvision==0.29.1}
+"$VENV/bin/python" -m pip install --quiet -e ".[test]"

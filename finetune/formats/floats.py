@@ -29,6 +29,8 @@ class FloatSpec:
     def __post_init__(self) -> None:
         if self.dtype not in FLOAT_TYPES:
             raise ValueError(f"dtype must be one of {tuple(FLOAT_TYPES)}, got {self.dtype!r}")
+        if self.dtype.startswith("float8") and not self.saturate:
+            raise ValueError("FP8 formats are supported with saturate=True only (QuantizeLinear's default)")
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -92,7 +92,7 @@ def int_scale_zero_point(
     hi = torch.clamp(torch.as_tensor(max_value, dtype=torch.float32), min=0.0)
     levels = spec.qmax - spec.qmin
     if spec.symmetric:
-        scale = torch.maximum(-lo, hi) / (levels / 2)
+        scale = torch.maximum(-lo, hi) / (levels // 2)
     else:
         scale = (hi - lo) / levels
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))

@@ -1,0 +1,341 @@
+"""Format numerics beyond the reference vectors: notable values in both directions, agreement with
+onnxruntime's standard QuantizeLinear/DequantizeLinear, any rank/axis, float16 and gradients."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from onnx import TensorProto, helper, numpy_helper
+
+from finetune.formats import (
+    BF16,
+    BFP16,
+    FP8_E4M3FN,
+    FP8_E5M2,
+    FP16,
+    MX4,
+    MX9,
+    MX_ELEMENTS,
+    MXFP4,
+    MXINT8,
+    BFPSpec,
+    FloatSpec,
+    IntSpec,
+    MXSpec,
+    bfp_quantize_dequantize,
+    float_quantize_dequantize,
+    int_quantize_dequantize,
+    int_scale_zero_point,
+    mx_quantize_dequantize,
+    quantize_dequantize,
+)
+from finetune.formats.bits import exponent_field, round_half_away_from_zero, round_half_even, round_half_up, scale_by_pow2
+
+from .vectors import assert_same_values
+
+F32_MAX = float(np.finfo(np.float32).max)
+F32_TINY = float(np.finfo(np.float32).tiny)
+F32_SUBNORMAL = float(np.finfo(np.float32).smallest_subnormal)
+
+# --- building blocks ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("value", "half_away", "half_up", "half_even"),
+    [(0.5, 1, 1, 0), (-0.5, -1, 0, 0), (1.5, 2, 2, 2), (-1.5, -2, -1, -2), (2.5, 3, 3, 2), (-2.5, -3, -2, -2),
+     (0.49999997, 0, 0, 0), (-0.49999997, 0, 0, 0), (8388607.5, 8388608, 8388608, 8388608), (-0.3, 0, 0, 0)],
+)
+def test_rounding_modes_on_ties_and_near_ties(value: float, half_away: int, half_up: int, half_even: int) -> None:
+    v = torch.tensor([value])
+    assert round_half_away_from_zero(v).item() == half_away
+    assert round_half_up(v).item() == half_up
+    assert round_half_even(v).item() == half_even
+
+
+def test_exponent_field_is_exact_just_below_powers_of_two() -> None:
+    below = np.nextafter(np.float32(2.0) ** np.arange(-125, 127, dtype=np.float32), np.float32(0))
+    fields = exponent_field(torch.from_numpy(below)).numpy()
+    assert np.array_equal(fields, np.arange(-125, 127) - 1 + 127)
+    assert exponent_field(torch.tensor([F32_SUBNORMAL, 0.0, math.inf, F32_MAX])).tolist() == [0, 0, 255, 254]
+
+
+def test_scale_by_pow2_is_exact_beyond_the_normal_range_of_the_factor() -> None:
+    x = torch.tensor([F32_SUBNORMAL, 3 * F32_SUBNORMAL, 1.5])
+    up = scale_by_pow2(x, torch.tensor([149, 148, -130]))
+    assert up.tolist() == [1.0, 1.5, 1.5 * 2.0**-130]
+
+
+# --- notable values, both directions ----------------------------------------------------------
+
+MX_FP_GRIDS = {
+    "fp4_e2m1": [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0],
+    "fp6_e2m3": [0.0, 0.125, 0.875, 1.0, 1.125, 7.0, 7.5],
+    "fp6_e3m2": [0.0, 0.0625, 0.1875, 0.25, 1.0, 1.25, 24.0, 28.0],
+    "fp8_e4m3": [0.0, 2.0**-9, 2.0**-6, 1.0, 1.125, 256.0, 448.0],
+    "fp8_e5m2": [0.0, 2.0**-16, 2.0**-14, 1.0, 1.25, 49152.0, 57344.0],
+}
+
+
+@pytest.mark.parametrize("element", list(MX_FP_GRIDS))
+def test_mx_element_grid_values_are_fixed_points(element: str) -> None:
+    """A block whose maximum is the element's largest value has shared scale 1, so every grid
+    value (zero, subnormals, normals, the maximum) and its negative must come back unchanged."""
+    grid = MX_FP_GRIDS[element]
+    assert MX_ELEMENTS[element].max_value == grid[-1]
+    values = torch.tensor(grid + [-g for g in grid], dtype=torch.float32)
+    got = mx_quantize_dequantize(values, MXSpec(element, block_size=values.numel()))
+    assert got.tolist() == values.tolist()
+
+
+@pytest.mark.parametrize(
+    ("element", "value", "expected"),
+    [("fp4_e2m1", 5.0, 4.0), ("fp4_e2m1", 2.5, 2.0), ("fp4_e2m1", 0.25, 0.0), ("fp4_e2m1", 0.75, 1.0),
+     ("fp8_e4m3", 464.0, 448.0), ("fp6_e3m2", 26.0, 24.0), ("fp6_e2m3", 0.0625, 0.0)],
+)
+def test_mx_element_rounds_half_to_even_and_saturates(element: str, value: float, expected: float) -> None:
+    """Between grid points ties go to the even code; the block maximum pins the scale to 1."""
+    top = MX_ELEMENTS[element].max_value
+    got = mx_quantize_dequantize(torch.tensor([top, value, -value]), MXSpec(element, block_size=3))
+    assert got.tolist() == [top, expected, -expected]
+
+
+def test_mxint8_reaches_minus_two_and_clamps_plus_two() -> None:
+    """int8 codes are q/64 of the scale in [-128, 127]: just below -2 rounds to -2.0 (code -128),
+    just below +2 saturates to 127/64; the block maximum in [1, 2) pins the scale to 1."""
+    got = mx_quantize_dequantize(torch.tensor([-1.999, 1.999, 1.0, 1.984375]), MXSpec("int8", block_size=4))
+    assert got.tolist() == [-2.0, 1.984375, 1.0, 1.984375]
+
+
+def test_bfp16_notable_values() -> None:
+    """BFP16: 8-bit sign-magnitude codes under the block's exponent (scale 2^-6 here); NaN/Inf pass
+    through and do not set the shared exponent; half a step rounds away from zero; the block
+    maximum clamps to 127 * scale; all-zero blocks stay zero."""
+    x = torch.tensor([1.0, 1.9999999, 0.0078125, 0.00390625, -0.0, math.nan, math.inf, -math.inf])
+    got = bfp_quantize_dequantize(x, BFPSpec(block_size=8, axis=0))
+    assert_same_values(got.numpy(), np.array([1.0, 1.984375, 0.015625, 0.0, 0.0, np.nan, np.inf, -np.inf], np.float32))
+    assert bfp_quantize_dequantize(torch.zeros(16), BFP16).tolist() == [0.0] * 16
+
+
+def test_mx9_block_with_inf_becomes_nan_and_subnormals_flush() -> None:
+    x = torch.zeros(32)
+    x[0], x[1] = math.inf, 1.0
+    x[16], x[17] = F32_SUBNORMAL * 8, F32_TINY
+    got = bfp_quantize_dequantize(x, MX9)
+    assert torch.isnan(got[:16]).all()
+    assert got[16].item() == 0.0 and got[17].item() == F32_TINY
+
+
+@pytest.mark.parametrize(
+    ("spec", "big", "expected"),
+    [(BF16, 3.5e38, float(torch.finfo(torch.bfloat16).max)), (FP16, 70000.0, 65504.0),
+     (FP8_E4M3FN, 1000.0, 448.0), (FP8_E5M2, 1e6, 57344.0)],
+)
+def test_narrow_floats_saturate_and_keep_nan(spec: FloatSpec, big: float, expected: float) -> None:
+    got = float_quantize_dequantize(torch.tensor([big, -big, math.nan, 1.0]), spec)
+    assert got[:2].tolist() == [expected, -expected]
+    assert math.isnan(got[2].item()) and got[3].item() == 1.0
+
+
+@pytest.mark.parametrize("spec", [BF16, FP16])
+def test_without_overflow_protection_16_bit_floats_overflow_to_inf(spec: FloatSpec) -> None:
+    got = float_quantize_dequantize(torch.tensor([1e39, -1e39]), FloatSpec(spec.dtype, saturate=False))
+    assert got.tolist() == [math.inf, -math.inf]
+
+
+def test_fp8_requires_saturation() -> None:
+    with pytest.raises(ValueError, match="saturate"):
+        FloatSpec("float8_e4m3fn", saturate=False)
+
+
+def test_bf16_rounds_to_nearest_even() -> None:
+    one_ulp = 2.0**-7
+    x = torch.tensor([1.0 + one_ulp / 2, 1.0 + 1.5 * one_ulp, 1.0 + one_ulp / 2 + 2**-20])
+    assert float_quantize_dequantize(x, BF16).tolist() == [1.0, 1.0 + 2 * one_ulp, 1.0 + one_ulp]
+
+
+@pytest.mark.parametrize(
+    ("dtype", "symmetric", "lo", "hi", "scale", "zero_point"),
+    [("int8", True, -1.0, 2.54, 0.02, 0.0), ("uint8", True, -1.0, 2.54, 0.02, 128.0),
+     ("uint8", False, -1.0, 1.55, 0.01, 100.0), ("int4", False, 0.5, 1.5, 0.1, -8.0),
+     ("int8", True, 0.0, 0.0, 1.0, 0.0)],
+)
+def test_int_scale_zero_point_from_range(dtype: str, symmetric: bool, lo: float, hi: float, scale: float, zero_point: float) -> None:
+    s, zp = int_scale_zero_point(torch.tensor(lo), torch.tensor(hi), IntSpec(dtype, symmetric=symmetric))
+    assert s.item() == pytest.approx(scale, rel=1e-6) and zp.item() == zero_point
+
+
+def test_power_of_two_scale_rounds_up() -> None:
+    s, _ = int_scale_zero_point(torch.tensor(-3.0), torch.tensor(2.0), IntSpec(power_of_two=True))
+    assert s.item() == 2.0**-5  # 3/127 = 0.0236 -> 2^-5 = 0.03125 covers the range
+
+
+# --- torch against onnxruntime's standard QuantizeLinear / DequantizeLinear --------------------
+
+INT_ONNX_TYPES = {"int8": TensorProto.INT8, "uint8": TensorProto.UINT8, "int16": TensorProto.INT16,
+                  "uint16": TensorProto.UINT16, "int4": TensorProto.INT4, "uint4": TensorProto.UINT4}
+FLOAT_ONNX_TYPES = {"float8_e4m3fn": TensorProto.FLOAT8E4M3FN, "float8_e5m2": TensorProto.FLOAT8E5M2}
+
+
+def run_standard_qdq(x: np.ndarray, scale: np.ndarray, zero_point: np.ndarray, elem_type: int,
+                     axis: int | None, block_size: int | None) -> np.ndarray:
+    """Run QuantizeLinear -> DequantizeLinear (opset 21) in onnxruntime with all optimisations off."""
+    attrs = {} if axis is None else {"axis": axis}
+    if block_size:
+        attrs["block_size"] = block_size
+    zp = helper.make_tensor("zp", elem_type, zero_point.shape, zero_point.flatten().tolist())
+    graph = helper.make_graph(
+        [helper.make_node("QuantizeLinear", ["x", "s", "zp"], ["q"], **attrs),
+         helper.make_node("DequantizeLinear", ["q", "s", "zp"], ["y"], **attrs)],
+        "qdq", [helper.make_tensor_value_info("x", TensorProto.FLOAT, x.shape)],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, x.shape)],
+        [numpy_helper.from_array(scale.astype(np.float32), "s"), zp],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=10)
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    return session.run(None, {"x": x})[0]
+
+
+@st.composite
+def int_cases(draw: st.DrawFn) -> tuple:
+    dtype = draw(st.sampled_from(sorted(INT_ONNX_TYPES)))
+    shape = draw(st.lists(st.integers(1, 6), min_size=1, max_size=4))
+    granularity = draw(st.sampled_from(["tensor", "channel", "block"]))
+    axis = None if granularity == "tensor" else draw(st.integers(-len(shape), len(shape) - 1))
+    block = draw(st.integers(1, 4)) if granularity == "block" else None
+    if granularity == "tensor":
+        param_shape: list[int] = []
+    elif granularity == "channel":
+        param_shape = [shape[axis]]
+    else:
+        param_shape = list(shape)
+        param_shape[axis] = -(-shape[axis] // block)
+    spec = IntSpec(dtype, axis=axis, block_size=block)
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    scale = np.asarray(2.0 ** rng.uniform(-8, 2, param_shape), np.float32)
+    zero_point = np.asarray(rng.integers(spec.qmin, spec.qmax + 1, param_shape), np.float32)
+    spread = float(spec.qmax - spec.qmin) * float(scale.max())
+    x = (rng.standard_normal(shape) * spread / 3).astype(np.float32)
+    return x, scale, zero_point, spec
+
+
+@settings(max_examples=60, deadline=None)
+@given(int_cases())
+def test_int_matches_onnxruntime(case: tuple) -> None:
+    x, scale, zero_point, spec = case
+    got = int_quantize_dequantize(torch.from_numpy(x), torch.from_numpy(scale), torch.from_numpy(zero_point), spec)
+    expected = run_standard_qdq(x, scale, zero_point, INT_ONNX_TYPES[spec.dtype], spec.axis, spec.block_size)
+    assert_same_values(got.numpy(), expected, str(spec))
+
+
+@pytest.mark.parametrize("dtype", sorted(FLOAT_ONNX_TYPES))
+def test_fp8_matches_onnxruntime(dtype: str) -> None:
+    rng = np.random.default_rng(0)
+    x = np.concatenate([rng.standard_normal(4000) * 10.0 ** rng.uniform(-6, 6, 4000), [1e9, -1e9, np.nan]])
+    x = x.astype(np.float32).reshape(1, -1)
+    scale = np.array(0.37, np.float32)
+    got = float_quantize_dequantize(torch.from_numpy(x), FloatSpec(dtype), torch.from_numpy(scale))
+    expected = run_standard_qdq(x, scale, np.zeros((), np.float32), FLOAT_ONNX_TYPES[dtype], None, None)
+    assert_same_values(got.numpy(), expected, dtype)
+
+
+# --- shapes, axes, dtypes ---------------------------------------------------------------------
+
+BLOCK_SPECS = [BFP16, MX9, MX4, BFPSpec("to_bfp", 12, 8, rounding_mode=1), MXFP4, MXINT8,
+               MXSpec("fp6_e2m3", 32, rounding_mode=0)]
+
+
+def blocked_along_last(x: torch.Tensor, spec: BFPSpec | MXSpec) -> torch.Tensor:
+    """Reference for any axis: move the axis last, quantize along the last axis, move it back."""
+    axis = spec.axis % x.dim()
+    moved = x.movedim(axis, -1).contiguous()
+    return quantize_dequantize(moved, type(spec)(**{**spec.__dict__, "axis": -1})).movedim(-1, axis)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.sampled_from(BLOCK_SPECS), st.lists(st.integers(1, 40), min_size=2, max_size=4), st.data())
+def test_any_axis_equals_moving_the_axis_last(spec: BFPSpec | MXSpec, shape: list[int], data: st.DataObject) -> None:
+    axis = data.draw(st.integers(-len(shape), len(shape) - 1))
+    spec = type(spec)(**{**spec.__dict__, "axis": axis})
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(len(shape) * 7 + axis)) * 10
+    assert_same_values(quantize_dequantize(x, spec).numpy(), blocked_along_last(x, spec).numpy(), str(spec))
+
+
+@pytest.mark.parametrize("spec", BLOCK_SPECS + [BF16, FP8_E4M3FN], ids=str)
+def test_float16_input_is_computed_in_float32(spec: BFPSpec | MXSpec | FloatSpec) -> None:
+    x = (torch.randn(4, 48, 3) * 100).half()
+    got = quantize_dequantize(x, spec)
+    assert got.dtype == torch.float16
+    assert_same_values(got.numpy(), quantize_dequantize(x.float(), spec).half().numpy(), str(spec))
+
+
+def test_padding_is_zero_and_undone() -> None:
+    """A partial block behaves as if padded with zeros: same result as explicit zero padding."""
+    x = torch.randn(3, 21) * 5
+    padded = torch.cat([x, torch.zeros(3, 11)], dim=1)
+    for spec in (MXSpec("fp4_e2m1", 16, axis=1), BFPSpec(block_size=8, axis=1), MX4):
+        assert_same_values(quantize_dequantize(x, spec).numpy(), quantize_dequantize(padded, spec)[:, :21].numpy())
+
+
+def test_format_specs_reject_invalid_attributes() -> None:
+    with pytest.raises(ValueError, match="element_dtype"):
+        MXSpec("fp5")
+    with pytest.raises(ValueError, match="rounding_mode"):
+        BFPSpec(rounding_mode=3)
+    with pytest.raises(ValueError, match="sub_block_size"):
+        BFPSpec("to_bfp_prime", block_size=16, sub_block_size=3)
+    with pytest.raises(ValueError, match="dtype"):
+        IntSpec("int7")
+    with pytest.raises(ValueError, match="axis"):
+        quantize_dequantize(torch.zeros(2, 3), MXSpec(axis=2))
+    with pytest.raises(ValueError, match="per-channel"):
+        int_quantize_dequantize(torch.zeros(2, 3), torch.ones(4), 0.0, IntSpec(axis=1))
+
+
+# --- gradients ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("spec", BLOCK_SPECS, ids=str)
+def test_block_formats_pass_gradient_inside_the_range(spec: BFPSpec | MXSpec) -> None:
+    """On values already on the grid nothing saturates, so the gradient is exactly the identity."""
+    x = quantize_dequantize(torch.randn(2, 64) * 3, spec).requires_grad_()
+    quantize_dequantize(x, spec).mul(torch.arange(128.0).reshape(2, 64)).sum().backward()
+    assert torch.equal(x.grad, torch.arange(128.0).reshape(2, 64))
+
+
+def test_clamped_values_get_zero_gradient() -> None:
+    x = torch.tensor([0.5, 10.0, -10.0, 1.0], requires_grad=True)
+    int_quantize_dequantize(x, 0.01, 0.0, IntSpec("int8")).sum().backward()
+    assert x.grad.tolist() == [1.0, 0.0, 0.0, 1.0]
+    x = torch.tensor([1.0, 500.0, -1000.0], requires_grad=True)
+    float_quantize_dequantize(x, FP8_E4M3FN).sum().backward()
+    assert x.grad.tolist() == [1.0, 0.0, 0.0]
+    x = torch.tensor([6.0, 2.9, 0.4, 7.0], requires_grad=True)  # 7.0 is above the block's grid (max 6 * 2^1)
+    mx_quantize_dequantize(x, MXSpec("fp4_e2m1", 4, axis=0)).sum().backward()
+    assert x.grad.tolist() == [1.0, 1.0, 1.0, 0.0]
+
+
+def test_rounding_hook_replaces_round_half_even() -> None:
+    """AdaRound's soft rounding plugs in here: floor + learned offset, with its own gradient."""
+    x = torch.tensor([0.26, -0.26, 0.74])
+    offset = torch.tensor([0.0, 1.0, 0.3], requires_grad=True)
+    y = int_quantize_dequantize(x, 0.5, 0.0, IntSpec("int8"), rounding=lambda v: torch.floor(v) + offset)
+    assert torch.allclose(y, torch.tensor([0.0, 0.0, 0.65]))
+    y.sum().backward()
+    assert offset.grad.tolist() == [0.5, 0.5, 0.5]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA/ROCm device on this machine")
+@pytest.mark.parametrize("spec", BLOCK_SPECS + [BF16, FP8_E4M3FN], ids=str)
+def test_cuda_equals_cpu(spec: BFPSpec | MXSpec | FloatSpec) -> None:
+    x = torch.randn(8, 64, 5) * 100
+    x[0, 0, 0] = math.nan
+    assert_same_values(quantize_dequantize(x.cuda(), spec).cpu().numpy(), quantize_dequantize(x, spec).numpy(), str(spec))

@@ -16,6 +16,7 @@ from .mx import (
     MXFP8_E4M3,
     MXFP8_E5M2,
     MXINT8,
+    MXElement,
     MXSpec,
     mx_quantize_dequantize,
 )
@@ -24,7 +25,7 @@ FormatSpec = IntSpec | FloatSpec | BFPSpec | MXSpec
 
 __all__ = [
     "BF16", "BFP16", "FP16", "FP8_E4M3FN", "FP8_E5M2", "INT_RANGES", "MX4", "MX6", "MX9", "MX_ELEMENTS",
-    "MXFP4", "MXFP6_E2M3", "MXFP6_E3M2", "MXFP8_E4M3", "MXFP8_E5M2", "MXINT8", "BFPSpec", "FloatSpec",
+    "MXElement", "MXFP4", "MXFP6_E2M3", "MXFP6_E3M2", "MXFP8_E4M3", "MXFP8_E5M2", "MXINT8", "BFPSpec", "FloatSpec",
     "FormatSpec", "IntSpec", "MXSpec", "RoundFn", "bfp_quantize_dequantize", "float_quantize_dequantize",
     "int_quantize_dequantize", "int_scale_zero_point", "mx_quantize_dequantize", "quantize_dequantize",
 ]

@@ -12,12 +12,13 @@ from .bits import (
     EXPONENT_FIELD_INF_NAN,
     ROUNDING_MODES,
     compute_in_float32,
+    F32_MIN_NORMAL,
     exponent_field,
     rounder,
     scale_by_pow2,
     straight_through,
 )
-from .blocks import to_blocks
+from .blocks import map_blocks, max_finite_exponent_field
 
 BFP_METHODS = ("to_bfp", "to_bfp_prime")
 SHARED_EXPONENT_BITS = 8
@@ -40,8 +41,12 @@ class BFPSpec:
     def __post_init__(self) -> None:
         if self.bfp_method not in BFP_METHODS:
             raise ValueError(f"bfp_method must be one of {BFP_METHODS}, got {self.bfp_method!r}")
-        if not 10 <= self.bit_width <= 32:
-            raise ValueError(f"bit_width must be in 10..32 (8 shared exponent bits + sign + >=1 mantissa bit), got {self.bit_width}")
+        widest = 32 - self.max_sub_block_shift
+        if not 10 <= self.bit_width <= widest:
+            raise ValueError(
+                f"bit_width must be in 10..{widest} (8 shared exponent bits, a sign, at least one mantissa bit, and "
+                f"every scale a float32 power of two), got {self.bit_width}"
+            )
         if self.block_size < 1:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
         if self.rounding_mode not in ROUNDING_MODES:
@@ -53,8 +58,13 @@ class BFPSpec:
                 raise ValueError(
                     f"sub_block_size ({self.sub_block_size}) must be positive and divide block_size ({self.block_size})"
                 )
-            if not 0 <= self.sub_block_shift_bits <= 8:
-                raise ValueError(f"sub_block_shift_bits must be in 0..8, got {self.sub_block_shift_bits}")
+            if not 0 <= self.sub_block_shift_bits <= 4:
+                raise ValueError(f"sub_block_shift_bits must be in 0..4, got {self.sub_block_shift_bits}")
+
+    @property
+    def max_sub_block_shift(self) -> int:
+        """Largest per-sub-block exponent downshift (0 for to_bfp, which has no sub-blocks)."""
+        return 2**self.sub_block_shift_bits - 1 if self.bfp_method == "to_bfp_prime" else 0
 
     @property
     def mantissa_bits(self) -> int:
@@ -77,48 +87,66 @@ def bfp_quantize_dequantize(x: torch.Tensor, spec: BFPSpec) -> torch.Tensor:
 def _bfp_float32(x: torch.Tensor, spec: BFPSpec) -> torch.Tensor:
     if spec.convert_to_bfloat_before_bfp:
         x = straight_through(x, x.detach().to(torch.bfloat16).float(), None)
-    if x.numel() == 1:
+    if x.numel() <= 1:
         return x
-    with torch.no_grad():
-        blocks, layout = to_blocks(x.detach(), spec.axis, spec.block_size)
-        method = _to_bfp if spec.bfp_method == "to_bfp" else _to_bfp_prime
-        y_blocks, inside_blocks = method(blocks, spec)
-        y, inside = layout.restore(y_blocks), layout.restore(inside_blocks)
-    return straight_through(x, y, inside)
+    (y,) = _bfp_map(x, spec, with_mask=False)
+    return straight_through(x, y, lambda: _bfp_map(x, spec, with_mask=True)[1])
 
 
-def _round_codes(
-    scaled: torch.Tensor, spec: BFPSpec
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Round scaled values to integer codes, clamped to the sign-magnitude range ±(2^m - 1)."""
+def _bfp_map(x: torch.Tensor, spec: BFPSpec, with_mask: bool) -> tuple[torch.Tensor, ...]:
+    """The quantized values of x, and with `with_mask` also where no clamping happened."""
+    method = _to_bfp if spec.bfp_method == "to_bfp" else _to_bfp_prime
     max_code = float(2**spec.mantissa_bits - 1)
-    codes = rounder(spec.rounding_mode)(scaled)
-    return codes.clamp(-max_code, max_code), scaled.abs() <= max_code
+
+    def per_block(blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        y, scaled = method(blocks, spec, max_code)
+        return (y, (scaled.abs() <= max_code).reshape(y.shape)) if with_mask else (y,)
+
+    with torch.no_grad():
+        return map_blocks(x.detach(), spec.axis, spec.block_size, per_block)
 
 
-def _to_bfp(blocks: torch.Tensor, spec: BFPSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """Shared exponent = largest finite exponent field of the block; NaN/Inf pass through."""
-    field = exponent_field(blocks)
-    finite = field != EXPONENT_FIELD_INF_NAN
-    shared = torch.where(finite, field, 0).amax(dim=2, keepdim=True)
+def _round_codes(scaled: torch.Tensor, spec: BFPSpec, max_code: float) -> torch.Tensor:
+    """Round scaled values to integer codes, clamped to the sign-magnitude range ±max_code."""
+    return rounder(spec.rounding_mode)(scaled).clamp_(-max_code, max_code)
+
+
+def _to_bfp(blocks: torch.Tensor, spec: BFPSpec, max_code: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Shared exponent = largest finite exponent field of the block; NaN/Inf pass through.
+    Returns the result and the scaled values (for the gradient mask)."""
+    shared, finite = max_finite_exponent_field(blocks, dim=2)
     scale_exp = shared - EXPONENT_BIAS - (spec.mantissa_bits - 1)
-    codes, inside = _round_codes(scale_by_pow2(blocks, -scale_exp), spec)
-    y = torch.where(finite, scale_by_pow2(codes, scale_exp), blocks)
-    return y, inside | ~finite
+    scaled = scale_by_pow2(blocks, -scale_exp)
+    y = scale_by_pow2(_round_codes(scaled, spec, max_code), scale_exp)
+    if finite is not None:
+        y = torch.where(finite, y, blocks)
+    return y, scaled
 
 
-def _to_bfp_prime(blocks: torch.Tensor, spec: BFPSpec) -> tuple[torch.Tensor, torch.Tensor]:
+def _to_bfp_prime(blocks: torch.Tensor, spec: BFPSpec, max_code: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Shared exponent per block plus a small per-sub-block downshift; a block holding NaN/Inf
     becomes all NaN and float32 subnormals flush to zero."""
     p, nb, b, q = blocks.shape
     sub = blocks.reshape(p, nb, b // spec.sub_block_size, spec.sub_block_size, q)
-    field = exponent_field(sub)
-    sub_max = field.amax(dim=3, keepdim=True)
+    sub_max_abs = sub.abs().amax(dim=3, keepdim=True)
+    sub_max = exponent_field(sub_max_abs)
     shared = sub_max.amax(dim=2, keepdim=True)
-    shift = torch.clamp(shared - sub_max, max=2**spec.sub_block_shift_bits - 1)
+    max_shift = spec.max_sub_block_shift
+    shift = torch.clamp(shared - sub_max, max=max_shift)
     scale_exp = shared - EXPONENT_BIAS - shift + 1 - spec.mantissa_bits
-    codes, inside = _round_codes(scale_by_pow2(sub, -scale_exp), spec)
-    y = scale_by_pow2(codes, scale_exp)
-    y = torch.where(field == 0, torch.zeros_like(y), y)
-    y = torch.where(shared == EXPONENT_FIELD_INF_NAN, torch.full_like(y, float("nan")), y)
-    return y.reshape(p, nb, b, q), inside.reshape(p, nb, b, q)
+    scaled = scale_by_pow2(sub, -scale_exp)
+    y = scale_by_pow2(_round_codes(scaled, spec, max_code), scale_exp)
+    if _subnormals_may_round_to_nonzero(sub_max_abs, shared, spec.mantissa_bits + max_shift):
+        y = y * (sub.abs() >= F32_MIN_NORMAL)
+    has_nan_or_inf = shared == EXPONENT_FIELD_INF_NAN
+    if bool(has_nan_or_inf.any()):
+        y = torch.where(has_nan_or_inf, float("nan"), y)
+    return y.reshape(blocks.shape), scaled
+
+
+def _subnormals_may_round_to_nonzero(sub_max_abs: torch.Tensor, shared: torch.Tensor, headroom: int) -> bool:
+    """Whether a float32 subnormal could get a nonzero code: only in a block that is not all zero
+    and whose shared exponent field is at most headroom + 1. Checked per block, this spares the
+    per-element flush on ordinary data."""
+    block_max_abs = sub_max_abs.amax(dim=2, keepdim=True)
+    return bool(((shared <= headroom + 1) & (block_max_abs > 0)).any())

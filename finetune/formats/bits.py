@@ -12,6 +12,10 @@ RoundFn = Callable[[torch.Tensor], torch.Tensor]
 EXPONENT_BIAS = 127
 EXPONENT_FIELD_INF_NAN = 255
 MANTISSA_BITS = 23
+MIN_NORMAL_EXPONENT = -126
+MAX_EXPONENT = 127
+F32_MIN_NORMAL = 2.0**MIN_NORMAL_EXPONENT
+EXPONENT_MASK = 0x7F800000
 
 ROUND_HALF_AWAY_FROM_ZERO = 0
 ROUND_HALF_UP = 1
@@ -24,14 +28,23 @@ def exponent_field(x: torch.Tensor) -> torch.Tensor:
     return (x.view(torch.int32) >> MANTISSA_BITS) & 0xFF
 
 
+def power_of_two_below(x: torch.Tensor) -> torch.Tensor:
+    """2**floor(log2|x|) for normal float32 x (0 for zeros and subnormals, inf for NaN/Inf), by
+    clearing the sign and mantissa bits: one exact integer pass."""
+    return (x.view(torch.int32) & EXPONENT_MASK).view(torch.float32)
+
+
 def pow2(k: torch.Tensor) -> torch.Tensor:
-    """2**k as float32, built from its bit pattern, for integer k in [-126, 127]."""
+    """2**k as float32, built from its bit pattern, for integer k in [MIN_NORMAL_EXPONENT, MAX_EXPONENT]."""
     return ((k.to(torch.int32) + EXPONENT_BIAS) << MANTISSA_BITS).view(torch.float32)
 
 
 def scale_by_pow2(x: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """x * 2**k exactly (up to the final rounding of the result), even where 2**k alone is not a
-    normal float32: the shift is split in two halves, each a normal power of two."""
+    normal float32: then the shift is split in two halves, each a normal power of two. k is
+    usually per block, so the range check is cheap."""
+    if k.numel() and MIN_NORMAL_EXPONENT <= int(k.min()) and int(k.max()) <= MAX_EXPONENT:
+        return x * pow2(k)
     half = torch.div(k, 2, rounding_mode="floor")
     return x * pow2(half) * pow2(k - half)
 
@@ -41,18 +54,16 @@ def round_half_even(v: torch.Tensor) -> torch.Tensor:
     return torch.round(v)
 
 
-def round_half_away_from_zero(v: torch.Tensor) -> torch.Tensor:
-    """Round to nearest, ties away from zero; the tie test v - trunc(v) is exact in float32."""
-    t = torch.trunc(v)
-    return torch.where((v - t).abs() >= 0.5, t + torch.sign(v), t)
-
-
 def round_half_up(v: torch.Tensor) -> torch.Tensor:
-    """Round to nearest, ties toward +inf."""
-    t = torch.trunc(v)
-    frac = v - t
-    up = torch.where(frac >= 0.5, t + 1, t)
-    return torch.where(frac < -0.5, t - 1, up)
+    """Round to nearest, ties toward +inf: fix the ties of round-half-even, found exactly since
+    v - round(v) is exact in float32."""
+    r = torch.round(v)
+    return r.add_(torch.sub(v, r).eq_(0.5))
+
+
+def round_half_away_from_zero(v: torch.Tensor) -> torch.Tensor:
+    """Round to nearest, ties away from zero: ties toward +inf on the magnitude."""
+    return torch.copysign(round_half_up(v.abs()), v)
 
 
 _ROUNDERS: dict[int, RoundFn] = {
@@ -69,13 +80,14 @@ def rounder(mode: int) -> RoundFn:
     return _ROUNDERS[mode]
 
 
-def straight_through(x: torch.Tensor, y: torch.Tensor, passes: torch.Tensor | None) -> torch.Tensor:
-    """Value of y with the gradient of x where `passes` (identity inside the range), zero elsewhere."""
+def straight_through(x: torch.Tensor, y: torch.Tensor, passes: Callable[[], torch.Tensor] | None) -> torch.Tensor:
+    """Value of y with the gradient of x where `passes()` (identity inside the range), zero
+    elsewhere; the mask is only computed when a gradient is needed."""
     if not x.requires_grad:
         return y
     grad_path = x - x.detach()
     if passes is not None:
-        grad_path = grad_path * passes
+        grad_path = grad_path * passes()
     return y.detach() + grad_path
 
 

@@ -3,27 +3,20 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
 
+from .bits import EXPONENT_FIELD_INF_NAN, exponent_field
 
-@dataclass(frozen=True)
-class BlockLayout:
-    """How a tensor was cut into blocks along `axis`, so the cut can be undone exactly."""
 
-    shape: torch.Size
-    length: int
-    padded: int
+BlockFn = Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
 
-    def restore(self, blocks: torch.Tensor) -> torch.Tensor:
-        """Undo `to_blocks`: drop the zero padding and return the original shape."""
-        p, _, _, q = blocks.shape
-        flat = blocks.reshape(p, self.padded, q)
-        if self.padded != self.length:
-            flat = flat[:, : self.length, :]
-        return flat.reshape(self.shape)
+# Elements per chunk on CPU: small enough that a many-pass computation's temporaries stay in
+# cache (measured 4x faster than whole-tensor passes on a 64x256x56x56 tensor), large enough that
+# the Python loop over chunks costs nothing.
+CPU_CHUNK_ELEMENTS = 1 << 20
 
 
 def block_axis(x: torch.Tensor, axis: int) -> int:
@@ -35,19 +28,41 @@ def block_axis(x: torch.Tensor, axis: int) -> int:
     return axis % x.dim()
 
 
-def to_blocks(x: torch.Tensor, axis: int, block_size: int) -> tuple[torch.Tensor, BlockLayout]:
-    """View x as [P, n_blocks, block_size, Q] along `axis`, zero-padding the axis to whole blocks."""
+def map_blocks(x: torch.Tensor, axis: int, block_size: int, fn: BlockFn) -> tuple[torch.Tensor, ...]:
+    """Apply fn to x viewed as blocks [p, n_blocks, block_size, q] along `axis` (no transposes;
+    the axis is zero-padded to whole blocks) and return fn's outputs in x's shape, padding dropped.
+    On CPU the work goes chunk by chunk; a block never straddles two chunks."""
     if block_size < 1:
         raise ValueError(f"block_size must be positive, got {block_size}")
     a = block_axis(x, axis)
-    shape = x.shape
-    n = shape[a] if x.dim() else 1
-    p, q = math.prod(shape[:a]), math.prod(shape[a + 1 :])
+    n = x.shape[a] if x.dim() else 1
+    p, q = math.prod(x.shape[:a]), math.prod(x.shape[a + 1 :])
     flat = x.reshape(p, n, q)
     padded = -(-n // block_size) * block_size
-    if padded != n:
-        flat = F.pad(flat, (0, 0, 0, padded - n))
-    return flat.reshape(p, padded // block_size, block_size, q), BlockLayout(shape, n, padded)
+    outputs: list[torch.Tensor] = []
+    for rows, cols in _chunks(p, n, q, x.device):
+        part = flat[rows, :, cols]
+        if padded != n:
+            part = F.pad(part, (0, 0, 0, padded - n))
+        results = fn(part.reshape(part.shape[0], padded // block_size, block_size, part.shape[2]))
+        if not outputs:
+            outputs = [torch.empty((p, n, q), dtype=r.dtype, device=x.device) for r in results]
+        for out, result in zip(outputs, results):
+            out[rows, :, cols] = result.reshape(part.shape[0], padded, part.shape[2])[:, :n, :]
+    return tuple(out.reshape(x.shape) for out in outputs)
+
+
+def _chunks(p: int, n: int, q: int, device: torch.device) -> Iterator[tuple[slice, slice]]:
+    """Slices of the outer (p) or inner (q) dimension, whichever is longer, of about
+    CPU_CHUNK_ELEMENTS each on CPU; one chunk on accelerators, where chunking only adds launches."""
+    budget = CPU_CHUNK_ELEMENTS if device.type == "cpu" else p * n * q
+    whole = slice(None)
+    if p >= q:
+        step = max(1, budget // max(1, n * q))
+        yield from ((slice(i, i + step), whole) for i in range(0, max(p, 1), step))
+    else:
+        step = max(1, budget // max(1, n * p))
+        yield from ((whole, slice(j, j + step)) for j in range(0, q, step))
 
 
 def broadcast_param(param: torch.Tensor, x: torch.Tensor, axis: int | None, block_size: int | None) -> torch.Tensor:
@@ -70,3 +85,18 @@ def broadcast_param(param: torch.Tensor, x: torch.Tensor, axis: int | None, bloc
             f"per-channel scale/zero point must be 1-D of length {x.shape[a]} (axis {axis}), got {tuple(param.shape)}"
         )
     return param.reshape([-1] + [1] * (x.dim() - a - 1))
+
+
+def max_exponent_field(blocks: torch.Tensor, dim: int) -> torch.Tensor:
+    """Largest biased exponent field over `dim` (255 where NaN/Inf), read off the largest magnitude."""
+    return exponent_field(blocks.abs().amax(dim=dim, keepdim=True))
+
+
+def max_finite_exponent_field(blocks: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Largest exponent field over the finite elements along `dim`, and the finite mask, which is
+    None when the tensor holds no NaN/Inf (the common case, so the per-element mask is skipped)."""
+    field = max_exponent_field(blocks, dim)
+    if not bool((field == EXPONENT_FIELD_INF_NAN).any()):
+        return field, None
+    finite = torch.isfinite(blocks)
+    return max_exponent_field(torch.where(finite, blocks, 0.0), dim), finite

@@ -63,8 +63,12 @@ def _float_float32(x: torch.Tensor, spec: FloatSpec, scale: torch.Tensor | float
     zp = broadcast_param(torch.as_tensor(zero_point, dtype=torch.float32), x, spec.axis, None)
     with torch.no_grad():
         v = x.detach() / s + zp
-        inside = v.abs() <= spec.max_value
-        if spec.saturate:
-            v = v.clamp(-spec.max_value, spec.max_value)
-        y = (v.to(spec.torch_dtype).float() - zp) * s
-    return straight_through(x, y, inside | v.isnan())
+        y = (_round_to_type(v, spec).float() - zp) * s
+    return straight_through(x, y, lambda: ~(v.abs() > spec.max_value))
+
+
+def _round_to_type(v: torch.Tensor, spec: FloatSpec) -> torch.Tensor:
+    """Cast with round-to-nearest-even, saturating overflow (and infinities) when asked to."""
+    if spec.saturate:
+        v = v.clamp(-spec.max_value, spec.max_value)
+    return v.to(spec.torch_dtype)

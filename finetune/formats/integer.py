@@ -11,8 +11,8 @@ import torch
 from .bits import RoundFn, compute_in_float32, pow2, round_half_even
 from .blocks import broadcast_param
 
-# Code range of each integer type. The float32 upper bound of int32/uint32 is the largest float32
-# below 2^31 / 2^32, so a clamped code still converts to the integer type exactly.
+# Code range of each integer type. x / scale is float32, as in QuantizeLinear; the codes of the
+# 32-bit types are handled in float64 so that codes and zero points beyond 2^24 stay exact.
 INT_RANGES: dict[str, tuple[float, float]] = {
     "int4": (-8.0, 7.0),
     "uint4": (0.0, 15.0),
@@ -20,9 +20,11 @@ INT_RANGES: dict[str, tuple[float, float]] = {
     "uint8": (0.0, 255.0),
     "int16": (-32768.0, 32767.0),
     "uint16": (0.0, 65535.0),
-    "int32": (-2147483648.0, 2147483520.0),
-    "uint32": (0.0, 4294967040.0),
+    "int32": (-2147483648.0, 2147483647.0),
+    "uint32": (0.0, 4294967295.0),
 }
+
+WIDE_TYPES = ("int32", "uint32")
 
 
 @dataclass(frozen=True)
@@ -70,11 +72,12 @@ def int_quantize_dequantize(
 def _int_float32(
     x: torch.Tensor, scale: torch.Tensor | float, zero_point: torch.Tensor | float, spec: IntSpec, rounding: RoundFn | None
 ) -> torch.Tensor:
+    code_dtype = torch.float64 if spec.dtype in WIDE_TYPES else torch.float32
     s = broadcast_param(torch.as_tensor(scale, dtype=torch.float32), x, spec.axis, spec.block_size)
-    zp = broadcast_param(torch.as_tensor(zero_point, dtype=torch.float32), x, spec.axis, spec.block_size)
+    zp = broadcast_param(torch.as_tensor(zero_point, dtype=code_dtype), x, spec.axis, spec.block_size)
     v = x / s
-    codes = rounding(v) if rounding is not None else _ste_round(v)
-    return (torch.clamp(codes + zp, spec.qmin, spec.qmax) - zp) * s
+    codes = (rounding(v) if rounding is not None else _ste_round(v)).to(code_dtype)
+    return (torch.clamp(codes + zp, spec.qmin, spec.qmax) - zp).float() * s
 
 
 def _ste_round(v: torch.Tensor) -> torch.Tensor:

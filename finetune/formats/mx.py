@@ -9,17 +9,15 @@ import torch
 
 from .bits import (
     EXPONENT_BIAS,
-    EXPONENT_FIELD_INF_NAN,
     ROUNDING_MODES,
     compute_in_float32,
-    exponent_field,
-    pow2,
+    power_of_two_below,
     round_half_even,
     rounder,
     scale_by_pow2,
     straight_through,
 )
-from .blocks import to_blocks
+from .blocks import map_blocks, max_finite_exponent_field
 
 
 @dataclass(frozen=True)
@@ -63,7 +61,7 @@ class MXSpec:
     element_dtype: str = "int8"
     block_size: int = 32
     axis: int = 1
-    rounding_mode: int = 2
+    rounding_mode: int = 0
 
     def __post_init__(self) -> None:
         if self.element_dtype not in MX_ELEMENTS:
@@ -78,7 +76,7 @@ class MXSpec:
         return MX_ELEMENTS[self.element_dtype]
 
 
-MXINT8 = MXSpec("int8")
+MXINT8 = MXSpec("int8", rounding_mode=2)
 MXFP8_E4M3 = MXSpec("fp8_e4m3")
 MXFP8_E5M2 = MXSpec("fp8_e5m2")
 MXFP6_E3M2 = MXSpec("fp6_e3m2")
@@ -93,19 +91,27 @@ def mx_quantize_dequantize(x: torch.Tensor, spec: MXSpec) -> torch.Tensor:
 
 
 def _mx_float32(x: torch.Tensor, spec: MXSpec) -> torch.Tensor:
-    if x.numel() == 1:
+    if x.numel() <= 1:
         return x
-    with torch.no_grad():
-        blocks, layout = to_blocks(x.detach(), spec.axis, spec.block_size)
-        field = exponent_field(blocks)
-        finite = field != EXPONENT_FIELD_INF_NAN
-        shared = torch.where(finite, field, 0).amax(dim=2, keepdim=True) - EXPONENT_BIAS - spec.element.emax
+    (y,) = _mx_map(x, spec, with_mask=False)
+    return straight_through(x, y, lambda: _mx_map(x, spec, with_mask=True)[1])
+
+
+def _mx_map(x: torch.Tensor, spec: MXSpec, with_mask: bool) -> tuple[torch.Tensor, ...]:
+    """The quantized values of x, and with `with_mask` also where no element saturated."""
+    max_value = spec.element.max_value
+
+    def per_block(blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        shared, finite = max_finite_exponent_field(blocks, dim=2)
+        shared = shared - EXPONENT_BIAS - spec.element.emax
         scaled = scale_by_pow2(blocks, -shared)
-        quantized = _quantize_element(scaled, spec)
-        y = torch.where(finite, scale_by_pow2(quantized, shared), blocks)
-        inside = (scaled.abs() <= spec.element.max_value) | ~finite
-        y, inside = layout.restore(y), layout.restore(inside)
-    return straight_through(x, y, inside)
+        y = scale_by_pow2(_quantize_element(scaled, spec), shared)
+        if finite is not None:
+            y = torch.where(finite, y, blocks)
+        return (y, ~(scaled.abs() > max_value)) if with_mask else (y,)
+
+    with torch.no_grad():
+        return map_blocks(x.detach(), spec.axis, spec.block_size, per_block)
 
 
 def _quantize_element(v: torch.Tensor, spec: MXSpec) -> torch.Tensor:
@@ -113,8 +119,8 @@ def _quantize_element(v: torch.Tensor, spec: MXSpec) -> torch.Tensor:
     element = spec.element
     if element.is_int:
         step = 2.0**INT8_FRACTION_BITS
-        return rounder(spec.rounding_mode)(v * step).clamp(-128, 127) / step
-    exponent = torch.clamp(exponent_field(v) - EXPONENT_BIAS, min=element.min_normal_exponent)
-    quantum_exp = exponent - element.mantissa_bits
-    rounded = round_half_even(v * pow2(-quantum_exp)) * pow2(quantum_exp)
-    return rounded.clamp(-element.max_value, element.max_value)
+        return rounder(spec.rounding_mode)(v * step).clamp_(-128, 127).div_(step)
+    binade = power_of_two_below(v).clamp_(min=2.0**element.min_normal_exponent)
+    steps = 2.0**element.mantissa_bits
+    rounded = round_half_even(v * steps / binade).mul_(binade).div_(steps)
+    return rounded.clamp_(-element.max_value, element.max_value)

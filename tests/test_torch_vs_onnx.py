@@ -3,22 +3,20 @@ shapes, axes, attributes and scales, beyond the fixed reference vectors."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from onnx import TensorProto, helper, numpy_helper
+import onnx
+from onnx import TensorProto, helper
 
-from finetune.formats import MX_ELEMENTS, BFPSpec, FloatSpec, IntSpec, MXSpec, quantize_dequantize
-from finetune.onnx import CUSTOM_DOMAIN
+from finetune.formats import MX_ELEMENTS, BFPSpec, FloatSpec, FormatSpec, IntSpec, MXSpec, quantize_dequantize
+from finetune.onnx.qdq import STANDARD_QDQ_OPSET, make_qdq
 
-from .test_custom_ops_vectors import BFP, MX, one_node_model, qdq, run
+from .test_custom_ops_vectors import run
 from .vectors import assert_same_values
 
-EXTENDED_CODE_TYPES = {"int32": TensorProto.INT32, "uint32": TensorProto.UINT32,
-                       "bfloat16": TensorProto.BFLOAT16, "float16": TensorProto.FLOAT16}
+EXTENDED_CODE_TYPES = ["int32", "uint32", "bfloat16", "float16"]
 
 
 @st.composite
@@ -52,16 +50,12 @@ def mx_specs(draw: st.DrawFn, rank: int) -> MXSpec:
                   draw(st.integers(-rank, rank - 1)), draw(st.integers(0, 2)))
 
 
-def onnx_attributes(spec: BFPSpec | MXSpec) -> dict:
-    return dataclasses.asdict(spec)
-
-
 @settings(max_examples=80, deadline=None)
 @given(st.data())
 def test_bfp_torch_equals_onnxruntime(data: st.DataObject) -> None:
     x = data.draw(tensors())
     spec = data.draw(bfp_specs(x.ndim))
-    expected = qdq(x, BFP, onnx_attributes(spec))
+    expected = run(qdq_model(spec, None, None), {"x": x})[0]
     assert_same_values(quantize_dequantize(torch.from_numpy(x), spec).numpy(), expected, str(spec))
 
 
@@ -70,24 +64,16 @@ def test_bfp_torch_equals_onnxruntime(data: st.DataObject) -> None:
 def test_mx_torch_equals_onnxruntime(data: st.DataObject) -> None:
     x = data.draw(tensors())
     spec = data.draw(mx_specs(x.ndim))
-    expected = qdq(x, MX, onnx_attributes(spec))
+    expected = run(qdq_model(spec, None, None), {"x": x})[0]
     assert_same_values(quantize_dequantize(torch.from_numpy(x), spec).numpy(), expected, str(spec))
 
 
-def extended_qdq_model(code_type: int, scale: np.ndarray, zero_point: np.ndarray, axis: int) -> object:
-    """x -> ExtendedQuantizeLinear -> ExtendedDequantizeLinear -> y in our domain."""
-    zp = helper.make_tensor("zp", code_type, zero_point.shape, zero_point.flatten().tolist())
-    if code_type == TensorProto.BFLOAT16:
-        zp = numpy_helper.from_array(zero_point.astype(np.float32), "zp")
-        zp.data_type, zp.float_data[:] = TensorProto.BFLOAT16, []
-        zp.ClearField("raw_data")
-        zp.int32_data[:] = (zero_point.astype(np.float32).view(np.uint32) >> 16).astype(np.int32).flatten().tolist()
-    nodes = [helper.make_node("ExtendedQuantizeLinear", ["x", "s", "zp"], ["q"], domain=CUSTOM_DOMAIN, axis=axis),
-             helper.make_node("ExtendedDequantizeLinear", ["q", "s", "zp"], ["y"], domain=CUSTOM_DOMAIN, axis=axis)]
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, None)],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
-                              [numpy_helper.from_array(scale, "s"), zp])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+def qdq_model(spec: FormatSpec, scale: np.ndarray | None, zero_point: np.ndarray | None) -> onnx.ModelProto:
+    """x -> make_qdq(spec) -> y at opset 21."""
+    qdq_nodes = make_qdq("x", "y", spec, "t", scale, zero_point)
+    graph = helper.make_graph(qdq_nodes.nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, None)],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], qdq_nodes.initializers)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", STANDARD_QDQ_OPSET)])
     model.ir_version = 10
     return model
 
@@ -97,7 +83,7 @@ def extended_qdq_model(code_type: int, scale: np.ndarray, zero_point: np.ndarray
 def test_extended_qdq_torch_equals_onnxruntime(data: st.DataObject) -> None:
     x = data.draw(tensors())
     x = np.nan_to_num(x, nan=0.0, posinf=3e38, neginf=-3e38)  # a NaN has no integer code
-    code = data.draw(st.sampled_from(sorted(EXTENDED_CODE_TYPES)))
+    code = data.draw(st.sampled_from(EXTENDED_CODE_TYPES))
     per_axis = data.draw(st.booleans()) and x.ndim > 1
     axis = data.draw(st.integers(0, x.ndim - 1)) if per_axis else 1
     rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
@@ -111,5 +97,5 @@ def test_extended_qdq_torch_equals_onnxruntime(data: st.DataObject) -> None:
         spec = FloatSpec(code, axis=axis if per_axis else None)
         zero_point = np.asarray(rng.integers(-4, 4, shape), np.float32)
         got = quantize_dequantize(torch.from_numpy(x), spec, torch.from_numpy(scale), torch.from_numpy(zero_point))
-    expected = run(extended_qdq_model(EXTENDED_CODE_TYPES[code], scale, zero_point, axis), {"x": x})[0]
+    expected = run(qdq_model(spec, scale, zero_point), {"x": x})[0]
     assert_same_values(got.numpy(), expected, f"{spec} scale {scale} zp {zero_point}")

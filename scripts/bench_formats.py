@@ -1,0 +1,118 @@
+"""Benchmark: quantize-dequantize time of every format in torch and in onnxruntime (our ONNX
+function bodies or the standard Q/DQ ops), beside torch.clone of the same tensor measured in the
+same run (the memory-bandwidth floor). Prints JSON; ratios are time / clone time."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from typing import Callable
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import torch
+from onnx import TensorProto, helper
+
+from finetune.formats import (
+    BF16, BFP16, FP8_E4M3FN, FP8_E5M2, FP16, MX4, MX6, MX9, MXFP4, MXFP6_E2M3, MXFP6_E3M2, MXFP8_E4M3,
+    MXFP8_E5M2, MXINT8, FormatSpec, IntSpec, quantize_dequantize,
+)
+from finetune.onnx import attach_custom_ops
+from finetune.onnx.qdq import STANDARD_QDQ_OPSET, make_qdq
+
+Case = tuple[FormatSpec, np.ndarray | None, np.ndarray | None]
+
+
+def cases(shape: tuple[int, ...]) -> dict[str, Case]:
+    """Every format with plausible scales for a standard-normal tensor of `shape` (axis 1 = channels)."""
+    channels = shape[1]
+    blocks = list(shape)
+    blocks[1] = -(-channels // 32)
+    per_channel = np.full(channels, 4 / 127, np.float32)
+    return {
+        "BFP16": (BFP16, None, None), "MX9": (MX9, None, None), "MX6": (MX6, None, None), "MX4": (MX4, None, None),
+        "MXINT8": (MXINT8, None, None), "MXFP8_E4M3": (MXFP8_E4M3, None, None),
+        "MXFP8_E5M2": (MXFP8_E5M2, None, None), "MXFP6_E3M2": (MXFP6_E3M2, None, None),
+        "MXFP6_E2M3": (MXFP6_E2M3, None, None), "MXFP4": (MXFP4, None, None),
+        "BF16": (BF16, None, None), "FP16": (FP16, None, None),
+        "FP8_E4M3FN": (FP8_E4M3FN, np.array(0.01, np.float32), None),
+        "FP8_E5M2": (FP8_E5M2, np.array(0.01, np.float32), None),
+        "INT8 per tensor": (IntSpec("int8"), np.array(4 / 127, np.float32), None),
+        "INT8 per channel": (IntSpec("int8", axis=1), per_channel, None),
+        "UINT8 asymmetric": (IntSpec("uint8", symmetric=False), np.array(8 / 255, np.float32), np.array(128, np.float32)),
+        "INT4 block 32": (IntSpec("int4", axis=1, block_size=32), np.full(blocks, 4 / 7, np.float32), None),
+        "INT16 per tensor": (IntSpec("int16"), np.array(4 / 32767, np.float32), None),
+        "INT32 per tensor": (IntSpec("int32"), np.array(1e-6, np.float32), None),
+    }
+
+
+def best_time(fn: Callable[[], object], repeats: int) -> float:
+    """Fastest of `repeats` timed runs after one warm-up (the least disturbed by a noisy machine)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def onnx_session(case: Case, shape: tuple[int, ...]) -> ort.InferenceSession:
+    """A session over x -> qdq -> y with custom-op bodies attached, at full optimisation."""
+    spec, scale, zero_point = case
+    qdq = make_qdq("x", "y", spec, "q", scale, zero_point)
+    graph = helper.make_graph(qdq.nodes, "bench", [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, shape)], qdq.initializers)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", STANDARD_QDQ_OPSET)])
+    model.ir_version = 10
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    return ort.InferenceSession(attach_custom_ops(model).SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+def run(shape: tuple[int, ...], repeats: int, names: list[str] | None) -> dict:
+    """Measure every (or the named) format; clone is measured before each format and the best kept."""
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    x_np = x.numpy()
+    rows, clone_times = [], []
+    for name, case in cases(shape).items():
+        if names and name not in names:
+            continue
+        clone_times.append(best_time(x.clone, repeats))
+        spec, scale, zero_point = case
+        torch_s = best_time(lambda: quantize_dequantize(
+            x, spec, None if scale is None else torch.from_numpy(scale),
+            None if zero_point is None else torch.from_numpy(zero_point)), repeats)
+        session = onnx_session(case, shape)
+        onnx_s = best_time(lambda: session.run(None, {"x": x_np}), repeats)
+        rows.append({"format": name, "torch_s": torch_s, "onnxruntime_s": onnx_s})
+    clone_s = min(clone_times)
+    for row in rows:
+        row["torch_vs_clone"] = round(row["torch_s"] / clone_s, 2)
+        row["onnxruntime_vs_clone"] = round(row["onnxruntime_s"] / clone_s, 2)
+        row["torch_s"], row["onnxruntime_s"] = round(row["torch_s"], 5), round(row["onnxruntime_s"], 5)
+    return {
+        "benchmark": "bench_formats", "shape": list(shape), "elements": int(x.numel()), "repeats": repeats,
+        "clone_s": round(clone_s, 5), "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
+        "torch": torch.__version__, "onnxruntime": ort.__version__, "onnx": onnx.__version__,
+        "machine": platform.machine(), "formats": rows,
+        "max_torch_vs_clone": max(r["torch_vs_clone"] for r in rows),
+        "max_onnxruntime_vs_clone": max(r["onnxruntime_vs_clone"] for r in rows),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--shape", type=int, nargs="+", default=[64, 256, 56, 56])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--formats", nargs="*", help="only these formats (names as in the output)")
+    args = parser.parse_args()
+    print(json.dumps(run(tuple(args.shape), args.repeats, args.formats), indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -62,13 +62,9 @@ def _float_float32(x: torch.Tensor, spec: FloatSpec, scale: torch.Tensor | float
     s = broadcast_param(torch.as_tensor(scale, dtype=torch.float32), x, spec.axis, None)
     zp = broadcast_param(torch.as_tensor(zero_point, dtype=torch.float32), x, spec.axis, None)
     with torch.no_grad():
-        v = x.detach() / s + zp
-        y = (_round_to_type(v, spec).float() - zp) * s
-    return straight_through(x, y, lambda: ~(v.abs() > spec.max_value))
-
-
-def _round_to_type(v: torch.Tensor, spec: FloatSpec) -> torch.Tensor:
-    """Cast with round-to-nearest-even, saturating overflow (and infinities) when asked to."""
-    if spec.saturate:
-        v = v.clamp(-spec.max_value, spec.max_value)
-    return v.to(spec.torch_dtype)
+        v = (x.detach() / s).add_(zp)
+        inside = ~(v.abs() > spec.max_value) if x.requires_grad else None
+        if spec.saturate:
+            v.clamp_(-spec.max_value, spec.max_value)
+        y = v.to(spec.torch_dtype).to(torch.float32).sub_(zp).mul_(s)
+    return straight_through(x, y, lambda: inside)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .bits import RoundFn, compute_in_float32, pow2, round_half_even
+from .bits import RoundFn, compute_in_float32, pow2, round_half_even, straight_through
 from .blocks import broadcast_param
 
 # Code range of each integer type. x / scale is float32, as in QuantizeLinear; the codes of the
@@ -75,15 +75,19 @@ def _int_float32(
     code_dtype = torch.float64 if spec.dtype in WIDE_TYPES else torch.float32
     s = broadcast_param(torch.as_tensor(scale, dtype=torch.float32), x, spec.axis, spec.block_size)
     zp = broadcast_param(torch.as_tensor(zero_point, dtype=code_dtype), x, spec.axis, spec.block_size)
-    v = x / s
-    codes = (rounding(v) if rounding is not None else _ste_round(v)).to(code_dtype)
-    return (torch.clamp(codes + zp, spec.qmin, spec.qmax) - zp).float() * s
+    if rounding is not None or s.requires_grad:
+        codes = (rounding or _ste_round)(x / s).to(code_dtype)
+        return (torch.clamp(codes + zp, spec.qmin, spec.qmax) - zp).float() * s
+    with torch.no_grad():
+        codes = round_half_even(x / s).to(code_dtype).add_(zp)
+        inside = (codes >= spec.qmin) & (codes <= spec.qmax) if x.requires_grad else None
+        y = codes.clamp_(spec.qmin, spec.qmax).sub_(zp).to(torch.float32).mul_(s)
+    return straight_through(x, y, lambda: inside)
 
 
 def _ste_round(v: torch.Tensor) -> torch.Tensor:
     """Round half to even with an identity gradient."""
-    rounded = round_half_even(v.detach())
-    return v + (rounded - v).detach() if v.requires_grad else rounded
+    return v + (round_half_even(v.detach()) - v).detach()
 
 
 def int_scale_zero_point(

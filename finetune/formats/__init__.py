@@ -6,8 +6,8 @@ import torch
 
 from .bfp import BFP16, MX4, MX6, MX9, BFPSpec, bfp_quantize_dequantize
 from .bits import RoundFn
-from .floats import BF16, FP8_E4M3FN, FP8_E5M2, FP16, FloatSpec, float_quantize_dequantize
-from .integer import INT_RANGES, IntSpec, int_quantize_dequantize, int_scale_zero_point
+from .floats import BF16, FP8_E4M3FN, FP8_E5M2, FP16, FloatSpec, float_codes, float_quantize_dequantize
+from .integer import INT_RANGES, IntSpec, dequantize_linear, int_codes, int_quantize_dequantize, int_scale_zero_point
 from .mx import (
     MX_ELEMENTS,
     MXFP4,
@@ -26,7 +26,7 @@ FormatSpec = IntSpec | FloatSpec | BFPSpec | MXSpec
 __all__ = [
     "BF16", "BFP16", "FP16", "FP8_E4M3FN", "FP8_E5M2", "INT_RANGES", "MX4", "MX6", "MX9", "MX_ELEMENTS",
     "MXElement", "MXFP4", "MXFP6_E2M3", "MXFP6_E3M2", "MXFP8_E4M3", "MXFP8_E5M2", "MXINT8", "BFPSpec", "FloatSpec",
-    "FormatSpec", "IntSpec", "MXSpec", "RoundFn", "bfp_quantize_dequantize", "float_quantize_dequantize",
+    "FormatSpec", "IntSpec", "MXSpec", "RoundFn", "bfp_quantize_dequantize", "dequantize_linear", "float_codes", "float_quantize_dequantize", "int_codes",
     "int_quantize_dequantize", "int_scale_zero_point", "mx_quantize_dequantize", "quantize_dequantize",
 ]
 

@@ -64,7 +64,20 @@ def _float_float32(x: torch.Tensor, spec: FloatSpec, scale: torch.Tensor | float
     with torch.no_grad():
         v = (x.detach() / s).add_(zp)
         inside = ~(v.abs() > spec.max_value) if x.requires_grad else None
-        if spec.saturate:
-            v.clamp_(-spec.max_value, spec.max_value)
-        y = v.to(spec.torch_dtype).to(torch.float32).sub_(zp).mul_(s)
+        y = _saturating_cast(v, spec).to(torch.float32).sub_(zp).mul_(s)
     return straight_through(x, y, lambda: inside)
+
+
+def float_codes(x: torch.Tensor, spec: FloatSpec, scale: torch.Tensor | float = 1.0, zero_point: torch.Tensor | float = 0.0) -> torch.Tensor:
+    """The codes QuantizeLinear stores for x, as a tensor of the narrow float type."""
+    xf = x.detach().float()
+    s = broadcast_param(torch.as_tensor(scale, dtype=torch.float32), xf, spec.axis, None)
+    zp = broadcast_param(torch.as_tensor(zero_point, dtype=torch.float32), xf, spec.axis, None)
+    return _saturating_cast(xf / s + zp, spec)
+
+
+def _saturating_cast(v: torch.Tensor, spec: FloatSpec) -> torch.Tensor:
+    """Round to the narrow type (RNE), clamping to its largest finite value first when saturating."""
+    if spec.saturate:
+        v = v.clamp(-spec.max_value, spec.max_value)
+    return v.to(spec.torch_dtype)

@@ -85,6 +85,16 @@ def _int_float32(
     return straight_through(x, y, lambda: inside)
 
 
+def int_codes(
+    x: torch.Tensor, scale: torch.Tensor | float, zero_point: torch.Tensor | float, spec: IntSpec
+) -> torch.Tensor:
+    """The integer codes QuantizeLinear stores for x, as float64 values (exact for every type)."""
+    xf = x.detach().float()
+    s = broadcast_param(torch.as_tensor(scale, dtype=torch.float32), xf, spec.axis, spec.block_size)
+    zp = broadcast_param(torch.as_tensor(zero_point, dtype=torch.float64), xf, spec.axis, spec.block_size)
+    return round_half_even(xf / s).double().add_(zp).clamp_(spec.qmin, spec.qmax)
+
+
 def _ste_round(v: torch.Tensor) -> torch.Tensor:
     """Round half to even with an identity gradient."""
     return v + (round_half_even(v.detach()) - v).detach()
@@ -111,3 +121,14 @@ def int_scale_zero_point(
     else:
         zero_point = torch.clamp(round_half_even(spec.qmin - lo / scale), spec.qmin, spec.qmax)
     return scale, zero_point
+
+
+def dequantize_linear(
+    codes: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, axis: int | None, block_size: int | None
+) -> torch.Tensor:
+    """DequantizeLinear: float32 (codes - zero_point) * scale, the difference exact in float64 as
+    onnxruntime computes it, for codes of any integer or narrow float type."""
+    wide = codes.double()
+    zp = broadcast_param(torch.as_tensor(zero_point).double(), wide, axis, block_size)
+    shifted = (wide - zp).float()
+    return shifted * broadcast_param(torch.as_tensor(scale, dtype=torch.float32), shifted, axis, block_size)

@@ -1,0 +1,81 @@
+"""Write the tuned parameters of a lifted module back into a copy of the original ONNX model,
+without changing its topology, so stock onnxruntime runs what torch computed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import torch
+from onnx import helper, numpy_helper
+
+from finetune.lift import LiftedModule, ParamSource
+from finetune.onnx import attach_custom_ops
+from finetune.onnx.io import load_model
+
+
+def export_model(module: LiftedModule, original_model: str | Path | onnx.ModelProto) -> onnx.ModelProto:
+    """A copy of `original_model` whose weights are the module's parameters: float initializers
+    get the values, integer/float8 initializers the codes of the original scale and zero point;
+    custom quantize-dequantize ops get their function bodies."""
+    model = load_model(original_model)
+    tensors = _writable_tensors(model.graph)
+    for name, source in module.finetune_params.items():
+        _check_quantizer_unchanged(module, source)
+        tensor = _target_tensor(model.graph, tensors, source.initializer)
+        tensor.CopyFrom(numpy_helper.from_array(_stored_array(module.get_parameter(name), source, tensor), tensor.name))
+    return attach_custom_ops(model)
+
+
+def _stored_array(value: torch.Tensor, source: ParamSource, tensor: onnx.TensorProto) -> np.ndarray:
+    """The parameter as the original tensor stores it (its codes, or float values of its type)."""
+    if tuple(value.shape) != tuple(tensor.dims):
+        raise ValueError(f"parameter of {source.initializer!r} has shape {tuple(value.shape)}, the model {tuple(tensor.dims)}")
+    if source.transform is not None:
+        return source.transform.encode(value)
+    return value.detach().cpu().float().numpy().astype(helper.tensor_dtype_to_np_dtype(tensor.data_type))
+
+
+def _check_quantizer_unchanged(module: LiftedModule, source: ParamSource) -> None:
+    """Codes are written with the original scale and zero point; refuse a quantizer whose changed."""
+    if source.transform is None or source.quantizer is None:
+        return
+    quantizer = module.get_submodule(source.quantizer)
+    transform = source.transform
+    if not (torch.equal(quantizer.scale, transform.scale) and torch.equal(quantizer.zero_point, transform.zero_point)):
+        raise NotImplementedError(f"the scale or zero point of {source.quantizer} changed; export writes weights only")
+
+
+def _target_tensor(graph: onnx.GraphProto, tensors: dict[str, onnx.TensorProto], name: str) -> onnx.TensorProto:
+    """The tensor that defines `name` in the original model, made writable if a ConstantOfShape."""
+    tensor = tensors[name] if name in tensors else _constant_of_shape_tensor(graph, tensors, name)
+    if tensor is None:
+        raise KeyError(f"{name!r} is neither an initializer nor a Constant of the original model")
+    return tensor
+
+
+def _writable_tensors(graph: onnx.GraphProto) -> dict[str, onnx.TensorProto]:
+    """Initializers and Constant-node tensors by the value name they define."""
+    tensors = {t.name: t for t in graph.initializer}
+    for node in graph.node:
+        if node.op_type == "Constant" and len(node.attribute) == 1 and node.attribute[0].name == "value":
+            tensors[node.output[0]] = node.attribute[0].t
+    return tensors
+
+
+def _constant_of_shape_tensor(
+    graph: onnx.GraphProto, tensors: dict[str, onnx.TensorProto], name: str
+) -> onnx.TensorProto | None:
+    """Replace the ConstantOfShape node producing `name` by a Constant node of the same value in
+    the same place (so it can hold any values), and return that Constant's tensor; None if absent."""
+    index = next((i for i, n in enumerate(graph.node) if n.op_type == "ConstantOfShape" and n.output[0] == name), None)
+    if index is None:
+        return None
+    node = graph.node[index]
+    shape = numpy_helper.to_array(tensors[node.input[0]])
+    fill = next((numpy_helper.to_array(a.t) for a in node.attribute if a.name == "value"), np.zeros(1, np.float32))
+    value = np.full(tuple(int(d) for d in shape), fill.reshape(-1)[0], dtype=fill.dtype)
+    constant = helper.make_node("Constant", [], [name], name=node.name, value=numpy_helper.from_array(value, name))
+    graph.node[index].CopyFrom(constant)
+    return graph.node[index].attribute[0].t

@@ -1,0 +1,230 @@
+"""Build a torch.fx GraphModule from a normalised ONNX graph with onnx2torch's converters and ours.
+
+Module names are the ONNX node names with `.` replaced by `/`. Initializers live in one container
+module: the weights and biases fine-tuning may change as parameters (each mapped back to its
+initializer in `finetune_params`), everything else as buffers."""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import logging
+import re
+from collections import defaultdict
+from operator import getitem
+from pathlib import Path
+from typing import Any
+
+import onnx
+from onnx2torch.onnx_graph import OnnxGraph
+from onnx2torch.onnx_node import OnnxNode
+from torch import fx, nn
+
+from finetune.onnx.io import load_model
+from finetune.onnx.normalize import DEFAULT_DOMAINS, normalize_model
+
+from . import converters  # noqa: F401  (registers the converters)
+from .fake_quant import FakeQuantize
+from .params import Dequantize, ParamSource, tensor_array, to_torch, trainable_initializers
+from .qdq import QUANTIZE_TO_DEQUANTIZE, is_folded_quantize
+from .registry import find_converter
+
+logger = logging.getLogger(__name__)
+
+INITIALIZERS = "initializers"  # the container module of parameters and buffers made from initializers
+
+
+class LiftError(NotImplementedError):
+    """An ONNX node that cannot be lifted; the message names the node, its op type and opset."""
+
+
+class LiftedModule(fx.GraphModule):
+    """The lifted GraphModule; `finetune_params` maps each trainable parameter's qualified name to
+    its ParamSource and survives copy.deepcopy (which a plain GraphModule attribute does not)."""
+
+    finetune_params: dict[str, ParamSource]
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> LiftedModule:
+        copied = super().__deepcopy__(memo)
+        copied.finetune_params = copy.deepcopy(self.finetune_params, memo)
+        return copied
+
+
+def lift_model(model: str | Path | onnx.ModelProto) -> LiftedModule:
+    """A torch GraphModule computing what onnxruntime computes for the model (inputs in graph
+    order; one output as a tensor, several as a tuple), with fake-quant modules for its QDQ
+    patterns and `finetune_params` mapping each trainable parameter to its ParamSource."""
+    normalized, _ = normalize_model(load_model(model))
+    return _Builder(normalized).build()
+
+
+class _Builder:
+    """One pass over the topologically sorted nodes, emitting fx nodes."""
+
+    def __init__(self, model: onnx.ModelProto):
+        self.graph = OnnxGraph(model.graph)
+        self.opsets = {("" if o.domain in DEFAULT_DOMAINS else o.domain): o.version for o in model.opset_import}
+        self.trainable = trainable_initializers(model.graph)
+        self.graph_outputs = {o.name for o in model.graph.output}
+        self.consumers: dict[str, list[OnnxNode]] = defaultdict(list)
+        for node in self.graph.nodes.values():
+            for name in node.input_values:
+                self.consumers[name].append(node)
+        self.fx_graph = fx.Graph()
+        self.root = nn.Module()
+        self.store = nn.Module()
+        self.root.add_module(INITIALIZERS, self.store)
+        self.values: dict[str, fx.Node] = {}
+        self.untaken: dict[str, tuple[fx.Node, int]] = {}  # outputs of multi-output nodes, made on first use
+        self.initializers: dict[str, tuple[str, Dequantize | None]] = {}  # attribute name → (initializer, transform)
+        self.dequantized: set[str] = set()  # initializers whose codes were dequantized for their one reader
+
+    def build(self) -> LiftedModule:
+        """Placeholders, every node that is not a folded quantize, outputs; then the parameter map."""
+        for name in self.graph.input_values:
+            self.values[name] = self.fx_graph.placeholder(_identifier(name))
+        for node in self.graph.nodes.values():
+            if not is_folded_quantize(node, self.consumers[node.output_values[0]], self.graph_outputs):
+                self._add(node)
+        outputs = [self._value(name, None) for name in self.graph.output_values]
+        self.fx_graph.output(outputs[0] if len(outputs) == 1 else tuple(outputs))
+        module = LiftedModule(self.root, self.fx_graph)
+        module.finetune_params = self._param_sources(module)
+        _freeze_unmapped_parameters(module)
+        return module
+
+    def _add(self, node: OnnxNode) -> None:
+        """Convert one node and call its module on the fx values of its inputs."""
+        domain = "" if node.domain in DEFAULT_DOMAINS else node.domain
+        opset = self.opsets.get(domain)
+        where = f"node {node.name!r} ({domain or 'ai.onnx'}::{node.operation_type}, opset {opset})"
+        if opset is None:
+            raise LiftError(f"cannot lift {where}: the model does not import domain {domain!r}")
+        try:
+            module, mapping = find_converter(domain, node.operation_type, opset)(node, self.graph)
+            name = self._module_name(node.name)
+            self.root.add_module(name, module)
+            args = [self._value(value, _codes_transform(module, node, value, self.graph)) for value in mapping.inputs]
+            args, kwargs = _split_optional(args, module)
+        except LiftError:
+            raise
+        except Exception as error:
+            raise LiftError(f"cannot lift {where}: {error}") from error
+        call = self.fx_graph.call_module(name, tuple(args), kwargs)
+        if len(mapping.outputs) == 1:
+            self.values[mapping.outputs[0]] = call
+        else:
+            self.untaken.update({output: (call, i) for i, output in enumerate(mapping.outputs) if output})
+
+    def _value(self, name: str, transform: Dequantize | None) -> fx.Node | None:
+        """The fx node of an ONNX value (None for an omitted optional input)."""
+        if not name:
+            return None
+        if name in self.untaken:
+            call, index = self.untaken.pop(name)
+            self.values[name] = self.fx_graph.call_function(getitem, (call, index))
+        if name in self.values:
+            if transform is not None or name in self.dequantized:
+                raise LiftError(f"quantized initializer {name!r} has several consumers; only one DequantizeLinear may read it")
+            return self.values[name]
+        if name in self.graph.initializers:
+            return self._initializer(name, transform)
+        raise LiftError(f"value {name!r} is neither a graph input, an initializer nor a node output")
+
+    def _initializer(self, name: str, transform: Dequantize | None) -> fx.Node:
+        """A parameter (weights and biases) or buffer holding an initializer's value, dequantized
+        when a lone DequantizeLinear reads integer or float8 codes."""
+        array = tensor_array(self.graph.initializers[name].proto)
+        value = transform.apply(array) if transform is not None else to_torch(array)
+        attribute = self._attribute_name(name)
+        if name in self.trainable and value.is_floating_point():
+            self.store.register_parameter(attribute, nn.Parameter(value))
+        else:
+            self.store.register_buffer(attribute, value)
+        self.initializers[attribute] = (name, transform)
+        if transform is not None:
+            self.dequantized.add(name)
+        self.values[name] = self.fx_graph.get_attr(f"{INITIALIZERS}.{attribute}")
+        return self.values[name]
+
+    def _param_sources(self, module: fx.GraphModule) -> dict[str, ParamSource]:
+        """Each parameter's initializer and transform, with the quantizer and layers that read it."""
+        sources = {}
+        parameters = dict(self.store.named_parameters(recurse=False))
+        for node in module.graph.nodes:
+            attribute = node.target.split(".", 1)[1] if node.op == "get_attr" else None
+            if attribute not in parameters:
+                continue
+            initializer, transform = self.initializers[attribute]
+            quantizer, consumers = _readers(module, node)
+            sources[node.target] = ParamSource(initializer, quantizer, consumers, transform)
+        return sources
+
+    def _module_name(self, node_name: str) -> str:
+        """The node name with `.` replaced by `/`, made unique among the root's attributes."""
+        return _free_name(self.root, node_name.replace(".", "/"))
+
+    def _attribute_name(self, initializer: str) -> str:
+        """The initializer name with `.` replaced by `/`, made unique in the container."""
+        return _free_name(self.store, initializer.replace(".", "/"))
+
+
+def _free_name(owner: nn.Module, base: str) -> str:
+    """`base`, or `base_1`, `base_2`, ... if `owner` already has that attribute (or method)."""
+    name, suffix = base, 0
+    while hasattr(owner, name):
+        suffix += 1
+        name = f"{base}_{suffix}"
+    return name
+
+
+def _codes_transform(module: nn.Module, node: OnnxNode, value: str, graph: OnnxGraph) -> Dequantize | None:
+    """The dequantization of an initializer that a lone (Extended)DequantizeLinear reads as codes."""
+    lone_dequantize = (
+        isinstance(module, FakeQuantize)
+        and node.operation_type in QUANTIZE_TO_DEQUANTIZE.values()
+        and value == node.input_values[0]
+        and value in graph.initializers
+    )
+    if not lone_dequantize:
+        return None
+    return Dequantize(graph.initializers[value].proto.data_type, module.spec, module.scale.clone(), module.zero_point.clone())
+
+
+def _readers(module: fx.GraphModule, node: fx.Node) -> tuple[str | None, tuple[str, ...]]:
+    """The fake-quant module reading a parameter's node (if any) and the modules using its value."""
+    users = [u for u in node.users if u.op == "call_module"]
+    quantizer = next((u for u in users if isinstance(module.get_submodule(u.target), FakeQuantize)), None)
+    if quantizer is not None:
+        users = [u for u in quantizer.users if u.op == "call_module"]
+    return (None if quantizer is None else quantizer.target), tuple(dict.fromkeys(u.target for u in users))
+
+
+def _split_optional(args: list[fx.Node | None], module: nn.Module) -> tuple[list[Any], dict[str, Any]]:
+    """Positional arguments up to the first omitted input, the rest by the forward's parameter names."""
+    if None not in args:
+        return args, {}
+    first = args.index(None)
+    names = list(inspect.signature(module.forward).parameters)[first : len(args)]
+    return args[:first], {n: a for n, a in zip(names, args[first:]) if a is not None}
+
+
+def _freeze_unmapped_parameters(module: fx.GraphModule) -> None:
+    """Turn parameters created inside onnx2torch modules (affine norms, PRelu slopes) into
+    buffers, so every trainable parameter is one that export writes back."""
+    frozen = []
+    for owner_name, owner in module.named_modules():
+        if owner_name == INITIALIZERS:
+            continue
+        for name, parameter in list(owner._parameters.items()):
+            del owner._parameters[name]
+            owner.register_buffer(name, None if parameter is None else parameter.detach())
+            frozen.append(f"{owner_name}.{name}")
+    if frozen:
+        logger.info("kept %d parameter(s) of converted modules fixed (not exported): %s", len(frozen), frozen)
+
+
+def _identifier(name: str) -> str:
+    """A Python identifier for a graph input (fx makes it unique)."""
+    cleaned = re.sub(r"\W", "_", name)
+    return cleaned if cleaned and not cleaned[0].isdigit() else f"input_{cleaned}"

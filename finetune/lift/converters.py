@@ -1,0 +1,613 @@
+"""Converters for the ops onnx2torch lacks or lifts in a way we cannot use: layers take their
+weights as inputs (so a weight can be a parameter behind a fake-quant module), padding follows
+auto_pad and asymmetric pads, normalisations keep their inference semantics, and newer op
+versions (Cast-19+, Reduce*-18, Pad-18+, Resize-18/19, Split-18, Gelu-20, Conv-22, ...) work."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from onnx import TensorProto
+from onnx2torch.node_converters.gemm import OnnxGemm
+from onnx2torch.onnx_graph import OnnxGraph
+from onnx2torch.onnx_node import OnnxNode
+from onnx2torch.utils.common import OnnxMapping, OperationConverterResult
+from torch import nn
+
+from .padding import SpatialPadding, is_symmetric, torch_pad, window_extents
+from .registry import register
+
+_CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+_CONV_TRANSPOSE = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
+_MAX_POOL = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}
+_AVG_POOL = {1: F.avg_pool1d, 2: F.avg_pool2d, 3: F.avg_pool3d}
+
+
+def _mapping(node: OnnxNode, inputs: Sequence[str] | None = None, outputs: int = 1) -> OnnxMapping:
+    """The node's inputs (or the given ones) and its first `outputs` outputs."""
+    return OnnxMapping(inputs=tuple(node.input_values if inputs is None else inputs), outputs=node.output_values[:outputs])
+
+
+def _require_unused_outputs(node: OnnxNode, graph: OnnxGraph) -> None:
+    """Refuse a node whose optional outputs after the first are read by anything (not lifted)."""
+    extra = {name for name in node.output_values[1:] if name}
+    if not extra:
+        return
+    used = extra & ({i for n in graph.proto.node for i in n.input} | {o.name for o in graph.proto.output})
+    if used:
+        raise NotImplementedError(f"optional output(s) {sorted(used)} are used; only the main output is lifted")
+
+
+def _constant_ints(node: OnnxNode, graph: OnnxGraph, index: int) -> tuple[int, ...] | None:
+    """An optional integer input given as an initializer, as a tuple; None when absent or computed."""
+    name = node.input_values[index] if index < len(node.input_values) else ""
+    if not name or name not in graph.initializers:
+        return None
+    return tuple(int(v) for v in graph.initializers[name].to_torch().reshape(-1).tolist())
+
+
+def _is_constant_or_absent(node: OnnxNode, graph: OnnxGraph, index: int) -> bool:
+    """Whether an optional input is missing or an initializer."""
+    name = node.input_values[index] if index < len(node.input_values) else ""
+    return not name or name in graph.initializers
+
+
+def _result(module: nn.Module, mapping: OnnxMapping) -> OperationConverterResult:
+    """The converter result of a module and its ONNX mapping."""
+    return OperationConverterResult(torch_module=module, onnx_mapping=mapping)
+
+
+# ---------------------------------------------------------------- convolutions
+
+
+class Conv(nn.Module):
+    """ONNX Conv with weight and bias as inputs; pads resolved per call (auto_pad, asymmetric)."""
+
+    def __init__(self, strides: list[int] | None, dilations: list[int] | None, groups: int, padding: SpatialPadding):
+        super().__init__()
+        self.strides, self.dilations, self.groups, self.padding = strides, dilations, groups, padding
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        rank = weight.dim() - 2
+        strides, dilations = self.strides or [1] * rank, self.dilations or [1] * rank
+        pads = self.padding.resolve(x.shape[2:], window_extents(weight.shape[2:], dilations), strides)
+        if is_symmetric(pads):
+            return _CONV[rank](x, weight, bias, strides, [begin for begin, _ in pads], dilations, self.groups)
+        return _CONV[rank](F.pad(x, torch_pad(pads)), weight, bias, strides, 0, dilations, self.groups)
+
+
+class ConvTranspose(nn.Module):
+    """ONNX ConvTranspose with weight and bias as inputs: computed unpadded, then cropped by the
+    pads (explicit, from output_shape, or auto_pad) as onnxruntime does."""
+
+    def __init__(
+        self,
+        strides: list[int] | None,
+        dilations: list[int] | None,
+        groups: int,
+        output_padding: list[int] | None,
+        output_shape: list[int] | None,
+        padding: SpatialPadding,
+    ):
+        super().__init__()
+        self.strides, self.dilations, self.groups = strides, dilations, groups
+        self.output_padding, self.output_shape, self.padding = output_padding, output_shape, padding
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        rank = weight.dim() - 2
+        strides, dilations = self.strides or [1] * rank, self.dilations or [1] * rank
+        output_padding = self.output_padding or [0] * rank
+        y = _CONV_TRANSPOSE[rank](x, weight, bias, strides, 0, output_padding, self.groups, dilations)
+        for axis, (begin, end) in enumerate(self._pads(x.shape[2:], y.shape[2:], strides)):
+            y = y.narrow(axis + 2, begin, y.shape[axis + 2] - begin - end)
+        return y
+
+    def _pads(self, sizes: Sequence[int], full: Sequence[int], strides: Sequence[int]) -> list[tuple[int, int]]:
+        """(begin, end) crop per axis; an odd total crops the extra element at the end for
+        SAME_UPPER, at the begin otherwise (the ONNX rule, which onnxruntime follows)."""
+        rank = len(sizes)
+        if self.output_shape is not None:
+            targets = self.output_shape[-rank:]
+        elif self.padding.auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+            targets = [n * s for n, s in zip(sizes, strides)]
+        else:
+            return self.padding.resolve(sizes, [1] * rank, strides)
+        totals = [f - t for f, t in zip(full, targets)]
+        if any(t < 0 for t in totals):
+            raise NotImplementedError(f"output_shape {list(targets)} exceeds the full transposed size {list(full)}")
+        upper = self.padding.auto_pad == "SAME_UPPER"
+        return [(t // 2, t - t // 2) if upper else (t - t // 2, t // 2) for t in totals]
+
+
+def _optional_ints(node: OnnxNode, name: str) -> list[int] | None:
+    """An optional list-of-ints attribute, None when absent (the module picks the default per call)."""
+    value = node.attributes.get(name)
+    return None if value is None else list(value)
+
+
+@register("Conv", (1, 11, 22))
+def _conv(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
+    """Conv with its weight and bias as inputs."""
+    a = node.attributes
+    padding = SpatialPadding.from_attributes(a)
+    module = Conv(_optional_ints(node, "strides"), _optional_ints(node, "dilations"), a.get("group", 1), padding)
+    return _result(module, _mapping(node))
+
+
+@register("ConvTranspose", (1, 11, 22))
+def _conv_transpose(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
+    """ConvTranspose with its weight and bias as inputs."""
+    a = node.attributes
+    module = ConvTranspose(
+        _optional_ints(node, "strides"),
+        _optional_ints(node, "dilations"),
+        a.get("group", 1),
+        _optional_ints(node, "output_padding"),
+        _optional_ints(node, "output_shape"),
+        SpatialPadding.from_attributes(a),
+    )
+    return _result(module, _mapping(node))
+
+
+@register("Gemm", (9, 11, 13))
+def _gemm(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
+    """Gemm with B and C as inputs (onnx2torch's own module, always in its functional form)."""
+    a = node.attributes
+    module = OnnxGemm(a.get("alpha", 1.0), a.get("beta", 1.0), bool(a.get("transA", 0)), bool(a.get("transB", 0)))
+    return _result(module, _mapping(node))
+
+
+# ---------------------------------------------------------------- pooling
+
+
+class Pool(nn.Module):
+    """ONNX MaxPool / AveragePool with pads resolved per call; asymmetric pads are applied
+    explicitly (-inf for max; for average, the divisor counts only real elements unless
+    count_include_pad)."""
+
+    def __init__(
+        self,
+        kind: str,
+        kernel: list[int],
+        strides: list[int],
+        dilations: list[int],
+        padding: SpatialPadding,
+        ceil_mode: bool,
+        count_include_pad: bool,
+    ):
+        super().__init__()
+        self.kind, self.kernel, self.strides, self.dilations = kind, kernel, strides, dilations
+        self.padding, self.ceil_mode, self.count_include_pad = padding, ceil_mode, count_include_pad
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        extents = window_extents(self.kernel, self.dilations)
+        pads = self.padding.resolve(x.shape[2:], extents, self.strides)
+        if is_symmetric(pads) and all(begin <= e // 2 for (begin, _), e in zip(pads, extents)):
+            return self._pool(x, [begin for begin, _ in pads], self.count_include_pad)
+        if self.kind == "max":
+            return self._pool(F.pad(x, torch_pad(pads), value=float("-inf")), 0, False)
+        averaged = self._pool(F.pad(x, torch_pad(pads)), 0, True)
+        if self.count_include_pad:
+            return averaged
+        return averaged / self._pool(F.pad(torch.ones_like(x[:1, :1]), torch_pad(pads)), 0, True)
+
+    def _pool(self, x: torch.Tensor, padding: list[int] | int, count_include_pad: bool) -> torch.Tensor:
+        """torch's pooling of this node's kind with the given symmetric padding."""
+        if self.kind == "max":
+            return _MAX_POOL[len(self.kernel)](x, self.kernel, self.strides, padding, self.dilations, self.ceil_mode)
+        return _AVG_POOL[len(self.kernel)](x, self.kernel, self.strides, padding, self.ceil_mode, count_include_pad)
+
+
+@register("MaxPool", (8, 10, 11, 12, 22))
+@register("AveragePool", (7, 10, 11, 19, 22))
+def _pool(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
+    """MaxPool / AveragePool of any spatial rank, auto_pad and asymmetric pads included."""
+    a = node.attributes
+    kernel = list(a["kernel_shape"])
+    rank = len(kernel)
+    dilations = list(a.get("dilations", [1] * rank))
+    kind = "max" if node.operation_type == "MaxPool" else "average"
+    if a.get("storage_order", 0) != 0:
+        raise NotImplementedError("storage_order=1 (column-major indices)")
+    if kind == "average" and any(d != 1 for d in dilations):
+        raise NotImplementedError("dilated AveragePool (torch has no dilated average pooling)")
+    _require_unused_outputs(node, graph)
+    module = Pool(
+        kind, kernel, list(a.get("strides", [1] * rank)), dilations,
+        SpatialPadding.from_attributes(a), bool(a.get("ceil_mode", 0)), bool(a.get("count_include_pad", 0)),
+    )
+    return _result(module, _mapping(node))
+
+
+class GlobalMaxPool(nn.Module):
+    """Maximum over every spatial axis, kept as size-1 axes."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.amax(x, dim=tuple(range(2, x.dim())), keepdim=True)
+
+
+@register("GlobalMaxPool", (1, 22))
+def _global_max_pool(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
+    """GlobalMaxPool, which onnx2torch lacks."""
+    return _result(GlobalMaxPool(), _mapping(node))
+
+
+# ---------------------------------------------------------------- normalisation, activations
+
+
+class BatchNorm(nn.Module):
+    """Inference-mode BatchNormalization of any rank (running statistics, never batch statistics)."""
+
+    def __init__(self, epsilon: float):
+        super().__init__()
+        self.epsilon = epsilon
+
+    def forward(
+        self, x: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, mean: torch.Tensor, var: torch.Tensor
+    ) -> torch.Tensor:
+        return F.batch_norm(x, mean, var, scale, bias, False, 0.0, self.epsilon)
+
+
+@register("BatchNormalization", (9, 14, 15))
+def _batch_norm(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
+    """BatchNormalization in inference mode with its statistics as inputs."""
+    if node.attributes.get("training_mode", 0):
+        raise NotImplementedError("training_mode=1 (batch statistics)")
+    _require_unused_outputs(node, graph)
+    return _result(BatchNorm(node.attributes.get("epsilon", 1e-5)), _mapping(node))
+
+
+class LayerNorm(nn.Module):
+    """LayerNormalization over the axes from `axis` on, with broadcast scale and bias."""
+
+    def __init__(self, axis: int, epsilon: float):
+        super().__init__()
+        self.axis, self.epsilon = axis, epsilon
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        shape = x.shape[self.axis % x.dim() :]
+        if scale.shape == shape and (bias is None or bias.shape == shape):
+            return F.layer_norm(x, shape, scale, bias, self.epsilon)
+        y = F.layer_norm(x, shape, None, None, self.epsilon) * scale
+        return y if bias is None else y + bias
+
+
+@register("LayerNormalization", (17,))
+def _layer_norm(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
+    """LayerNormalization with scale and bias as inputs (no shape information needed)."""
+    if node.attributes.get("stash_type", 1) != 1:
+        raise NotImplementedError("stash_type other than float32")
+    _require_unused_outputs(node, graph)
+    a = node.attributes
+    return _result(LayerNorm(a.get("axis", -1), a.get("epsilon", 1e-5)), _mapping(node))
+
+
+@register("Dropout", (1, 6, 7, 10, 12, 13, 22))
+def _dropout(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
+    """Dropout is the identity at inference, which is what onnxruntime runs and what we tune."""
+    _require_unused_outputs(node, graph)
+    return _result(nn.Identity(), _mapping(node, node.input_values[:1]))
+
+
+class Gelu(nn.Module):
+    """GELU, exact (erf) or with the tanh approximation."""
+
+    def __init__(self, approximate: str):
+        super().__init__()
+        self.approximate = approximate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(x, approximate=self.approximate)
+
+
+@register("Gelu", (20,))
+def _gelu(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
+    """Gelu-20, exact or tanh-approximated."""
+    return _result(Gelu(node.attributes.get("approximate", "none")), _mapping(node))
+
+
+# ---------------------------------------------------------------- casts
+
+
+_TORCH_TYPES: dict[int, torch.dtype] = {
+    TensorProto.FLOAT: torch.float32, TensorProto.DOUBLE: torch.float64, TensorProto.FLOAT16: torch.float16,
+    TensorProto.BFLOAT16: torch.bfloat16, TensorProto.FLOAT8E4M3FN: torch.float8_e4m3fn,
+    TensorProto.FLOAT8E5M2: torch.float8_e5m2, TensorProto.INT8: torch.int8, TensorProto.UINT8: torch.uint8,
+    TensorProto.INT16: torch.int16, TensorProto.UINT16: torch.uint16, TensorProto.INT32: torch.int32,
+    TensorProto.UINT32: torch.uint32, TensorProto.INT64: torch.int64, TensorProto.UINT64: torch.uint64,
+    TensorProto.BOOL: torch.bool,
+}
+_FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def cast(x: torch.Tensor, dtype: torch.dtype, saturate: bool) -> torch.Tensor:
+    """ONNX Cast: float8 targets saturate at their largest finite value when `saturate` (inf too)."""
+    if dtype in _FLOAT8 and saturate and x.is_floating_point():
+        limit = torch.finfo(dtype).max
+        x = x.float().clamp(-limit, limit)
+    return x.to(dtype)
+
+
+class Cast(nn.Module):
+    """Cast to a fixed type."""
+
+    def __init__(self, dtype: torch.dtype, saturate: bool):
+        super().__init__()
+        self.dtype, self.saturate = dtype, saturate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return cast(x, self.dtype, self.saturate)
+
+
+class CastLike(nn.Module):
+    """Cast to the type of a second tensor."""
+
+    def __init__(self, saturate: bool):
+        super().__init__()
+        self.saturate = saturate
+
+    def forward(self, x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        return cast(x, like.dtype, self.saturate)
+
+
+def _torch_type(data_type: int) -> torch.dtype:
+    """The torch dtype of an ONNX element type; unsupported types raise."""
+    if data_type not in _TORCH_TYPES:
+        raise NotImplementedError(f"cast to {TensorProto.DataType.Name(data_type)}")
+    return _TORCH_TYPES[data_type]
+
+
+def _saturate(node: OnnxNode) -> bool:
+    """The `saturate` attribute of Cast / CastLike; round modes other than Cast-24's default raise."""
+    if node.attributes.get("round_mode", "up") != "up":
+        raise NotImplementedError(f"round_mode={node.attributes['round_mode']!r}")
+    return bool(node.attributes.get("saturate", 1))
+
+
+@register("Cast", (6, 9, 13, 19, 21, 23, 24, 25))
+def _cast(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
+    """Cast of any opset, bfloat16 and float8 targets included."""
+    return _result(Cast(_torch_type(node.attributes["to"]), _saturate(node)), _mapping(node))
+
+
+@register("CastLike", (15, 19, 21, 23, 24, 25))
+def _cast_like(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
+    """CastLike, which onnx2torch lacks."""
+    return _result(CastLike(_saturate(node)), _mapping(node))
+
+
+# ---------------------------------------------------------------- reductions
+
+
+def _prod(x: torch.Tensor, dims: tuple[int, ...], keepdim: bool) -> torch.Tensor:
+    """Product over several axes (torch.prod takes one at a time)."""
+    for dim in dims:
+        x = torch.prod(x, dim, keepdim=True)
+    return x if keepdim else x.squeeze(dims)
+
+
+_REDUCTIONS: dict[str, Callable[[torch.Tensor, tuple[int, ...], bool], torch.Tensor]] = {
+    "ReduceSum": lambda x, d, k: torch.sum(x, d, keepdim=k),
+    "ReduceMean": lambda x, d, k: torch.mean(x, d, keepdim=k),
+    "ReduceMax": lambda x, d, k: torch.amax(x, d, keepdim=k),
+    "ReduceMin": lambda x, d, k: torch.amin(x, d, keepdim=k),
+    "ReduceProd": _prod,
+    "ReduceL1": lambda x, d, k: torch.sum(x.abs(), d, keepdim=k),
+    "ReduceL2": lambda x, d, k: torch.sqrt(torch.sum(x * x, d, keepdim=k)),
+    "ReduceLogSum": lambda x, d, k: torch.log(torch.sum(x, d, keepdim=k)),
+    "ReduceLogSumExp": lambda x, d, k: torch.logsumexp(x, d, keepdim=k),
+    "ReduceSumSquare": lambda x, d, k: torch.sum(x * x, d, keepdim=k),
+}
+
+
+class Reduce(nn.Module):
+    """A Reduce* op whose axes come as an input (ReduceSum-13, every Reduce*-18)."""
+
+    def __init__(self, op_type: str, axes: tuple[int, ...] | None, keepdims: bool, noop_with_empty_axes: bool):
+        super().__init__()
+        self.op_type, self.axes, self.keepdims, self.noop = op_type, axes, keepdims, noop_with_empty_axes
+
+    def forward(self, x: torch.Tensor, axes: torch.Tensor | None = None) -> torch.Tensor:
+        dims = self.axes if self.axes is not None else tuple(axes.tolist()) if axes is not None else ()
+        if not dims:
+            if self.noop:
+                return x
+            dims = tuple(range(x.dim()))
+        return _REDUCTIONS[self.op_type](x, tuple(sorted(d % x.dim() for d in dims)), self.keepdims)
+
+
+@register("ReduceSum", (13,))
+@register("ReduceMax", (18, 20))
+@register("ReduceMin", (18, 20))
+@register("ReduceMean", (18,))
+@register("ReduceProd", (18,))
+@register("ReduceL1", (18,))
+@register("ReduceL2", (18,))
+@register("ReduceLogSum", (18,))
+@register("ReduceLogSumExp", (18,))
+@register("ReduceSumSquare", (18,))
+def _reduce(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
+    """Reductions with axes as an (optional) input, constant or computed."""
+    static = _is_constant_or_absent(node, graph, 1)
+    axes = (_constant_ints(node, graph, 1) or ()) if static else None
+    a = node.attributes
+    module = Reduce(node.operation_type, axes, bool(a.get("keepdims", 1)), bool(a.get("noop_with_empty_axes", 0)))
+    return _result(module, _mapping(node, node.input_values[:1] if static else node.input_values[:2]))
+
+
+# ---------------------------------------------------------------- Reshape, Pad, Split, Resize
+
+
+class Reshape(nn.Module):
+    """Reshape to a fixed or computed shape; 0 copies the input's size unless `allowzero`."""
+
+    def __init__(self, shape: tuple[int, ...] | None, allowzero: bool):
+        super().__init__()
+        self.shape, self.allowzero = shape, allowzero
+
+    def forward(self, x: torch.Tensor, shape: torch.Tensor | None = None) -> torch.Tensor:
+        target = self.shape if self.shape is not None else tuple(shape.tolist())
+        if not self.allowzero:
+            target = tuple(x.shape[i] if size == 0 else size for i, size in enumerate(target))
+        return torch.reshape(x, target)
+
+
+@register("Reshape", (5, 13, 14, 19, 21, 23, 24, 25))
+def _reshape(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
+    """Reshape honouring allowzero (the dynamo exporter sets it), shape constant or computed."""
+    static = _is_constant_or_absent(node, graph, 1)
+    module = Reshape(_constant_ints(node, graph, 1) if static else None, bool(node.attributes.get("allowzero", 0)))
+    return _result(module, _mapping(node, node.input_values[:1] if static else node.input_values[:2]))
+
+
+
+_PAD_MODES = {"constant": "constant", "reflect": "reflect", "edge": "replicate", "wrap": "circular"}
+
+
+class Pad(nn.Module):
+    """ONNX Pad with optional axes; pads, value and axes are fixed when constant, else read per call."""
+
+    def __init__(self, mode: str, pads: tuple[int, ...] | None, value: float | None, axes: tuple[int, ...] | None):
+        super().__init__()
+        self.mode, self.pads, self.value, self.axes = mode, pads, value, axes
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        pads: torch.Tensor | None = None,
+        value: torch.Tensor | None = None,
+        axes: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        flat = self.pads if self.pads is not None else tuple(pads.tolist())
+        chosen = self.axes if self.axes is not None else tuple(axes.tolist()) if axes is not None else range(x.dim())
+        per_axis = [(0, 0)] * x.dim()
+        for i, axis in enumerate(chosen):
+            per_axis[axis % x.dim()] = (flat[i], flat[i + len(flat) // 2])
+        first = next((i for i, p in enumerate(per_axis) if p != (0, 0)), x.dim())
+        if self.mode != "constant":
+            return F.pad(x, torch_pad(per_axis[first:]), mode=self.mode)
+        fill = self.value if self.value is not None else value.item() if value is not None else 0.0
+        return F.pad(x, torch_pad(per_axis[first:]), value=fill)
+
+
+@register("Pad", (11, 13, 18, 19, 21, 23, 24, 25))
+def _pad(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
+    """Pad with pads, value and axes as constant or computed inputs (axes from Pad-18, wrap from Pad-19)."""
+    mode = node.attributes.get("mode", "constant")
+    if mode not in _PAD_MODES:
+        raise NotImplementedError(f"Pad mode {mode!r}")
+    inputs = list(node.input_values) + [""] * (4 - len(node.input_values))
+    static = [_is_constant_or_absent(node, graph, i) for i in range(4)]
+    value = None
+    if inputs[2] and static[2]:
+        value = float(graph.initializers[inputs[2]].to_torch().reshape(-1)[0])
+    module = Pad(
+        _PAD_MODES[mode],
+        _constant_ints(node, graph, 1) if static[1] else None,
+        value,
+        _constant_ints(node, graph, 3) if static[3] else None,
+    )
+    dynamic = [name if name and not fixed else "" for name, fixed in zip(inputs, static)]
+    return _result(module, _mapping(node, [inputs[0], *dynamic[1:]]))
+
+
+class Split(nn.Module):
+    """Split into given sizes, or `num_outputs` parts with the last one smaller (Split-18)."""
+
+    def __init__(self, axis: int, sizes: tuple[int, ...] | None, parts: int):
+        super().__init__()
+        self.axis, self.sizes, self.parts = axis, sizes, parts
+
+    def forward(self, x: torch.Tensor, sizes: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+        split = self.sizes or (tuple(sizes.tolist()) if sizes is not None else math.ceil(x.shape[self.axis] / self.parts))
+        return torch.split(x, split, dim=self.axis)
+
+
+@register("Split", (18,))
+def _split(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
+    """Split-18: given sizes, or num_outputs parts with a smaller last one."""
+    static = _is_constant_or_absent(node, graph, 1)
+    parts = node.attributes.get("num_outputs", len(node.output_values))
+    module = Split(node.attributes.get("axis", 0), _constant_ints(node, graph, 1) if static else None, parts)
+    return _result(module, _mapping(node, node.input_values[:1] if static else node.input_values[:2], len(node.output_values)))
+
+
+# (mode, coordinate_transformation_mode, nearest_mode) → torch interpolate mode and align_corners,
+# only for combinations whose sampling positions are the same in both.
+_RESIZE_MODES: dict[tuple[str, str, str], tuple[str, bool | None]] = {
+    ("nearest", "asymmetric", "floor"): ("nearest", None),
+    ("nearest", "half_pixel", "round_prefer_ceil"): ("nearest-exact", None),
+    ("linear", "half_pixel", ""): ("linear", False),
+    ("linear", "pytorch_half_pixel", ""): ("linear", False),
+    ("linear", "align_corners", ""): ("linear", True),
+    ("cubic", "half_pixel", ""): ("cubic", False),
+    ("cubic", "align_corners", ""): ("cubic", True),
+}
+_INTERPOLATE_PREFIX = {1: "", 2: "bi", 3: "tri"}
+
+
+class Resize(nn.Module):
+    """Resize over the spatial axes by scales or sizes (batch and channel unchanged)."""
+
+    def __init__(self, mode: str, align_corners: bool | None, axes: tuple[int, ...] | None, single_pixel_zero: bool):
+        super().__init__()
+        self.mode, self.align_corners, self.axes = mode, align_corners, axes
+        self.single_pixel_zero = single_pixel_zero  # pytorch_half_pixel samples 0 for a size-1 output
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        roi: torch.Tensor | None = None,
+        scales: torch.Tensor | None = None,
+        sizes: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        rank = x.dim() - 2
+        mode = self.mode if self.mode.startswith("nearest") else _INTERPOLATE_PREFIX[rank] + self.mode
+        if mode == "cubic":
+            raise NotImplementedError("cubic Resize of one spatial axis")
+        if sizes is not None and sizes.numel():
+            size = self._full(sizes, list(x.shape))
+            self._check(size[:2] == list(x.shape[:2]), size[2:])
+            return F.interpolate(x, size=size[2:], mode=mode, align_corners=self.align_corners)
+        factors = self._full(scales, [1.0] * x.dim())
+        self._check(factors[:2] == [1.0, 1.0], [math.floor(n * f) for n, f in zip(x.shape[2:], factors[2:])])
+        return F.interpolate(x, scale_factor=factors[2:], mode=mode, align_corners=self.align_corners)
+
+    def _full(self, values: torch.Tensor, defaults: list) -> list:
+        """Per-axis values for every input axis, the default where `axes` leaves one out."""
+        full = list(defaults)
+        for axis, v in zip(self.axes or range(len(full)), values.tolist()):
+            full[axis % len(full)] = v
+        return full
+
+    def _check(self, batch_channel_kept: bool, output_sizes: list[int]) -> None:
+        """Raise for what interpolate cannot do: resizing batch/channel, pytorch_half_pixel to size 1."""
+        if not batch_channel_kept:
+            raise NotImplementedError("Resize of the batch or channel axis")
+        if self.single_pixel_zero and 1 in output_sizes:
+            raise NotImplementedError("pytorch_half_pixel Resize to a size-1 axis")
+
+
+@register("Resize", (11, 13, 18, 19))
+def _resize(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
+    """Resize whose sampling torch reproduces exactly; other modes raise instead of drifting."""
+    a = node.attributes
+    mode = a.get("mode", "nearest")
+    transform = a.get("coordinate_transformation_mode", "half_pixel")
+    nearest = a.get("nearest_mode", "round_prefer_floor") if mode == "nearest" else ""
+    key = (mode, transform, nearest)
+    unsupported = [
+        f"{name}={a[name]!r}"
+        for name, default in (("antialias", 0), ("exclude_outside", 0), ("keep_aspect_ratio_policy", "stretch"))
+        if a.get(name, default) != default
+    ]
+    if mode == "cubic" and a.get("cubic_coeff_a", -0.75) != -0.75:
+        unsupported.append(f"cubic_coeff_a={a['cubic_coeff_a']}")
+    if key not in _RESIZE_MODES or unsupported:
+        raise NotImplementedError(f"Resize {key} {unsupported or ''} has no exact torch equivalent")
+    torch_mode, align_corners = _RESIZE_MODES[key]
+    axes = tuple(a["axes"]) if "axes" in a else None
+    return _result(Resize(torch_mode, align_corners, axes, transform == "pytorch_half_pixel"), _mapping(node))

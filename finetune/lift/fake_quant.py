@@ -1,0 +1,50 @@
+"""The fake-quant module every ONNX quantize-dequantize pattern is lifted to."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from finetune.formats import FormatSpec, IntSpec, RoundFn, int_quantize_dequantize, quantize_dequantize
+
+
+class FakeQuantize(nn.Module):
+    """Quantize-dequantize in one format with the scale and zero point of the ONNX node(s) it came
+    from; disabled it is the identity (the float reference), and `rounding` replaces the integer
+    rounding (AdaRound)."""
+
+    scale: torch.Tensor | None
+    zero_point: torch.Tensor | None
+
+    def __init__(
+        self,
+        spec: FormatSpec,
+        scale: torch.Tensor | None = None,
+        zero_point: torch.Tensor | None = None,
+        source: tuple[str, ...] = (),
+    ) -> None:
+        super().__init__()
+        if isinstance(spec, IntSpec):
+            if scale is None:
+                raise ValueError("an integer format needs a scale")
+            zero_point = torch.zeros_like(scale) if zero_point is None else zero_point
+        self.spec = spec
+        self.source = source
+        self.enabled = True
+        self.rounding: RoundFn | None = None
+        self.register_buffer("scale", None if scale is None else scale.to(torch.float32))
+        self.register_buffer("zero_point", None if zero_point is None else zero_point.to(torch.float32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x quantized and dequantized, or x itself when disabled."""
+        if not self.enabled:
+            return x
+        if isinstance(self.spec, IntSpec):
+            return int_quantize_dequantize(x, self.scale, self.zero_point, self.spec, self.rounding)
+        if self.rounding is not None:
+            raise ValueError(f"a rounding hook applies to integer formats only, not {self.spec}")
+        return quantize_dequantize(x, self.spec, self.scale, self.zero_point)
+
+    def extra_repr(self) -> str:
+        """Format, source nodes and state, for printing the module."""
+        return f"{self.spec}, source={self.source}, enabled={self.enabled}"

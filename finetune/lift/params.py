@@ -1,0 +1,110 @@
+"""Which initializers become trainable parameters, and how a parameter's value maps back to the
+initializer it came from (float values as they are, integer or float8 codes through their
+dequantization)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import ml_dtypes
+import numpy as np
+import onnx
+import torch
+from onnx import helper, numpy_helper
+
+from finetune.formats import FloatSpec, IntSpec, dequantize_linear, float_codes, int_codes
+from finetune.onnx.normalize import DEFAULT_DOMAINS
+
+from .qdq import is_quantizer
+
+# Inputs that hold a layer's weight or bias: fine-tuning may change the initializer behind them.
+WEIGHT_INPUTS: dict[str, tuple[int, ...]] = {"Conv": (1, 2), "ConvTranspose": (1, 2), "Gemm": (1, 2), "MatMul": (0, 1)}
+
+# numpy types torch reads only through float32, and integer types it lacks, widened exactly.
+_TORCH_FLOATS = {
+    np.dtype(ml_dtypes.bfloat16): torch.bfloat16,
+    np.dtype(ml_dtypes.float8_e4m3fn): torch.float8_e4m3fn,
+    np.dtype(ml_dtypes.float8_e5m2): torch.float8_e5m2,
+}
+_WIDENED_INTS = {
+    np.dtype(ml_dtypes.int4): np.int8,
+    np.dtype(ml_dtypes.uint4): np.uint8,
+    np.dtype(np.uint16): np.int32,
+    np.dtype(np.uint32): np.int64,
+}
+
+
+@dataclass(frozen=True, eq=False)
+class Dequantize:
+    """A parameter that holds dequantized codes: value = (codes - zero_point) * scale, and back
+    (compared by identity: its tensors have no single truth value)."""
+
+    data_type: int
+    spec: IntSpec | FloatSpec
+    scale: torch.Tensor
+    zero_point: torch.Tensor
+
+    def apply(self, codes: np.ndarray) -> torch.Tensor:
+        """float32 values of the codes; the difference is exact in float64, as onnxruntime computes it."""
+        block = self.spec.block_size if isinstance(self.spec, IntSpec) else None
+        return dequantize_linear(torch.from_numpy(codes.astype(np.float64)), self.scale, self.zero_point, self.spec.axis, block)
+
+    def encode(self, values: torch.Tensor) -> np.ndarray:
+        """The codes QuantizeLinear gives for `values` (round half to even, saturated), in the ONNX type."""
+        v = values.detach().cpu()
+        if isinstance(self.spec, IntSpec):
+            codes = int_codes(v, self.scale, self.zero_point, self.spec)
+        else:
+            codes = float_codes(v, self.spec, self.scale, self.zero_point).float()
+        return codes.numpy().astype(helper.tensor_dtype_to_np_dtype(self.data_type))
+
+
+@dataclass(frozen=True)
+class ParamSource:
+    """Where a trainable parameter came from: the initializer (or Constant output) of the original
+    model, the fake-quant module that quantizes it, the modules that use it, and the dequantization
+    that relates its value to integer codes when the initializer stores codes."""
+
+    initializer: str
+    quantizer: str | None = None
+    consumers: tuple[str, ...] = ()
+    transform: Dequantize | None = None
+
+
+def tensor_array(tensor: onnx.TensorProto) -> np.ndarray:
+    """The value of a tensor proto as numpy (ml_dtypes for int4, bfloat16, float8)."""
+    return numpy_helper.to_array(tensor)
+
+
+def to_torch(array: np.ndarray) -> torch.Tensor:
+    """A torch tensor of the same values and type, widening integer types torch lacks exactly."""
+    if array.dtype in _TORCH_FLOATS:
+        return torch.from_numpy(array.astype(np.float32)).to(_TORCH_FLOATS[array.dtype])
+    widened = _WIDENED_INTS.get(array.dtype)
+    return torch.from_numpy(np.array(array if widened is None else array.astype(widened)))
+
+
+def trainable_initializers(graph: onnx.GraphProto) -> set[str]:
+    """Initializers that feed a weight or bias input of Conv, ConvTranspose, Gemm or MatMul,
+    directly or through quantize-dequantize nodes."""
+    producers = {output: node for node in graph.node for output in node.output}
+    initializers = {t.name for t in graph.initializer}
+    found = set()
+    for node in graph.node:
+        if node.domain not in DEFAULT_DOMAINS:
+            continue
+        for index in WEIGHT_INPUTS.get(node.op_type, ()):
+            name = _through_quantizers(node.input[index], producers, initializers) if index < len(node.input) else None
+            if name is not None:
+                found.add(name)
+    return found
+
+
+def _through_quantizers(value: str, producers: dict[str, onnx.NodeProto], initializers: set[str]) -> str | None:
+    """The initializer a value comes from through quantize/dequantize nodes, or None."""
+    while value not in initializers:
+        producer = producers.get(value)
+        if producer is None or not is_quantizer(producer.domain, producer.op_type):
+            return None
+        value = producer.input[0]
+    return value

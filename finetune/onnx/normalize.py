@@ -1,0 +1,184 @@
+"""Bring a real-world ONNX export into the regular form the lifter and the quantizer expect:
+weights as initializers, unique node names, a recent opset and inferred shapes."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper, shape_inference, version_converter
+
+logger = logging.getLogger(__name__)
+
+MIN_OPSET = 13  # the oldest default-domain opset kept; older models are upgraded to it
+DEFAULT_DOMAINS = ("", "ai.onnx")
+_PROTOBUF_LIMIT = 2**31 - 1
+
+# Constant attributes other than a tensor, with the numpy type of their value.
+_CONSTANT_ATTRIBUTES: dict[str, type] = {
+    "value_float": np.float32,
+    "value_floats": np.float32,
+    "value_int": np.int64,
+    "value_ints": np.int64,
+}
+
+
+def normalize_model(model: onnx.ModelProto, min_opset: int = MIN_OPSET) -> tuple[onnx.ModelProto, list[str]]:
+    """A normalised copy of `model` and a readable list of what changed (each item also logged);
+    the input is never modified."""
+    result = onnx.ModelProto()
+    result.CopyFrom(model)
+    steps: list[Callable[[onnx.ModelProto], list[str]]] = [
+        lambda m: _upgrade_opset(m, min_opset),
+        _constants_to_initializers,
+        _bypass_initializer_identities,
+        _drop_initializer_inputs,
+        _name_nodes,
+        _infer_shapes,
+    ]
+    changes: list[str] = []
+    for step in steps:
+        for change in step(result):
+            logger.info(change)
+            changes.append(change)
+    return result, changes
+
+
+def default_opset(model: onnx.ModelProto) -> int | None:
+    """The version of the default ONNX domain the model imports, or None."""
+    return next((o.version for o in model.opset_import if o.domain in DEFAULT_DOMAINS), None)
+
+
+def _upgrade_opset(model: onnx.ModelProto, min_opset: int) -> list[str]:
+    """Convert the default domain up to `min_opset` with onnx's version converter; a model the
+    converter cannot handle stays as it is and the reason is reported."""
+    opset = default_opset(model)
+    if opset is None or opset >= min_opset:
+        return []
+    try:
+        upgraded = version_converter.convert_version(model, min_opset)
+    except Exception as error:  # the converter raises RuntimeError or onnx's C++ errors
+        return [f"kept opset {opset}: onnx's version converter could not upgrade to {min_opset} ({error})"]
+    model.CopyFrom(upgraded)
+    return [f"upgraded the default opset from {opset} to {min_opset}"]
+
+
+def _constants_to_initializers(model: onnx.ModelProto) -> list[str]:
+    """Turn Constant nodes, then ConstantOfShape nodes of a constant shape, into initializers."""
+    graph = model.graph
+    outputs = {o.name for o in graph.output}
+    folded = {"Constant": 0, "ConstantOfShape": 0}
+    kept = []
+    for node in graph.node:
+        value = _constant_value(node, graph) if node.output and node.output[0] not in outputs else None
+        if value is None:
+            kept.append(node)
+            continue
+        graph.initializer.append(numpy_helper.from_array(value, node.output[0]))
+        folded[node.op_type] += 1
+    del graph.node[:]
+    graph.node.extend(kept)
+    return [f"turned {count} {op} node(s) into initializers" for op, count in folded.items() if count]
+
+
+def _constant_value(node: onnx.NodeProto, graph: onnx.GraphProto) -> np.ndarray | None:
+    """The value a Constant or constant-shaped ConstantOfShape node produces, else None."""
+    if node.domain not in DEFAULT_DOMAINS:
+        return None
+    if node.op_type == "Constant":
+        return _constant_attribute(node)
+    if node.op_type == "ConstantOfShape":
+        shape = _initializer(graph, node.input[0])
+        if shape is None:
+            return None
+        fill = next((numpy_helper.to_array(a.t) for a in node.attribute if a.name == "value"), np.zeros(1, np.float32))
+        return np.full(tuple(int(d) for d in shape), fill.reshape(-1)[0], dtype=fill.dtype)
+    return None
+
+
+def _constant_attribute(node: onnx.NodeProto) -> np.ndarray | None:
+    """The tensor of a Constant node (value or value_float(s)/value_int(s)); None for sparse or string values."""
+    attribute = node.attribute[0] if len(node.attribute) == 1 else None
+    if attribute is None:
+        return None
+    if attribute.name == "value":
+        return numpy_helper.to_array(attribute.t)
+    if attribute.name in _CONSTANT_ATTRIBUTES:
+        return np.array(helper.get_attribute_value(attribute), dtype=_CONSTANT_ATTRIBUTES[attribute.name])
+    return None
+
+
+def _initializer(graph: onnx.GraphProto, name: str) -> np.ndarray | None:
+    """The value of an initializer by name, or None."""
+    tensor = next((t for t in graph.initializer if t.name == name), None)
+    return None if tensor is None else numpy_helper.to_array(tensor)
+
+
+def _bypass_initializer_identities(model: onnx.ModelProto) -> list[str]:
+    """Let consumers of Identity(initializer) read the initializer itself, as exporters that share
+    weights write them, so each weight is one initializer again."""
+    graph = model.graph
+    initializers = {t.name for t in graph.initializer}
+    outputs = {o.name for o in graph.output}
+    renames = {
+        node.output[0]: node.input[0]
+        for node in graph.node
+        if node.op_type == "Identity" and node.domain in DEFAULT_DOMAINS
+        and node.input[0] in initializers and node.output[0] not in outputs
+    }
+    if not renames:
+        return []
+    kept = [node for node in graph.node if not (node.op_type == "Identity" and node.output and node.output[0] in renames)]
+    for node in kept:
+        for i, name in enumerate(node.input):
+            node.input[i] = renames.get(name, name)
+    del graph.node[:]
+    graph.node.extend(kept)
+    return [f"bypassed {len(renames)} Identity node(s) of initializers"]
+
+
+def _drop_initializer_inputs(model: onnx.ModelProto) -> list[str]:
+    """Remove initializers from the graph inputs (older IRs list them there), so the inputs are the data."""
+    graph = model.graph
+    initializers = {t.name for t in graph.initializer}
+    data = [i for i in graph.input if i.name not in initializers]
+    dropped = len(graph.input) - len(data)
+    if not dropped:
+        return []
+    del graph.input[:]
+    graph.input.extend(data)
+    return [f"removed {dropped} initializer(s) from the graph inputs"]
+
+
+def _name_nodes(model: onnx.ModelProto) -> list[str]:
+    """Give every node a unique, non-empty name (op type and index where it had none or a duplicate)."""
+    taken = {node.name for node in model.graph.node if node.name}
+    seen: set[str] = set()
+    renamed = 0
+    for index, node in enumerate(model.graph.node):
+        if node.name and node.name not in seen:
+            seen.add(node.name)
+            continue
+        name = f"{node.op_type}_{index}"
+        while name in taken or name in seen:
+            name += "_"
+        node.name = name
+        seen.add(name)
+        renamed += 1
+    return [f"named {renamed} node(s) that had no name or a duplicate one"] if renamed else []
+
+
+def _infer_shapes(model: onnx.ModelProto) -> list[str]:
+    """Run onnx shape inference with data propagation; failures are reported, not raised."""
+    if model.ByteSize() > _PROTOBUF_LIMIT:
+        return ["skipped shape inference: the model is larger than 2 GB"]
+    before = len(model.graph.value_info)
+    try:
+        inferred = shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
+    except Exception as error:  # onnx raises InferenceError and C++ runtime errors
+        return [f"shape inference failed ({error}); shapes stay as stored"]
+    model.CopyFrom(inferred)
+    added = len(model.graph.value_info) - before
+    return [f"inferred the shapes of {added} value(s)"] if added else []

@@ -1,0 +1,176 @@
+"""Shared pieces of the lifting and export tests: small torch models, ONNX graph building,
+exporting, running onnxruntime and comparing with the lifted module."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import torch
+from onnx import TensorProto, helper, numpy_helper
+from torch import nn
+
+from finetune.onnx import attach_custom_ops
+
+# float32 results of Conv / MatMul / LayerNorm / Softmax depend on the summation order, which
+# differs between torch (oneDNN) and onnxruntime (MLAS): a few ulp of the largest partial sums.
+FLOAT_ATOL = 1e-5
+FLOAT_RTOL = 1e-5
+
+
+def onnx_model(
+    nodes: Sequence[onnx.NodeProto],
+    inputs: Sequence[onnx.ValueInfoProto],
+    outputs: Sequence[onnx.ValueInfoProto],
+    initializers: Sequence[np.ndarray | onnx.TensorProto] | dict[str, np.ndarray] = (),
+    opset: int = 13,
+    domains: Sequence[str] = (),
+) -> onnx.ModelProto:
+    """A model of the given nodes (onnxruntime checks it when it runs); `initializers` maps names to arrays."""
+    if isinstance(initializers, dict):
+        initializers = [numpy_helper.from_array(v, k) for k, v in initializers.items()]
+    graph = helper.make_graph(list(nodes), "test", list(inputs), list(outputs), list(initializers))
+    opsets = [helper.make_opsetid("", opset)] + [helper.make_opsetid(d, 1) for d in domains]
+    return helper.make_model(graph, opset_imports=opsets, ir_version=10 if opset >= 21 else 8)
+
+
+def tensor(name: str, shape: Sequence[int | str | None] | None, elem_type: int = TensorProto.FLOAT) -> onnx.ValueInfoProto:
+    """A value info; None as shape means unknown."""
+    return helper.make_tensor_value_info(name, elem_type, shape)
+
+
+def run_ort(model: onnx.ModelProto, inputs: Sequence[np.ndarray]) -> list[np.ndarray]:
+    """Outputs of onnxruntime on CPU with graph optimisations off, so QDQ numerics stay simulated
+    exactly (no fusion into integer kernels, DESIGN decision 5); custom ops get their bodies."""
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    session = ort.InferenceSession(attach_custom_ops(model).SerializeToString(), options, providers=["CPUExecutionProvider"])
+    names = [i.name for i in session.get_inputs()]
+    return session.run(None, dict(zip(names, inputs)))
+
+
+def run_torch(module: nn.Module, inputs: Sequence[np.ndarray]) -> list[np.ndarray]:
+    """The module's outputs as a list of numpy arrays."""
+    with torch.no_grad():
+        result = module(*[torch.from_numpy(np.asarray(x)) for x in inputs])
+    results = result if isinstance(result, tuple) else (result,)
+    return [r.numpy() for r in results]
+
+
+def assert_same(
+    model: onnx.ModelProto, module: nn.Module, inputs: Sequence[np.ndarray], atol: float = 0.0, rtol: float = 0.0
+) -> float:
+    """Compare every output of onnxruntime and the module (exactly by default, NaN equal to NaN);
+    returns the largest absolute difference."""
+    expected, actual = run_ort(model, inputs), run_torch(module, inputs)
+    assert len(expected) == len(actual)
+    worst = 0.0
+    for e, a in zip(expected, actual):
+        assert e.shape == a.shape and e.dtype == a.dtype, (e.shape, a.shape, e.dtype, a.dtype)
+        np.testing.assert_allclose(a, e, atol=atol, rtol=rtol, equal_nan=True)
+        finite = np.isfinite(e.astype(np.float64)) & np.isfinite(a.astype(np.float64))
+        if finite.any():
+            worst = max(worst, float(np.max(np.abs(a[finite].astype(np.float64) - e[finite].astype(np.float64)))))
+    return worst
+
+
+def assert_weights_are_parameters(model: onnx.ModelProto, module: nn.Module) -> None:
+    """Every initializer read as a Conv/ConvTranspose/Gemm weight or bias, or by a MatMul, is a
+    trainable parameter, and every parameter is mapped back to an initializer."""
+    initializers = {t.name for t in model.graph.initializer}
+    inputs = {"Conv": slice(1, 3), "ConvTranspose": slice(1, 3), "Gemm": slice(1, 3), "MatMul": slice(0, 2)}
+    weights = {
+        name for node in model.graph.node if node.op_type in inputs
+        for name in node.input[inputs[node.op_type]] if name in initializers
+    }
+    assert weights <= {source.initializer for source in module.finetune_params.values()}
+    assert set(module.finetune_params) == {name for name, _ in module.named_parameters()}
+
+
+class Block(nn.Module):
+    """A residual block: conv-BN-ReLU-conv-BN, plus the input, ReLU."""
+
+    def __init__(self, channels: int):
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(channels)
+        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(channels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x + self.bn2(self.conv2(torch.relu(self.bn1(self.conv1(x))))))
+
+
+class ResidualCNN(nn.Module):
+    """A small CNN with residual blocks and BatchNorm."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, stride=2, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2))
+        self.blocks = nn.Sequential(Block(8), Block(8))
+        self.head = nn.Linear(8, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pooled = nn.functional.adaptive_avg_pool2d(self.blocks(self.stem(x)), 1)
+        return self.head(torch.flatten(pooled, 1))
+
+
+def transformer_encoder() -> nn.Module:
+    """A two-layer TransformerEncoder with GELU (batch first, no dropout)."""
+    layer = nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, activation="gelu", batch_first=True)
+    return nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+
+
+def randomized(module: nn.Module, seed: int = 0) -> nn.Module:
+    """The module in eval mode with distinct random weights and BatchNorm statistics everywhere, so
+    exporters cannot merge equal tensors (copied layers, default BN) into one initializer."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=generator) * 0.3)
+        for m in module.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.running_mean.copy_(torch.randn(m.running_mean.shape, generator=generator) * 0.1)
+                m.running_var.copy_(torch.rand(m.running_var.shape, generator=generator) + 0.5)
+    return module.eval()
+
+
+CNN_INPUT = (2, 3, 32, 32)
+ENCODER_INPUT = (2, 5, 16)
+
+
+def export_legacy(module: nn.Module, shape: Sequence[int], opset: int, path: Path) -> onnx.ModelProto:
+    """TorchScript export with a dynamic batch; constant folding off so BatchNormalization stays."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(
+            module, (torch.randn(*shape),), str(path), opset_version=opset, dynamo=False, do_constant_folding=False,
+            input_names=["x"], output_names=["y"], dynamic_axes={"x": {0: "batch"}, "y": {0: "batch"}},
+        )
+    return onnx.load(str(path))
+
+
+def export_dynamo(module: nn.Module, shape: Sequence[int], opset: int, path: Path) -> onnx.ModelProto:
+    """torch.export-based export with a dynamic batch."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(
+            module, (torch.randn(*shape),), dynamo=True, opset_version=opset,
+            dynamic_shapes=({0: torch.export.Dim("batch", min=1, max=64)},), verbose=False,
+        )
+    program.save(str(path))
+    return onnx.load(str(path))
+
+
+def model_opset(model: onnx.ModelProto) -> int:
+    """The default-domain opset of a model."""
+    return next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
+
+
+def random_input(shape: Sequence[int], seed: int = 1) -> np.ndarray:
+    """Standard normal float32 data of a shape."""
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)

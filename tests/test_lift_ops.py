@@ -1,0 +1,271 @@
+"""Single ops that onnx2torch lacks or gets wrong, lifted and compared with onnxruntime: padding
+rules, newer op versions, inference-mode normalisation, dynamic batch, missing shapes, constants."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from onnx import TensorProto, helper
+
+from finetune.lift import LiftError, lift_model
+
+from .lift_helpers import FLOAT_ATOL, FLOAT_RTOL, assert_same, onnx_model, random_input, tensor
+
+RNG = np.random.default_rng(0)
+W = RNG.standard_normal((4, 3, 3, 3)).astype(np.float32)
+B = RNG.standard_normal((4,)).astype(np.float32)
+WT = RNG.standard_normal((3, 2, 3, 3)).astype(np.float32)
+
+
+def _one_node(
+    op_type: str,
+    inputs: list[str],
+    attributes: dict[str, Any],
+    initializers: dict[str, np.ndarray],
+    shape: tuple[int, ...],
+    opset: int,
+    outputs: int = 1,
+) -> tuple[Any, list[np.ndarray]]:
+    """A model of one node reading the graph input `x` and initializers, with a random input."""
+    names = [f"y{i}" for i in range(outputs)]
+    node = helper.make_node(op_type, inputs, names, name=f"the.{op_type}", **attributes)
+    model = onnx_model([node], [tensor("x", ["batch", *shape[1:]])], [tensor(n, None) for n in names], initializers, opset)
+    return model, [random_input(shape)]
+
+
+CONV_CASES = {
+    "same_upper_stride2": ({"auto_pad": "SAME_UPPER", "strides": [2, 2]}, (2, 3, 9, 8)),
+    "same_lower_stride2": ({"auto_pad": "SAME_LOWER", "strides": [2, 2]}, (2, 3, 9, 8)),
+    "same_upper_stride3": ({"auto_pad": "SAME_UPPER", "strides": [3, 3]}, (1, 3, 7, 6)),
+    "asymmetric_pads": ({"pads": [0, 1, 2, 0], "strides": [1, 2]}, (1, 3, 7, 6)),
+    "valid": ({"auto_pad": "VALID"}, (1, 3, 7, 6)),
+}
+
+
+@pytest.mark.parametrize("opset", [13, 22])
+@pytest.mark.parametrize("case", sorted(CONV_CASES))
+def test_conv_padding(case: str, opset: int) -> None:
+    """Conv (Conv-22 too) with auto_pad SAME_*, VALID and asymmetric pads; weights become parameters."""
+    attributes, shape = CONV_CASES[case]
+    model, inputs = _one_node("Conv", ["x", "w", "b"], attributes, {"w": W, "b": B}, shape, opset)
+    module = lift_model(model)
+    assert_same(model, module, inputs, FLOAT_ATOL, FLOAT_RTOL)
+    assert {s.initializer for s in module.finetune_params.values()} == {"w", "b"}
+
+
+CONV_TRANSPOSE_CASES = {
+    "asymmetric_pads": {"strides": [2, 2], "pads": [0, 1, 1, 0]},
+    "output_padding": {"strides": [2, 2], "output_padding": [1, 0], "pads": [1, 0, 0, 1]},
+    "output_shape": {"strides": [2, 2], "output_shape": [10, 9]},
+    "same_upper": {"strides": [2, 2], "auto_pad": "SAME_UPPER"},
+    "same_lower": {"strides": [2, 2], "auto_pad": "SAME_LOWER"},
+    "dilated": {"strides": [2, 2], "dilations": [2, 1], "pads": [1, 1, 2, 0]},
+}
+
+
+@pytest.mark.parametrize("case", sorted(CONV_TRANSPOSE_CASES))
+def test_conv_transpose_padding(case: str) -> None:
+    """ConvTranspose cropped by asymmetric, output_shape and auto_pad pads as onnxruntime does."""
+    weights = {"w": WT, "b": B[:2]}
+    model, inputs = _one_node("ConvTranspose", ["x", "w", "b"], CONV_TRANSPOSE_CASES[case], weights, (1, 3, 5, 4), 13)
+    assert_same(model, lift_model(model), inputs, FLOAT_ATOL, FLOAT_RTOL)
+
+
+POOL_CASES = {
+    "max_same_upper": ("MaxPool", {"kernel_shape": [3, 3], "strides": [2, 2], "auto_pad": "SAME_UPPER"}, 12),
+    "max_asymmetric": ("MaxPool", {"kernel_shape": [2, 3], "pads": [1, 0, 0, 2]}, 12),
+    "max_dilated_ceil": ("MaxPool", {"kernel_shape": [2, 2], "dilations": [2, 2], "ceil_mode": 1, "strides": [2, 2]}, 12),
+    "avg_asymmetric_exclude_pad": ("AveragePool", {"kernel_shape": [3, 3], "pads": [0, 1, 2, 1]}, 11),
+    "avg_asymmetric_include_pad": ("AveragePool", {"kernel_shape": [3, 3], "pads": [0, 1, 2, 1], "count_include_pad": 1}, 11),
+    "avg_same_lower": ("AveragePool", {"kernel_shape": [3, 2], "strides": [2, 2], "auto_pad": "SAME_LOWER"}, 19),
+    "avg_symmetric_v22": ("AveragePool", {"kernel_shape": [3, 3], "pads": [1, 1, 1, 1], "count_include_pad": 1}, 22),
+}
+
+
+@pytest.mark.parametrize("case", sorted(POOL_CASES))
+def test_pooling(case: str) -> None:
+    """Pooling with auto_pad, asymmetric pads (average excludes or counts the padding as asked)."""
+    op_type, attributes, opset = POOL_CASES[case]
+    model, inputs = _one_node(op_type, ["x"], attributes, {}, (2, 3, 9, 8), opset)
+    assert_same(model, lift_model(model), inputs, FLOAT_ATOL, FLOAT_RTOL)
+
+
+@pytest.mark.parametrize("opset", [13, 22])
+def test_global_max_pool(opset: int) -> None:
+    """GlobalMaxPool (GlobalMaxPool-22 too), which onnx2torch lacks."""
+    model, inputs = _one_node("GlobalMaxPool", ["x"], {}, {}, (2, 3, 5, 4), opset)
+    assert_same(model, lift_model(model), inputs)
+
+
+def test_dropout_of_opset_7_is_identity() -> None:
+    """An opset-7 Dropout (is_test era) lifts after the opset upgrade and passes values through."""
+    model, inputs = _one_node("Dropout", ["x"], {"ratio": 0.3}, {}, (2, 3), 7)
+    module = lift_model(model)
+    module.train()
+    assert_same(model, module, inputs)
+
+
+def test_batch_norm_stays_in_inference_mode() -> None:
+    """BatchNormalization uses running statistics even while the module trains."""
+    c = 3
+    stats = {"s": RNG.random(c, np.float32) + 0.5, "b": RNG.standard_normal(c).astype(np.float32),
+             "m": RNG.standard_normal(c).astype(np.float32), "v": RNG.random(c, np.float32) + 0.5}
+    model, inputs = _one_node("BatchNormalization", ["x", "s", "b", "m", "v"], {"epsilon": 1e-3}, stats, (4, c, 5), 15)
+    module = lift_model(model).train()
+    assert_same(model, module, inputs, FLOAT_ATOL, FLOAT_RTOL)
+
+
+CAST_CASES = {
+    "bfloat16_v13": (TensorProto.BFLOAT16, {}, 13),
+    "float8e4m3fn_saturate_v19": (TensorProto.FLOAT8E4M3FN, {}, 19),
+    "float8e5m2_no_saturate_v21": (TensorProto.FLOAT8E5M2, {"saturate": 0}, 21),
+    "float16_v21": (TensorProto.FLOAT16, {}, 21),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CAST_CASES))
+def test_cast_round_trip(case: str) -> None:
+    """float → narrow type → float (Cast-19/21 included), saturating fp8 where asked, exactly."""
+    to, attributes, opset = CAST_CASES[case]
+    nodes = [
+        helper.make_node("Cast", ["x"], ["narrow"], name="down", to=to, **attributes),
+        helper.make_node("Cast", ["narrow"], ["y"], name="up", to=TensorProto.FLOAT),
+    ]
+    model = onnx_model(nodes, [tensor("x", [2, 6])], [tensor("y", None)], opset=opset)
+    x = np.array([[0.1, -3.3, 500.0, -70000.0, np.inf, np.nan], [1e-9, 2.5, -448.0, 57344.5, 3.0e38, -0.0]], np.float32)
+    assert_same(model, lift_model(model), [x])
+
+
+REDUCE_CASES = {
+    "mean_axes": ("ReduceMean", [1, -1], {}),
+    "max_keepdims0": ("ReduceMax", [0, 2], {"keepdims": 0}),
+    "min_all": ("ReduceMin", None, {}),
+    "prod_axes": ("ReduceProd", [1, 2], {"keepdims": 0}),
+    "l1": ("ReduceL1", [2], {}),
+    "l2": ("ReduceL2", [1], {}),
+    "logsumexp": ("ReduceLogSumExp", [0, 1], {}),
+    "sumsquare": ("ReduceSumSquare", [2], {"keepdims": 0}),
+    "noop_empty": ("ReduceMean", None, {"noop_with_empty_axes": 1}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REDUCE_CASES))
+def test_reduce_18(case: str) -> None:
+    """Reduce*-18 with axes as an input (or none), keepdims and noop_with_empty_axes."""
+    op_type, axes, attributes = REDUCE_CASES[case]
+    initializers = {} if axes is None else {"axes": np.array(axes, np.int64)}
+    model, inputs = _one_node(op_type, ["x"] + (["axes"] if axes else []), attributes, initializers, (2, 3, 4), 18)
+    assert_same(model, lift_model(model), inputs, FLOAT_ATOL, FLOAT_RTOL)
+
+
+@pytest.mark.parametrize(("mode", "opset"), [("constant", 18), ("reflect", 18), ("edge", 18), ("wrap", 19)])
+def test_pad_with_axes(mode: str, opset: int) -> None:
+    """Pad-18 (axes input) and Pad-19 (wrap mode) with constant pads, value and axes."""
+    initializers = {
+        "pads": np.array([1, 2, 2, 0], np.int64), "value": np.array(1.5, np.float32), "axes": np.array([-1, 2], np.int64)
+    }
+    model, inputs = _one_node("Pad", ["x", "pads", "value", "axes"], {"mode": mode}, initializers, (2, 3, 4, 5), opset)
+    assert_same(model, lift_model(model), inputs)
+
+
+RESIZE_CASES = {  # (mode, coordinate_transformation_mode, nearest_mode, axes), scales, sizes
+    "nearest_sizes": (("nearest", "asymmetric", "floor", None), None, [2, 3, 9, 7]),
+    "nearest_exact_scales": (("nearest", "half_pixel", "round_prefer_ceil", None), [1, 1, 2, 1.5], None),
+    "linear_half_pixel": (("linear", "half_pixel", None, None), [1, 1, 2, 2], None),
+    "linear_pytorch_half_pixel_axes": (("linear", "pytorch_half_pixel", None, [2, 3]), None, [7, 11]),
+    "cubic_align_corners": (("cubic", "align_corners", None, None), [1, 1, 2, 2], None),
+}
+
+
+@pytest.mark.parametrize("case", sorted(RESIZE_CASES))
+def test_resize_18(case: str) -> None:
+    """Resize-18 modes whose sampling torch reproduces, with scales, sizes and axes."""
+    (mode, transform, nearest, axes), scales, sizes = RESIZE_CASES[case]
+    attributes = {"mode": mode, "coordinate_transformation_mode": transform}
+    attributes |= ({"nearest_mode": nearest} if nearest else {}) | ({"axes": axes} if axes else {})
+    initializers = {"scales": np.array(scales, np.float32)} if scales else {"sizes": np.array(sizes, np.int64)}
+    inputs = ["x", "", "scales"] if scales else ["x", "", "", "sizes"]
+    model, data = _one_node("Resize", inputs, attributes, initializers, (2, 3, 4, 5), 18)
+    assert_same(model, lift_model(model), data, FLOAT_ATOL, FLOAT_RTOL)
+
+
+def test_resize_without_exact_torch_equivalent_raises() -> None:
+    """A Resize that torch cannot reproduce is an error, not a warning."""
+    scales = {"scales": np.array([1, 1, 2, 2], np.float32)}
+    model, _ = _one_node("Resize", ["x", "", "scales"], {"mode": "nearest"}, scales, (1, 1, 2, 2), 18)
+    with pytest.raises(LiftError, match=r"'the\.Resize' \(ai\.onnx::Resize, opset 18\).*round_prefer_floor"):
+        lift_model(model)
+
+
+def test_split_18_uneven() -> None:
+    """Split-18 into num_outputs parts, the last one smaller; a multi-output graph gives a tuple."""
+    model, inputs = _one_node("Split", ["x"], {"axis": 1, "num_outputs": 3}, {}, (2, 7), 18, outputs=3)
+    assert_same(model, lift_model(model), inputs)
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_gelu_20(approximate: str) -> None:
+    """Gelu-20, exact and tanh-approximated."""
+    model, inputs = _one_node("Gelu", ["x"], {"approximate": approximate}, {}, (2, 9), 20)
+    assert_same(model, lift_model(model), inputs, FLOAT_ATOL, FLOAT_RTOL)
+
+
+def test_erf_gelu_attention_block() -> None:
+    """x·W → Erf-based GELU → LayerNormalization → softmax(q kᵀ) v: MatMul weights become parameters."""
+    d = 8
+    weights = {name: RNG.standard_normal((d, d)).astype(np.float32) * 0.3 for name in ("wq", "wk", "wv")}
+    weights |= {"sqrt2": np.array(np.sqrt(2), np.float32), "one": np.array(1, np.float32), "half": np.array(0.5, np.float32),
+                "gamma": RNG.random(d, np.float32), "beta": RNG.standard_normal(d).astype(np.float32)}
+    mk = helper.make_node
+    nodes = [
+        mk("MatMul", ["x", "wq"], ["q"], name="q.proj"), mk("MatMul", ["x", "wk"], ["k"], name="k.proj"),
+        mk("MatMul", ["x", "wv"], ["v"], name="v.proj"),
+        mk("Div", ["q", "sqrt2"], ["qs"]), mk("Erf", ["qs"], ["e"]), mk("Add", ["e", "one"], ["e1"]),
+        mk("Mul", ["q", "e1"], ["g0"]), mk("Mul", ["g0", "half"], ["g"]),
+        mk("LayerNormalization", ["g", "gamma", "beta"], ["n"], axis=-1, epsilon=1e-5),
+        mk("Transpose", ["k"], ["kt"], perm=[0, 2, 1]), mk("MatMul", ["n", "kt"], ["scores"]),
+        mk("Softmax", ["scores"], ["p"], axis=-1), mk("MatMul", ["p", "v"], ["y"]),
+    ]
+    model = onnx_model(nodes, [tensor("x", ["batch", 5, d])], [tensor("y", None)], weights, opset=17)
+    module = lift_model(model)
+    for batch in (1, 3):
+        assert_same(model, module, [random_input((batch, 5, d))], FLOAT_ATOL, FLOAT_RTOL)
+    assert {s.initializer for s in module.finetune_params.values()} == {"wq", "wk", "wv"}
+    assert module.finetune_params["initializers.wq"].consumers == ("q/proj",)
+
+
+def test_constant_weights_and_missing_shapes() -> None:
+    """Weights stored as Constant / ConstantOfShape become parameters; no value_info is needed."""
+    mk = helper.make_node
+    nodes = [
+        mk("Constant", [], ["w"], value=helper.make_tensor("w", TensorProto.FLOAT, W.shape, W.reshape(-1))),
+        mk("Constant", [], ["shape"], value=helper.make_tensor("shape", TensorProto.INT64, [1], [4])),
+        mk("ConstantOfShape", ["shape"], ["b"], value=helper.make_tensor("v", TensorProto.FLOAT, [1], [0.25])),
+        mk("Conv", ["x", "w", "b"], ["c"], pads=[1, 1, 1, 1]),
+        mk("Relu", ["c"], ["y"]),
+    ]
+    model = onnx_model(nodes, [tensor("x", None)], [tensor("y", None)])
+    module = lift_model(model)
+    assert_same(model, module, [random_input((2, 3, 6, 6))], FLOAT_ATOL, FLOAT_RTOL)
+    assert {s.initializer for s in module.finetune_params.values()} == {"w", "b"}
+
+
+def test_dotted_custom_domain_and_unknown_op_error() -> None:
+    """Dotted domains do not break module naming; an op without a converter is an error naming
+    the node, its domain, op type and opset."""
+    node = helper.make_node("FooBar", ["x"], ["y"], name="layer.1.foo", domain="my.custom.domain")
+    model = onnx_model([node], [tensor("x", [1])], [tensor("y", [1])], domains=["my.custom.domain"])
+    with pytest.raises(LiftError, match=r"'layer\.1\.foo' \(my\.custom\.domain::FooBar, opset 1\)"):
+        lift_model(model)
+
+
+def test_graph_outputs_that_are_inputs_or_initializers() -> None:
+    """Outputs in graph order, also when one is an input or an initializer."""
+    node = helper.make_node("Relu", ["x"], ["r"], name="relu")
+    outputs = [tensor("r", [2]), tensor("x", [2]), tensor("c", [1])]
+    model = onnx_model([node], [tensor("x", [2])], outputs, {"c": np.ones(1, np.float32)})
+    r, x, c = lift_model(model)(torch.tensor([-1.0, 2.0]))
+    assert r.tolist() == [0.0, 2.0] and x.tolist() == [-1.0, 2.0] and c.tolist() == [1.0]

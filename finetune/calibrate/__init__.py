@@ -1,0 +1,22 @@
+"""Calibration: data in every form users have, streaming observers (MinMax, Percentile, MSE /
+power-of-two MinMSE, Entropy) and the onnxruntime pass that feeds them."""
+
+from .collect import collect_statistics
+from .data import CalibrationData, Feed, InputInfo, model_inputs, random_data
+from .observers import (
+    METHODS,
+    EntropyObserver,
+    HistogramObserver,
+    MinMaxObserver,
+    MSEObserver,
+    Observer,
+    PercentileObserver,
+    make_observer,
+    qparams,
+)
+
+__all__ = [
+    "METHODS", "CalibrationData", "EntropyObserver", "Feed", "HistogramObserver", "InputInfo", "MSEObserver",
+    "MinMaxObserver", "Observer", "PercentileObserver", "collect_statistics", "make_observer", "model_inputs",
+    "qparams", "random_data",
+]

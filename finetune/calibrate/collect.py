@@ -1,0 +1,124 @@
+"""Run a model over calibration data in onnxruntime and stream the observed tensors into observers.
+
+The session runs at ORT_DISABLE_ALL (DESIGN.md decision 5): even ORT_ENABLE_BASIC folds
+BatchNormalization into Conv weights and fuses Conv+Add/Mul, which rounds differently and removes
+intermediate tensors, while calibration must see each tensor exactly as the float graph computes it
+op by op, as the QDQ model and the lifted torch model will.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import numpy_helper
+from tqdm.auto import tqdm  # installed with lightning, a dependency of finetune
+
+from finetune.onnx.io import PROTOBUF_LIMIT, load_model
+
+from .data import Feed
+from .observers import Observer
+
+logger = logging.getLogger(__name__)
+
+LOG_EVERY = 50  # batches between progress log lines
+EXTERNAL_DATA_BYTES = PROTOBUF_LIMIT  # augmented models this large run from a file with external data
+
+
+def collect_statistics(
+    model: onnx.ModelProto | str | os.PathLike,
+    data: Iterable[Feed],
+    observers: Mapping[str, Observer],
+    providers: Sequence[str] | None = None,
+    progress: bool = True,
+    log_every: int = LOG_EVERY,
+) -> Mapping[str, Observer]:
+    """Update each observer with its tensor over every batch of `data` and return the observers.
+    Initializers are observed once, graph inputs from the feeds, everything else by exposing it
+    as an output of a copy of the model (the given model is never modified). Memory: one batch of
+    activations per observed tensor."""
+    augmented = load_model(model)
+    constants, fed, computed = _split_sources(augmented, list(observers))
+    for name, value in constants.items():
+        observers[name].update(value)
+    if not fed and not computed:
+        return observers
+    _expose(augmented, computed)
+    with _session(augmented, providers) as session:
+        batches = _stream(session, data, observers, fed, computed, progress, log_every)
+    if batches == 0:
+        raise ValueError("the calibration data gave no batches")
+    return observers
+
+
+def _split_sources(model: onnx.ModelProto, names: list[str]) -> tuple[dict[str, np.ndarray], list[str], list[str]]:
+    """Observed names split into initializer values, graph inputs and tensors computed by nodes;
+    a name that is none of these in the main graph is an error."""
+    initializers = {tensor.name: tensor for tensor in model.graph.initializer}
+    inputs = {value.name for value in model.graph.input} - set(initializers)
+    produced = {output for node in model.graph.node for output in node.output if output}
+    unknown = [name for name in names if name not in initializers and name not in inputs and name not in produced]
+    if unknown:
+        raise ValueError(f"observed tensors {unknown} are not inputs, initializers or node outputs of the main graph")
+    constants = {name: numpy_helper.to_array(initializers[name]) for name in names if name in initializers}
+    fed = [name for name in names if name in inputs]
+    computed = [name for name in names if name in produced and name not in initializers]
+    return constants, fed, computed
+
+
+def _expose(model: onnx.ModelProto, names: list[str]) -> None:
+    """Add the named tensors as graph outputs, typed where the model records their type."""
+    known = {value.name: value for value in model.graph.value_info}
+    present = {value.name for value in model.graph.output}
+    for name in names:
+        if name not in present:
+            model.graph.output.append(known.get(name, onnx.ValueInfoProto(name=name)))
+
+
+@contextmanager
+def _session(model: onnx.ModelProto, providers: Sequence[str] | None) -> Iterator[ort.InferenceSession]:
+    """An exact-numerics session; a model over the protobuf limit is written with external data to a
+    temporary folder (deleted afterwards) and loaded by path."""
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    providers = list(providers or ["CPUExecutionProvider"])
+    if model.ByteSize() < EXTERNAL_DATA_BYTES:
+        yield ort.InferenceSession(model.SerializeToString(), options, providers=providers)
+        return
+    with tempfile.TemporaryDirectory(prefix="finetune-calibrate-") as folder:
+        path = os.path.join(folder, "augmented.onnx")
+        onnx.save_model(
+            model, path, save_as_external_data=True, all_tensors_to_one_file=True, location="augmented.data"
+        )
+        yield ort.InferenceSession(path, options, providers=providers)
+
+
+def _stream(
+    session: ort.InferenceSession,
+    data: Iterable[Feed],
+    observers: Mapping[str, Observer],
+    fed: list[str],
+    computed: list[str],
+    progress: bool,
+    log_every: int,
+) -> int:
+    """Run every batch and update the observers; returns the number of batches."""
+    batches = 0
+    for feed in tqdm(data, desc="calibration", unit="batch", disable=not progress):
+        outputs = session.run(computed, feed) if computed else []
+        for name, value in zip(computed, outputs):
+            observers[name].update(value)
+        for name in fed:
+            observers[name].update(feed[name])
+        del outputs  # release this batch's activations before the next run
+        batches += 1
+        if batches % log_every == 0:
+            logger.info("calibration: %d batches through %d observed tensors", batches, len(observers))
+    logger.info("calibration done: %d batches, %d observed tensors", batches, len(observers))
+    return batches

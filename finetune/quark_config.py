@@ -1,0 +1,539 @@
+"""AMD Quark for ONNX configs mapped onto finetune's QuantConfig, so users can bring the configs
+they already have: the option names of Quark's `QuantizationConfig` and its `extra_options`, as
+Quark's public documentation gives them, in a dict or a YAML/JSON file.
+
+Enum-like values may be enum members or strings such as "QInt8", "QuantType.QInt8",
+"ExtendedQuantType.QBFloat16", "CalibrationMethod.MinMax", "PowerOfTwoMethod.MinMSE" or
+"VitisQuantFormat.BFPFixNeuron" (any module prefix, case-insensitive). Options are either mapped,
+accepted without effect (they steer logging, execution providers, memory or features that are off;
+listed in the log), or accepted only at the value that matches what finetune does (otherwise an
+error saying there is no equivalent). Anything else is an unknown option and an error. Absent
+options take Quark's documented defaults where those change the numbers (symmetry, calibration,
+fast-finetune batch size) and finetune's defaults otherwise (weight storage, op types).
+"""
+
+from __future__ import annotations
+
+import difflib
+import enum
+import logging
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from finetune.config import (
+    ALL,
+    AUTO,
+    DEFAULT_OP_TYPES,
+    DEVICE_PATTERN,
+    ConfigError,
+    QuantConfig,
+    family_keys,
+    from_mapping,
+    join_path,
+    top_level_keys,
+)
+
+log = logging.getLogger(__name__)
+
+_OFF = (False, None)
+_EMPTY = (None, [], (), {}, "")
+
+_TYPE_MEMBERS: dict[str, tuple[str, str | None]] = {
+    "QInt4": ("int", "int4"), "QUInt4": ("int", "uint4"), "QInt8": ("int", "int8"), "QUInt8": ("int", "uint8"),
+    "QInt16": ("int", "int16"), "QUInt16": ("int", "uint16"), "QInt32": ("int", "int32"), "QUInt32": ("int", "uint32"),
+    "QFloat16": ("float", "float16"), "QBFloat16": ("float", "bfloat16"), "QFLOAT8E4M3FN": ("float", "float8_e4m3fn"),
+    "QBFP": ("bfp", None), "QMX": ("mx", None),
+}
+_TYPE_ENUMS = ("QuantType", "ExtendedQuantType", "VitisQuantType")
+QUANT_TYPES = {f"{e}.{m}": v for e in _TYPE_ENUMS for m, v in _TYPE_MEMBERS.items()}
+
+# Quark calibration method -> (our calibration, power-of-two scales); None: no equivalent here.
+CALIBRATE_METHODS: dict[str, tuple[str, bool] | None] = {
+    "CalibrationMethod.MinMax": ("minmax", False),
+    "CalibrationMethod.Entropy": ("entropy", False),
+    "CalibrationMethod.Percentile": ("percentile", False),
+    "CalibrationMethod.Distribution": None,
+    "PowerOfTwoMethod.NonOverflow": ("minmax", True),
+    "PowerOfTwoMethod.MinMSE": ("pot_minmse", True),
+    "LayerWiseMethod.LayerWisePercentile": None,
+    "ExtendedCalibrationMethod.MinMSE": ("mse", False),
+}
+
+# Quark quant format -> the type it forces on activations and weights ("" for none); None: no equivalent.
+QUANT_FORMATS: dict[str, str | None] = {
+    "QuantFormat.QDQ": "", "ExtendedQuantFormat.QDQ": "", "VitisQuantFormat.QDQ": "",
+    "VitisQuantFormat.BFPFixNeuron": "QBFP", "VitisQuantFormat.MXFixNeuron": "QMX",
+    "QuantFormat.QOperator": None, "VitisQuantFormat.FixNeuron": None,
+}
+
+TOP_MAPPED = (
+    "quant_format", "calibrate_method", "activation_type", "weight_type", "op_types_to_quantize",
+    "extra_op_types_to_quantize", "nodes_to_exclude", "per_channel", "include_fast_ft", "include_auto_mp",
+    "extra_options",
+)
+TOP_NO_EFFECT = (
+    "execution_providers", "specific_tensor_precision", "use_external_data_format", "debug_mode", "print_summary",
+    "ignore_warnings", "log_severity_level",
+)
+TOP_ACCEPTED_ONLY: dict[str, tuple[Any, ...]] = {
+    **dict.fromkeys(
+        (
+            "input_nodes", "output_nodes", "nodes_to_quantize", "subgraphs_to_exclude",
+            "random_data_reader_input_shape",
+        ),
+        _EMPTY,
+    ),
+    **dict.fromkeys(
+        (
+            "reduce_range", "optimize_model", "use_dynamic_quant", "enable_npu_cnn", "enable_npu_transformer",
+            "enable_dpu", "convert_fp16_to_fp32", "convert_nchw_to_nhwc", "include_cle", "include_sq",
+            "include_rotation", "crypto_mode",
+        ),
+        _OFF,
+    ),
+}
+
+EXTRA_MAPPED = (
+    "ActivationSymmetric", "WeightSymmetric", "CalibTensorRangeSymmetric", "Percentile", "WeightCalibrateMethod",
+    "Int32Bias", "QuantizeBias", "BFPAttributes", "MXAttributes", "RefineBlockAxis", "MixedPrecisionTensor",
+    "TensorQuantOverrides", "AutoMixprecision", "EnableDualQuantNodePairs", "FastFinetune", "OpTypesToQuantize",
+    "ExtraOpTypesToQuantize", "QuantizeAllOpTypes", "WeightsOnly", "AddQDQPairToWeight",
+)
+EXTRA_NO_EFFECT = (
+    "ExecutionProviders", "DebugMode", "PrintSummary", "IgnoreWarnings", "TmpDir", "CalibWorkerNum",
+    "CalibOptimizeMem", "CalibOptimizeDisk", "SaveTensorHistFig", "EvalMetrics", "EvalDataReader",
+    "FillAllValueInfo", "RemoveInputInit", "UseQDQVitisCustomOps", "SkipPreprocess", "CopyBiasInit", "UseFP32Scale",
+    "CalibMovingAverageConstant", "OpTypesToExcludeOutputQuantization", "NodesToExcludeOutputQuantization",
+    "CLESteps", "CLETotalLayerDiffThreshold", "CLEScaleAppendBias", "SmoothAlpha", "RMatrixDim", "UseRandomHad",
+    "RConfigPath", "GPTQParams", "MatMulNBitsParams", "LWPMetric", "ActivationBitWidth", "PercentileCandidates",
+)
+EXTRA_ACCEPTED_ONLY: dict[str, tuple[Any, ...]] = {
+    "AdjustBiasScale": (True, None),
+    "MinMSEMode": ("All", None),
+    "MinMSEModePof2Scale": ("All", None),
+    **dict.fromkeys(
+        (
+            "RandomDataReaderInputShape", "RandomDataReaderInputDataRange", "CalibDataSize",
+            "QDQOpTypePerChannelSupportToAxis", "ConvertOpsetVersion", "RemoveQDQBetweenOps", "CopySharedInit",
+            "CalibPassthroughOpTypes", "FixShapes", "PreprocessYAML", "SaveAndRestore", "UserCustomOpLibPath",
+            "EncryptionAlgorithm", "NumBins", "MinMSEModeFloatScale", "SimplifyModelOptions",
+        ),
+        _EMPTY,
+    ),
+    **dict.fromkeys(
+        (
+            "UseRandomData", "CalibMovingAverage", "Int16Scale", "UseUnsignedReLU", "Int16Bias", "QuantizeFP16",
+            "ActivationScaled", "WeightScaled", "SimplifyModel", "EnableSubgraph", "ForceQuantizeNoInputCheck",
+            "MatMulConstBOnly", "DedicatedQDQPair", "ConvertBNToConv", "ConvertReduceMeanToGlobalAvgPool",
+            "SplitLargeKernelPool", "ConvertSplitToSlice", "FuseInstanceNorm", "FuseL2Norm", "FuseGelu",
+            "FuseLayerNorm", "ConvertClipToRelu", "SimulateDPU", "ConvertLeakyReluToDPUVersion",
+            "ConvertSigmoidToHardSigmoid", "ConvertHardSigmoidToDPUVersion", "ConvertAvgPoolToDPUVersion",
+            "ConvertClipToDPUVersion", "ConvertReduceMeanToDPUVersion", "ConvertSoftmaxToDPUVersion",
+            "NPULimitationCheck", "MaxLoopNum", "AdjustShiftCut", "AdjustShiftBias", "AdjustShiftRead",
+            "AdjustShiftWrite", "AdjustHardSigmoid", "AdjustShiftSwish", "AlignConcat", "AlignPool", "AlignPad",
+            "AlignSlice", "AlignTranspose", "AlignReshape", "ReplaceClip6Relu", "RemoveQDQConvClip",
+            "RemoveQDQConvRelu", "RemoveQDQConvLeakyRelu", "RemoveQDQConvPRelu", "RemoveQDQConvGelu",
+            "RemoveQDQMulAdd", "RemoveQDQInstanceNorm", "RemoveFusedQDQ", "FoldBatchNorm", "BF16WithClip",
+            "BF16QDQToCast", "FoldRelu", "AlignEltwiseQuantType", "EnableVaimlBF16", "UseGPTQ", "UseMatMulNBits",
+            "ConvertFP16ToFP32", "ConvertNCHWToNHWC", "CryptoMode",
+        ),
+        _OFF,
+    ),
+}
+
+# FastFinetune key -> fast_finetune key; EarlyStop and InferDevice are handled on their own.
+FAST_FT_KEYS = {
+    "OptimAlgorithm": "algorithm", "NumIterations": "iterations", "LearningRate": "lr", "BatchSize": "batch_size",
+    "DataSize": "data_size", "FixedSeed": "seed", "OptimDevice": "device", "TargetOpType": "op_types",
+    "UpdateBias": "update_bias", "OutputQDQ": "include_output_quant", "DropRatio": "drop_ratio",
+}
+FAST_FT_MAPPED = (*FAST_FT_KEYS, "EarlyStop", "InferDevice")
+FAST_FT_NO_EFFECT = ("LogPeriod", "MemOptLevel")
+FAST_FT_ACCEPTED_ONLY = {"NumBatches": (1, None), "LRAdjust": _EMPTY, "SelectiveUpdate": _OFF}
+QUARK_FAST_FT_BATCH_SIZE = 1
+QUARK_BLOCK_AXIS = 1
+
+AUTO_MP_MAPPED = (
+    "TargetOpType", "TargetQuantType", "ActTargetQuantType", "WeightTargetQuantType", "BiasTargetQuantType",
+    "DualQuantNodes",
+)
+AUTO_MP_NO_EFFECT = ("DataSize", "OutputIndex", "NoInputQDQShared", "AutoMixUseFastFT")
+AUTO_MP_ACCEPTED_ONLY = {
+    "L2Target": (None,), "Top1AccTarget": (None,), "EvaluateFunction": (None,), "NumTarget": (0, None),
+    "TargetTensors": _EMPTY, "TargetIndices": _EMPTY, "ExcludeIndices": _EMPTY,
+}
+
+TENSOR_OVERRIDE_KEYS = ("quant_type", "axis", "symmetric")
+TENSOR_OVERRIDE_ACCEPTED_ONLY = dict.fromkeys(("scale", "zero_point", "rmin", "rmax", "reduce_range"), (None,))
+
+
+def is_quark_style(data: Mapping[str, Any]) -> bool:
+    """Whether a config mapping uses Quark's option names; mixing them with ours is an error."""
+    known = (*TOP_MAPPED, *TOP_NO_EFFECT, *TOP_ACCEPTED_ONLY, "global_quant_config", "global_config")
+    ours = [k for k in data if k in top_level_keys()]
+    theirs = [k for k in data if k in known]
+    if ours and theirs:
+        problem = f"mixes finetune keys ({', '.join(ours)}) with Quark option names ({', '.join(theirs)})"
+        raise ConfigError("", f"{problem}; use one or the other")
+    return bool(theirs)
+
+
+def from_quark(options: Mapping[str, Any]) -> QuantConfig:
+    """The QuantConfig equivalent to a Quark `QuantizationConfig` given by its option names (or a
+    `Config` mapping with only `global_quant_config`); errors name the Quark option."""
+    options = _unwrap(options)
+    check_options(options, TOP_MAPPED, TOP_NO_EFFECT, TOP_ACCEPTED_ONLY, "")
+    extra = _mapping(options.get("extra_options"), "extra_options")
+    check_options(extra, EXTRA_MAPPED, EXTRA_NO_EFFECT, EXTRA_ACCEPTED_ONLY, "extra_options")
+    translation = _Translation(options, extra)
+    mapping = translation.mapping()
+    try:
+        return from_mapping(QuantConfig, mapping)
+    except ConfigError as error:
+        raise translation.explain(error) from None
+
+
+def _unwrap(options: Any) -> Mapping[str, Any]:
+    if not isinstance(options, Mapping):
+        raise ConfigError("", f"expected a mapping of Quark options, got {options!r}")
+    if "global_config" in options:
+        raise ConfigError("global_config", "Quark's QConfig API is not supported; give QuantizationConfig option names")
+    if "global_quant_config" not in options:
+        return options
+    if len(options) > 1:
+        others = ", ".join(k for k in options if k != "global_quant_config")
+        raise ConfigError(others, "only global_quant_config of a Quark Config has an equivalent here")
+    return _mapping(options["global_quant_config"], "global_quant_config")
+
+
+def _mapping(value: Any, path: str) -> Mapping[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise ConfigError(path, f"expected a mapping, got {value!r}")
+    return value
+
+
+def check_options(
+    options: Mapping[str, Any],
+    mapped: tuple[str, ...],
+    no_effect: tuple[str, ...],
+    accepted_only: Mapping[str, tuple[Any, ...]],
+    path: str,
+) -> None:
+    """Every option is known; one without an equivalent must hold the value matching what finetune
+    does; those accepted without effect are logged."""
+    known = (*mapped, *no_effect, *accepted_only)
+    for key, value in options.items():
+        where = join_path(path, str(key))
+        if key not in known:
+            raise ConfigError(where, f"unknown Quark option{_suggestion(str(key), known)}")
+        if key in accepted_only and value not in accepted_only[key]:
+            accepted = " or ".join(map(repr, accepted_only[key]))
+            raise ConfigError(where, f"{value!r} has no equivalent in finetune (accepted: {accepted})")
+        if key in no_effect:
+            log.info("Quark option %s accepted without effect in finetune", where)
+
+
+def _suggestion(key: str, known: tuple[str, ...]) -> str:
+    """A likely intended option name, or the whole list when it is short."""
+    close = [k for k in known if k.lower() == key.lower()] or difflib.get_close_matches(key, known, n=1)
+    if close:
+        return f" (did you mean {close[0]}?)"
+    return f"; known: {', '.join(known)}" if len(known) <= 20 else ""
+
+
+def enum_value(value: Any, table: Mapping[str, Any], path: str) -> Any:
+    """Look an enum-like Quark value (enum member or string, any module prefix, any case) up in
+    `table`, whose keys are "Enum.Member"; a None entry means there is no equivalent here."""
+    text = f"{type(value).__name__}.{value.name}" if isinstance(value, enum.Enum) else value
+    if not isinstance(text, str):
+        raise ConfigError(path, f"expected one of {_listing(table)}; got {value!r}")
+    *prefix, member = text.lower().split(".")
+    hits = [k for k in table if _names(k, prefix, member)]
+    if not hits:
+        raise ConfigError(path, f"expected one of {_listing(table)}; got {value!r}")
+    if len({repr(table[k]) for k in hits}) > 1:
+        raise ConfigError(path, f"{value!r} is ambiguous; write one of {', '.join(hits)}")
+    if table[hits[0]] is None:
+        raise ConfigError(path, f"{hits[0]} has no equivalent in finetune")
+    return table[hits[0]]
+
+
+def _names(key: str, prefix: list[str], member: str) -> bool:
+    """Whether the table key "Enum.Member" is `member` (of the enum that ends `prefix`, if any)."""
+    enum_name, key_member = key.lower().split(".")
+    return key_member == member and (not prefix or prefix[-1] == enum_name)
+
+
+def _listing(table: Mapping[str, Any]) -> str:
+    members = dict.fromkeys(k.split(".")[1] for k in table)
+    enums = dict.fromkeys(k.split(".")[0] for k in table)
+    return f"{', '.join(members)} (of {', '.join(enums)})"
+
+
+class _Translation:
+    """One Quark config turned into a finetune config mapping; remembers which Quark option each
+    finetune key came from, so that errors found later name the option the user wrote."""
+
+    def __init__(self, options: Mapping[str, Any], extra: Mapping[str, Any]) -> None:
+        self.options = options
+        self.extra = extra
+        self.origins: dict[str, str] = {}
+        method = options.get("calibrate_method", "CalibrationMethod.MinMax")
+        self.calibration = enum_value(method, CALIBRATE_METHODS, "calibrate_method")
+        forced = enum_value(options.get("quant_format", "QuantFormat.QDQ"), QUANT_FORMATS, "quant_format")
+        self.activation_type = forced or options.get("activation_type", "QuantType.QInt8")
+        self.weight_type = forced or options.get("weight_type", "QuantType.QInt8")
+
+    def mapping(self) -> dict[str, Any]:
+        """The finetune config mapping (validated afterwards by from_mapping)."""
+        activation = self.choice(self.activation_type, "activation", "activation", "activation_type")
+        weight = self.choice(self.weight_type, "weight", "weight", "weight_type")
+        if self.flag("WeightsOnly", False):
+            activation = None
+        return {
+            "activation": activation,
+            "weight": weight,
+            "bias": self.bias(weight),
+            "op_types": self.op_types(),
+            "op_type_overrides": self.auto_mixprecision(),
+            "tensor_overrides": {**self.mixed_precision_tensors(), **self.tensor_quant_overrides()},
+            "exclude_nodes": self.exclude_nodes(),
+            "dual_quant": self.dual_quant(),
+            "weight_storage": self.weight_storage(),
+            "fast_finetune": self.fast_finetune(),
+        }
+
+    def exclude_nodes(self) -> Any:
+        """nodes_to_exclude: exact names or regular expressions, as exclude_nodes takes them."""
+        self.origins["exclude_nodes"] = "nodes_to_exclude"
+        return self.options.get("nodes_to_exclude") or []
+
+    def explain(self, error: ConfigError) -> ConfigError:
+        """The error restated at the Quark option its finetune key came from."""
+        for ours in sorted(self.origins, key=len, reverse=True):
+            if error.path == ours or error.path.startswith((f"{ours}.", f"{ours}[")):
+                return ConfigError(self.origins[ours], f"{error.problem} (as finetune's {error.path})")
+        return error
+
+    def flag(self, name: str, default: bool) -> bool:
+        """A boolean option, from extra_options when it is one of theirs, else from the top level."""
+        source, path = (self.extra, f"extra_options.{name}") if name[0].isupper() else (self.options, name)
+        value = source.get(name, default)
+        if not isinstance(value, bool):
+            raise ConfigError(path, f"expected true or false, got {value!r}")
+        return value
+
+    def _origin(self, ours: str, theirs: str, value: Any) -> Any:
+        self.origins[ours] = theirs
+        return value
+
+    def choice(self, quant_type: Any, role: str, at: str | None, path: str) -> dict[str, Any]:
+        """The format mapping for a Quark quant type used as activation, weight or named tensor;
+        `at` is where it lands in the finetune mapping (None: not recorded)."""
+        fmt, dtype = enum_value(quant_type, QUANT_TYPES, path)
+        if at is not None:
+            self.origins[at] = path
+        if fmt in ("bfp", "mx"):
+            choice = self._block_choice(fmt, role, at)
+        else:
+            choice = {"format": fmt, "dtype": dtype}
+            if fmt == "int" or dtype.startswith("float8"):
+                choice.update(self._calibration(fmt, role, at, path))
+            if fmt == "int":
+                choice["symmetric"] = self._symmetric(role, at)
+        if role == "weight" and self.flag("per_channel", False):
+            if fmt in ("bfp", "mx") or not (fmt == "int" or dtype.startswith("float8")):
+                raise ConfigError("per_channel", f"applies to integer and float8 weights only, not {quant_type}")
+            choice["granularity"] = "channel"
+        return choice
+
+    def _calibration(self, fmt: str, role: str, at: str | None, path: str) -> dict[str, Any]:
+        """Activations calibrate with calibrate_method; weights with WeightCalibrateMethod, else
+        min/max with float scales (as Quark and onnxruntime do) or the power-of-two method."""
+        method, power_of_two = self.calibration
+        source = "calibrate_method"
+        if role == "weight" and "WeightCalibrateMethod" in self.extra:
+            source = "extra_options.WeightCalibrateMethod"
+            method, power_of_two = enum_value(self.extra["WeightCalibrateMethod"], CALIBRATE_METHODS, source)
+        elif role == "weight" and not power_of_two:
+            method = "minmax"
+        if power_of_two and fmt != "int":
+            raise ConfigError(source, f"power-of-two scales apply to integer types only; {path} is a float type")
+        out: dict[str, Any] = {"calibration": method}
+        if fmt == "int":
+            out["power_of_two"] = power_of_two
+        if method == "percentile" and "Percentile" in self.extra:
+            out["percentile"] = self.extra["Percentile"]
+        if at is not None:
+            self.origins.update({f"{at}.calibration": source, f"{at}.percentile": "extra_options.Percentile"})
+        return out
+
+    def _symmetric(self, role: str, at: str | None) -> Any:
+        """WeightSymmetric (default true) for weights; ActivationSymmetric otherwise, defaulting to
+        true with power-of-two methods or CalibTensorRangeSymmetric, else false."""
+        key = "WeightSymmetric" if role == "weight" else "ActivationSymmetric"
+        default = True if role == "weight" else (self.calibration[1] or self.flag("CalibTensorRangeSymmetric", False))
+        if at is not None:
+            self.origins[f"{at}.symmetric"] = f"extra_options.{key}"
+        return self.extra.get(key, default)
+
+    def _block_choice(self, fmt: str, role: str, at: str | None) -> dict[str, Any]:
+        """BFP / MX from BFPAttributes / MXAttributes; weights and named tensors put their blocks
+        on the op's input-channel axis (auto), activations keep the given axis (Quark's default
+        1; auto with RefineBlockAxis)."""
+        name = "BFPAttributes" if fmt == "bfp" else "MXAttributes"
+        path = f"extra_options.{name}"
+        attributes = dict(_mapping(self.extra.get(name), path))
+        keys = tuple(k for k in family_keys(fmt) if k != "format")
+        kernel = {"use_compiler_version_cpu_kernel": (0, None)} if fmt == "bfp" else {}
+        check_options(attributes, keys, (), kernel, path)
+        attributes.pop("use_compiler_version_cpu_kernel", None)
+        if role != "activation" or self.flag("RefineBlockAxis", False):
+            attributes["axis"] = AUTO
+        attributes.setdefault("axis", QUARK_BLOCK_AXIS)
+        if at is not None:
+            self.origins.update({f"{at}.{key}": f"{path}.{key}" for key in attributes})
+        return {"format": fmt, **attributes}
+
+    def bias(self, weight: dict[str, Any] | None) -> str:
+        """auto (int32 for INT layers, the weight's float format otherwise), or float when Quark
+        leaves biases unquantized; Int32Bias false on INT weights has no equivalent."""
+        if not self.flag("QuantizeBias", True):
+            return "float"
+        if self.flag("Int32Bias", True) or weight is None or weight["format"] != "int":
+            return "auto"
+        raise ConfigError(
+            "extra_options.Int32Bias",
+            "false quantizes the bias like an integer weight, which has no equivalent here "
+            "(a bias is int32, float, or in its weight's float format)",
+        )
+
+    def op_types(self) -> Any:
+        """op_types_to_quantize / OpTypesToQuantize (empty: finetune's default op types) plus the
+        extra op types; QuantizeAllOpTypes gives all."""
+        if self.flag("QuantizeAllOpTypes", False):
+            return ALL
+        listed = self.options.get("op_types_to_quantize") or self.extra.get("OpTypesToQuantize") or DEFAULT_OP_TYPES
+        extra = [
+            *(self.options.get("extra_op_types_to_quantize") or []),
+            *(self.extra.get("ExtraOpTypesToQuantize") or []),
+        ]
+        self.origins["op_types"] = "op_types_to_quantize"
+        return [*listed, *(t for t in extra if t not in listed)]
+
+    def auto_mixprecision(self) -> dict[str, Any]:
+        """With include_auto_mp and no accuracy target, Quark puts every TargetOpType node into the
+        target types: that is layer-wise mixed precision, i.e. op_type_overrides."""
+        path = "extra_options.AutoMixprecision"
+        block = _mapping(self.extra.get("AutoMixprecision"), path)
+        check_options(block, AUTO_MP_MAPPED, AUTO_MP_NO_EFFECT, AUTO_MP_ACCEPTED_ONLY, path)
+        if not self.flag("include_auto_mp", False):
+            return {}
+        act, weight = block.get("ActTargetQuantType"), block.get("WeightTargetQuantType")
+        if act is None and weight is None:
+            if block.get("TargetQuantType") is None:
+                problem = "required with include_auto_mp (or ActTargetQuantType / WeightTargetQuantType)"
+                raise ConfigError(f"{path}.TargetQuantType", problem)
+            act = weight = block["TargetQuantType"]
+        activation = self.choice(act or self.activation_type, "activation", None, f"{path}.ActTargetQuantType")
+        weight_choice = self.choice(weight or self.weight_type, "weight", None, f"{path}.WeightTargetQuantType")
+        bias = self._target_bias(block, weight_choice)
+        override = {"activation": activation, "weight": weight_choice, "bias": bias}
+        op_types = block.get("TargetOpType") or DEFAULT_OP_TYPES
+        self.origins["op_type_overrides"] = path
+        return {op_type: override for op_type in op_types}
+
+    def _target_bias(self, block: Mapping[str, Any], weight: dict[str, Any]) -> str:
+        if block.get("BiasTargetQuantType") is None:
+            return self.bias(weight)
+        path = "extra_options.AutoMixprecision.BiasTargetQuantType"
+        fmt, dtype = enum_value(block["BiasTargetQuantType"], QUANT_TYPES, path)
+        if (fmt, dtype) == ("int", "int32"):
+            return "int32"
+        if weight["format"] != "int" and (fmt, dtype) == (weight["format"], weight.get("dtype")):
+            return "auto"
+        raise ConfigError(path, "has no equivalent here: a bias is int32, float, or in its weight's float format")
+
+    def mixed_precision_tensors(self) -> dict[str, Any]:
+        """MixedPrecisionTensor {quant type: [tensor names]} as tensor_overrides."""
+        path = "extra_options.MixedPrecisionTensor"
+        out = {}
+        for quant_type, names in _mapping(self.extra.get("MixedPrecisionTensor"), path).items():
+            where = f"{path}[{str(quant_type)!r}]"
+            if not isinstance(names, (list, tuple)):
+                raise ConfigError(where, f"expected a list of tensor names, got {names!r}")
+            for name in names:
+                out[name] = self.choice(quant_type, "tensor", f"tensor_overrides[{name!r}]", where)
+        return out
+
+    def tensor_quant_overrides(self) -> dict[str, Any]:
+        """TensorQuantOverrides {tensor: [{quant_type, axis, symmetric}]} as tensor_overrides;
+        explicit scales, ranges and per-channel lists have no equivalent."""
+        path = "extra_options.TensorQuantOverrides"
+        out = {}
+        for name, entries in _mapping(self.extra.get("TensorQuantOverrides"), path).items():
+            where = f"{path}[{name!r}]"
+            if not isinstance(entries, (list, tuple)) or len(entries) != 1 or not isinstance(entries[0], Mapping):
+                problem = "expected a list holding one mapping (per-channel override lists have no equivalent here)"
+                raise ConfigError(where, problem)
+            entry = entries[0]
+            check_options(entry, TENSOR_OVERRIDE_KEYS, (), TENSOR_OVERRIDE_ACCEPTED_ONLY, f"{where}[0]")
+            if "quant_type" not in entry:
+                raise ConfigError(f"{where}[0].quant_type", "required here (the config cannot know the tensor's role)")
+            at = f"tensor_overrides[{name!r}]"
+            choice = self.choice(entry["quant_type"], "tensor", at, f"{where}[0].quant_type")
+            for key in ("symmetric", "axis"):
+                if key in entry:
+                    choice[key] = self._origin(f"{at}.{key}", f"{where}[0].{key}", entry[key])
+            if "axis" in entry and choice["format"] in ("int", "float"):
+                choice["granularity"] = "channel"
+            out[name] = choice
+        return out
+
+    def dual_quant(self) -> Any:
+        """EnableDualQuantNodePairs, or AutoMixprecision's DualQuantNodes."""
+        if "EnableDualQuantNodePairs" in self.extra:
+            return self.flag("EnableDualQuantNodePairs", False)
+        block = _mapping(self.extra.get("AutoMixprecision"), "extra_options.AutoMixprecision")
+        self.origins["dual_quant"] = "extra_options.AutoMixprecision.DualQuantNodes"
+        return block.get("DualQuantNodes", False)
+
+    def weight_storage(self) -> str:
+        """AddQDQPairToWeight true keeps float weights (our default), false stores them compactly."""
+        return "float" if self.flag("AddQDQPairToWeight", True) else "compact"
+
+    def fast_finetune(self) -> dict[str, Any] | None:
+        """The FastFinetune block when include_fast_ft is on (Quark runs it only then); BatchSize
+        defaults to Quark's 1."""
+        path = "extra_options.FastFinetune"
+        block = _mapping(self.extra.get("FastFinetune"), path)
+        check_options(block, FAST_FT_MAPPED, FAST_FT_NO_EFFECT, FAST_FT_ACCEPTED_ONLY, path)
+        if not self.flag("include_fast_ft", False):
+            if block:
+                log.warning("%s is set but include_fast_ft is false: fast finetune stays off, as in Quark", path)
+            return None
+        out: dict[str, Any] = {"batch_size": QUARK_FAST_FT_BATCH_SIZE}
+        for theirs, ours in FAST_FT_KEYS.items():
+            if block.get(theirs) is not None:
+                value = block[theirs]
+                out[ours] = value.lower() if theirs == "OptimAlgorithm" and isinstance(value, str) else value
+                self.origins[f"fast_finetune.{ours}"] = f"{path}.{theirs}"
+        if "EarlyStop" in block:
+            self.origins["fast_finetune.early_stop"] = f"{path}.EarlyStop"
+            out["early_stop"] = {"enabled": block["EarlyStop"]}
+        self._check_infer_device(block.get("InferDevice"), out.get("device", "cpu"), f"{path}.InferDevice")
+        return out
+
+    @staticmethod
+    def _check_infer_device(value: Any, device: Any, path: str) -> None:
+        """InferDevice is where Quark runs onnxruntime during fine-tuning; here unit inputs come from
+        torch on the one fast_finetune device, so a different InferDevice is noted, not used."""
+        if value is None:
+            return
+        if not isinstance(value, str) or not re.fullmatch(DEVICE_PATTERN, value):
+            raise ConfigError(path, f"must be cpu, cuda, cuda:N, hip or hip:N; got {value!r}")
+        if value != device:
+            log.warning("%s=%s: unit inputs are computed by torch on the fast_finetune device %s", path, value, device)

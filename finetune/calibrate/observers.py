@@ -266,6 +266,7 @@ METHODS: dict[str, type[Observer]] = {
     "percentile": PercentileObserver,
     "mse": MSEObserver,
     "minmse": MSEObserver,
+    "potminmse": MSEObserver,  # the config's name for MinMSE over power-of-two scales (spec.power_of_two)
     "entropy": EntropyObserver,
 }
 

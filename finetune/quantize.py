@@ -1,0 +1,416 @@
+"""Post-training quantization: a float ONNX model, a config and calibration data in, a QDQ ONNX
+model out that stock onnxruntime runs. Plan (which tensor gets which format) -> calibrate (scales
+of INT/FP8 tensors) -> insert the quantize-dequantize nodes."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import onnx
+import torch
+from onnx import numpy_helper
+
+from finetune.calibrate import CalibrationData, Observer, collect_statistics, make_observer
+from finetune.config import FormatChoice, QuantConfig, load_config
+from finetune.formats import FloatSpec, FormatSpec, IntSpec, MXSpec, float_codes, int_codes
+from finetune.onnx import attach_custom_ops
+from finetune.onnx.io import load_model
+from finetune.onnx.normalize import DEFAULT_DOMAINS, default_opset, normalize_model
+from finetune.onnx.qdq import CODE_DTYPES, STANDARD_QDQ_OPSET, make_qdq, uses_standard_ops
+
+logger = logging.getLogger(__name__)
+
+FLOAT_TYPES = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16)
+PER_CHANNEL_OPSET = 13
+FP8_OPSET = 19
+WEIGHT_OPS = ("Conv", "ConvTranspose", "Gemm", "MatMul")
+
+
+@dataclass(frozen=True)
+class Use:
+    """One quantized input of one node: which tensor, its role, and the format it gets there."""
+
+    node: str
+    index: int
+    tensor: str
+    role: str  # activation | weight | bias
+    choice: FormatChoice | str  # "int32" for a bias whose scale is s_input * s_weight
+    spec: FormatSpec
+    before: Use | None = None  # dual quant: the producer's format, applied to the tensor first
+
+    @property
+    def key(self) -> tuple:
+        """Identifies the quantize-dequantize chain this input reads: tensor and formats in order."""
+        return (self.tensor, self.spec) if self.before is None else (self.tensor, self.before.spec, self.spec)
+
+
+@dataclass
+class QuantizeResult:
+    """The quantized model and what was done to it (the summary the CLI prints and writes as JSON)."""
+
+    model: onnx.ModelProto
+    summary: dict[str, Any]
+
+
+def quantize_model(
+    model: str | onnx.ModelProto, config: QuantConfig | str | dict, data: Any, providers: list[str] | None = None,
+) -> QuantizeResult:
+    """Quantize `model` (path or proto, never modified) with `config` (a QuantConfig, preset name,
+    YAML path or mapping), calibrating INT/FP8 scales on `data` (anything CalibrationData takes)."""
+    start = time.perf_counter()
+    config = load_config(config)
+    original = load_model(model)
+    normalized, changes = normalize_model(original)
+    uses = plan(normalized, config)
+    normalized = _upgrade_for(normalized, uses, changes)
+    qparams = calibrate(normalized, uses, data, providers)
+    quantized = attach_custom_ops(insert_qdq(normalized, uses, qparams, config.weight_storage))
+    summary = _summary(original, quantized, uses, changes, time.perf_counter() - start)
+    return QuantizeResult(quantized, summary)
+
+
+# --- plan -----------------------------------------------------------------------------------------
+
+
+def plan(model: onnx.ModelProto, config: QuantConfig) -> list[Use]:
+    """Every quantized input of every selected node, in graph order, with its concrete format."""
+    graph = model.graph
+    initializers = {t.name: t for t in graph.initializer}
+    types, ranks = _tensor_types_and_ranks(model)
+    producers = {output: node for node in graph.node for output in node.output}
+    uses: list[Use] = []
+    for node in graph.node:
+        if node.domain not in DEFAULT_DOMAINS:
+            continue
+        formats = config.node_formats(node.name, node.op_type)
+        if formats is None:
+            continue
+        node_uses = []
+        for index, role in _input_roles(node, initializers, types):
+            tensor = node.input[index]
+            choice = config.tensor_overrides.get(tensor, getattr(formats, role))
+            if choice is None:
+                continue
+            if choice == "int32":
+                node_uses.append(Use(node.name, index, tensor, role, choice, IntSpec("int32")))
+                continue
+            rank = ranks.get(tensor)
+            output_axis, input_axis = _axes(node, index, rank)
+            spec = choice.spec(rank, output_axis, input_axis)
+            before = _producer_format(tensor, spec, producers, config, ranks) if config.dual_quant else None
+            node_uses.append(Use(node.name, index, tensor, role, choice, spec, before))
+        uses.extend(_int32_bias_axes(node_uses))
+    logger.info("planned %d quantized inputs on %d nodes", len(uses), len({u.node for u in uses}))
+    return uses
+
+
+def _producer_format(
+    tensor: str, spec: FormatSpec, producers: dict[str, onnx.NodeProto], config: QuantConfig, ranks: dict[str, int]
+) -> Use | None:
+    """The producing node's activation format on `tensor` when it differs from the consumer's
+    (DualQuantNodes), as a Use that rewires nothing (index -1); None otherwise."""
+    producer = producers.get(tensor)
+    formats = None if producer is None else config.node_formats(producer.name, producer.op_type)
+    choice = None if formats is None else config.tensor_overrides.get(tensor, formats.activation)
+    if choice is None:
+        return None
+    rank = ranks.get(tensor)
+    produced = choice.spec(rank, None, 1 if rank is None or rank > 1 else 0)
+    return None if produced == spec else Use(producer.name, -1, tensor, "activation", choice, produced)
+
+
+def _input_roles(
+    node: onnx.NodeProto, initializers: dict[str, onnx.TensorProto], types: dict[str, int]
+) -> list[tuple[int, str]]:
+    """(input index, role) of the float inputs a quantized node's config applies to: constant
+    weights and biases of Conv/ConvTranspose/Gemm, constant MatMul operands, activations otherwise."""
+    roles = []
+    for index, name in enumerate(node.input):
+        if not name or types.get(name) not in FLOAT_TYPES:
+            continue
+        constant = name in initializers
+        if node.op_type in ("Conv", "ConvTranspose", "Gemm") and index == 2:
+            if constant:
+                roles.append((index, "bias"))
+        else:
+            roles.append((index, "weight" if constant else "activation"))
+    return roles
+
+
+def _axes(node: onnx.NodeProto, index: int, rank: int | None) -> tuple[int | None, int | None]:
+    """(output-channel axis, reduction axis) of a node's input, for per-channel scales and blocks."""
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    if node.op_type == "Conv":
+        return (0, 1) if index == 1 else (1, 1)
+    if node.op_type == "ConvTranspose":
+        return (1, 0) if index == 1 else (1, 1)
+    if node.op_type == "Gemm":
+        if index == 0:
+            return (None, 0) if attrs.get("transA", 0) else (None, 1)
+        return (0, 1) if attrs.get("transB", 0) else (1, 0)
+    if node.op_type == "MatMul":
+        return (-2, -1) if index == 0 else (-1, -2)
+    return (None, 1 if rank is None or rank > 1 else 0)
+
+
+def _int32_bias_axes(uses: list[Use]) -> list[Use]:
+    """An int32 bias follows its weight's granularity: per channel when the weight is."""
+    weight = next((u for u in uses if u.role == "weight"), None)
+    per_channel = weight is not None and isinstance(weight.spec, IntSpec) and weight.spec.axis is not None
+    return [
+        dataclasses.replace(u, spec=IntSpec("int32", axis=0 if per_channel else None)) if u.choice == "int32" else u
+        for u in uses
+    ]
+
+
+def _tensor_types_and_ranks(model: onnx.ModelProto) -> tuple[dict[str, int], dict[str, int]]:
+    """Element type and rank of every value the (shape-inferred) graph knows."""
+    graph = model.graph
+    types, ranks = {}, {}
+    for info in [*graph.input, *graph.output, *graph.value_info]:
+        tensor_type = info.type.tensor_type
+        types[info.name] = tensor_type.elem_type
+        if tensor_type.HasField("shape"):
+            ranks[info.name] = len(tensor_type.shape.dim)
+    for tensor in graph.initializer:
+        types[tensor.name], ranks[tensor.name] = tensor.data_type, len(tensor.dims)
+    return types, ranks
+
+
+def _upgrade_for(model: onnx.ModelProto, uses: list[Use], changes: list[str]) -> onnx.ModelProto:
+    """Raise the opset to what the planned standard Q/DQ need: 13 per channel, 19 FP8, 21 for
+    int4/int16 and blocked scales."""
+    needed = max((_opset_for(u.spec) for u in _with_producer_formats(uses)), default=PER_CHANNEL_OPSET)
+    if (default_opset(model) or 0) >= needed:
+        return model
+    upgraded, more = normalize_model(model, min_opset=needed)
+    changes.extend(more)
+    return upgraded
+
+
+def _opset_for(spec: FormatSpec) -> int:
+    if not uses_standard_ops(spec):
+        return PER_CHANNEL_OPSET
+    if spec.dtype in ("int4", "uint4", "int16", "uint16") or getattr(spec, "block_size", None):
+        return STANDARD_QDQ_OPSET
+    return FP8_OPSET if spec.dtype.startswith("float8") else PER_CHANNEL_OPSET
+
+
+# --- calibrate ------------------------------------------------------------------------------------
+
+QParams = dict[tuple[str, FormatSpec], tuple[np.ndarray, np.ndarray]]
+
+
+def calibrate(model: onnx.ModelProto, uses: list[Use], data: Any, providers: list[str] | None) -> QParams:
+    """Scale and zero point of every (tensor, format) that needs them: weights from their values,
+    activations from one streamed onnxruntime pass over the data, int32 biases from s_in * s_w."""
+    initializers = {t.name: t for t in model.graph.initializer}
+    observers: dict[tuple[str, FormatSpec], Observer] = {}
+    for use in _with_producer_formats(uses):
+        if _needs_calibration(use) and (use.tensor, use.spec) not in observers:
+            observers[(use.tensor, use.spec)] = _observer(use)
+    weights = {key: obs for key, obs in observers.items() if key[0] in initializers}
+    for (tensor, _), observer in weights.items():
+        observer.update(numpy_helper.to_array(initializers[tensor]))
+    activations = {key: obs for key, obs in observers.items() if key[0] not in initializers}
+    if activations:
+        if data is None:
+            raise ValueError(
+                f"{len(activations)} activation tensors need calibration data (INT/FP8 formats); pass --data, "
+                "or --random-data to calibrate on random inputs"
+            )
+        _collect(model, data, activations, providers)
+    qparams = {key: observer.scale_zero_point() for key, observer in observers.items()}
+    qparams.update(_int32_bias_qparams(uses, qparams))
+    return qparams
+
+
+def _with_producer_formats(uses: list[Use]) -> list[Use]:
+    """The uses and, before each, the producer-format use it reads through (dual quant)."""
+    return [step for use in uses for step in ((use.before, use) if use.before else (use,))]
+
+
+def _needs_calibration(use: Use) -> bool:
+    """INT and FP8 formats need scales; int32 biases derive theirs, block formats and BF16/FP16 none."""
+    if use.choice == "int32":
+        return False
+    return isinstance(use.spec, IntSpec) or (isinstance(use.spec, FloatSpec) and use.spec.dtype.startswith("float8"))
+
+
+def _observer(use: Use) -> Observer:
+    options = {"percentile": use.choice.percentile} if use.choice.calibration == "percentile" else {}
+    return make_observer(use.choice.calibration, use.spec, **options)
+
+
+def _collect(model: onnx.ModelProto, data: Any, observers: dict[tuple[str, FormatSpec], Observer], providers: list[str] | None) -> None:
+    """One pass over the data; a tensor observed in several formats is exposed once."""
+    by_tensor: dict[str, list[Observer]] = defaultdict(list)
+    for (tensor, _), observer in observers.items():
+        by_tensor[tensor].append(observer)
+    fan_out = {tensor: _FanOut(group) for tensor, group in by_tensor.items()}
+    feeds = data if isinstance(data, CalibrationData) else CalibrationData(data, model)
+    logger.info("calibrating %d activation tensors", len(fan_out))
+    collect_statistics(model, feeds, fan_out, providers)
+
+
+class _FanOut:
+    """Feeds one tensor's batches to every observer that wants it."""
+
+    def __init__(self, observers: list[Observer]) -> None:
+        self.observers = observers
+
+    def update(self, x: np.ndarray) -> None:
+        for observer in self.observers:
+            observer.update(x)
+
+
+def _int32_bias_qparams(uses: list[Use], qparams: QParams) -> QParams:
+    """Bias scale = input scale * weight scale (per output channel when the weight is), zero point 0."""
+    result: QParams = {}
+    by_node: dict[str, dict[str, Use]] = defaultdict(dict)
+    for use in uses:
+        by_node[use.node][use.role] = use
+    for node, roles in by_node.items():
+        bias = roles.get("bias")
+        if bias is None or bias.choice != "int32":
+            continue
+        activation, weight = roles.get("activation"), roles.get("weight")
+        if activation is None or weight is None:
+            raise ValueError(f"node {node!r}: an int32 bias needs a quantized input and weight")
+        s_in, _ = qparams[(activation.tensor, activation.spec)]
+        s_w, _ = qparams[(weight.tensor, weight.spec)]
+        scale = (s_in * s_w).astype(np.float32)
+        result[(bias.tensor, bias.spec)] = (scale, np.zeros_like(scale))
+    return result
+
+
+# --- insert ---------------------------------------------------------------------------------------
+
+
+def insert_qdq(model: onnx.ModelProto, uses: list[Use], qparams: QParams, weight_storage: str) -> onnx.ModelProto:
+    """A copy with one quantize-dequantize per distinct (tensor, format), each consumer rewired to
+    the one of its format; compact weight storage keeps codes + DequantizeLinear where standard."""
+    result = onnx.ModelProto()
+    result.CopyFrom(model)
+    graph = result.graph
+    nodes = {n.name: n for n in graph.node}
+    initializers = {t.name: t for t in graph.initializer}
+    outputs: dict[tuple, str] = {}
+    new_nodes: dict[str, list[onnx.NodeProto]] = defaultdict(list)
+    for use in uses:
+        source = use.tensor
+        if use.before is not None:
+            source = _ensure_qdq(use.before, use.tensor, use.node, outputs, new_nodes, qparams, False, initializers, graph)
+        compact = weight_storage == "compact" and use.tensor in initializers
+        nodes[use.node].input[use.index] = _ensure_qdq(use, source, use.node, outputs, new_nodes, qparams, compact, initializers, graph)
+    ordered = []
+    for node in graph.node:
+        ordered.extend(new_nodes.get(node.name, []))
+        ordered.append(node)
+    del graph.node[:]
+    graph.node.extend(ordered)
+    _drop_unused_initializers(graph)
+    return result
+
+
+def _drop_unused_initializers(graph: onnx.GraphProto) -> None:
+    """Remove initializers nothing reads any more (float weights replaced by their stored codes)."""
+    read = {name for node in graph.node for name in node.input} | {o.name for o in graph.output}
+    kept = [t for t in graph.initializer if t.name in read]
+    del graph.initializer[:]
+    graph.initializer.extend(kept)
+
+
+def _ensure_qdq(
+    use: Use, source: str, consumer: str, outputs: dict[tuple, str], new_nodes: dict[str, list[onnx.NodeProto]],
+    qparams: QParams, compact: bool, initializers: dict[str, onnx.TensorProto], graph: onnx.GraphProto,
+) -> str:
+    """The output of `use`'s quantize-dequantize of `source`, created (before `consumer`) on first need."""
+    if use.key not in outputs:
+        name = _unique_name(f"{use.tensor}_{_format_label(use.spec)}", initializers, outputs)
+        outputs[use.key] = f"{name}_qdq"
+        scale, zero_point = qparams.get((use.tensor, use.spec), (None, None))
+        new_nodes[consumer].extend(_qdq_nodes(use, source, name, outputs[use.key], scale, zero_point, compact, initializers, graph))
+    return outputs[use.key]
+
+
+def _qdq_nodes(
+    use: Use, source: str, name: str, output: str, scale: np.ndarray | None, zero_point: np.ndarray | None,
+    compact: bool, initializers: dict[str, onnx.TensorProto], graph: onnx.GraphProto,
+) -> list[onnx.NodeProto]:
+    """The Q/DQ nodes of one (tensor, format); new initializers are appended to the graph."""
+    qdq = make_qdq(source, output, use.spec, name, scale, zero_point)
+    if compact and (uses_standard_ops(use.spec) or use.choice == "int32"):
+        codes = _stored_codes(initializers[use.tensor], use.spec, scale, zero_point, f"{name}_stored")
+        graph.initializer.append(codes)
+        dequantize = qdq.nodes[-1]
+        dequantize.input[0] = codes.name
+        if dequantize.domain:  # an int32 bias: DequantizeLinear reads int32 codes natively
+            dequantize.domain, dequantize.op_type = "", "DequantizeLinear"
+        qdq.nodes = [dequantize]
+    elif compact:
+        logger.info("%s stays a float initializer: %s has no compact form onnxruntime can run", use.tensor, use.spec)
+    graph.initializer.extend(qdq.initializers)
+    return qdq.nodes
+
+
+def _stored_codes(tensor: onnx.TensorProto, spec: FormatSpec, scale: np.ndarray, zero_point: np.ndarray, name: str) -> onnx.TensorProto:
+    """The codes QuantizeLinear would produce for a weight, as an initializer of the code type."""
+    values = torch.from_numpy(numpy_helper.to_array(tensor).astype(np.float32))
+    scale, zero_point = torch.as_tensor(np.asarray(scale)), torch.as_tensor(np.asarray(zero_point))
+    if isinstance(spec, IntSpec):
+        codes = int_codes(values, scale, zero_point, spec).numpy()
+    else:
+        codes = float_codes(values, spec, scale, zero_point).float().numpy()
+    return numpy_helper.from_array(codes.astype(CODE_DTYPES[spec.dtype]), name)
+
+
+def _format_label(spec: FormatSpec) -> str:
+    """A short readable name of a format for node and tensor names."""
+    if isinstance(spec, (IntSpec, FloatSpec)):
+        return spec.dtype
+    if isinstance(spec, MXSpec):
+        return f"mx_{spec.element_dtype}"
+    return f"{spec.bfp_method}{spec.bit_width}"
+
+
+def _unique_name(base: str, taken: dict[str, Any], outputs: dict[tuple, str]) -> str:
+    used = set(taken) | {o[: -len("_qdq")] for o in outputs.values()}
+    name, k = base, 1
+    while name in used:
+        k += 1
+        name = f"{base}_{k}"
+    return name
+
+
+# --- report ---------------------------------------------------------------------------------------
+
+
+def _summary(original: onnx.ModelProto, quantized: onnx.ModelProto, uses: list[Use], changes: list[str], seconds: float) -> dict[str, Any]:
+    """Tensors per format and role, model sizes and what normalisation changed."""
+    distinct = {(u.tensor, u.spec): u for u in _with_producer_formats(uses)}.values()
+    per_format = Counter((use.role, _format_label(use.spec)) for use in distinct)
+    return {
+        "tensors_per_format": [{"role": r, "format": f, "tensors": n} for (r, f), n in sorted(per_format.items())],
+        "quantized_nodes": len({u.node for u in uses}),
+        "model_bytes_before": original.ByteSize(),
+        "model_bytes_after": quantized.ByteSize(),
+        "normalization": changes,
+        "seconds": round(seconds, 3),
+    }
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    """The summary as the table the CLI prints."""
+    lines = [f"{'role':<12}{'format':<18}{'tensors':>8}"]
+    lines += [f"{row['role']:<12}{row['format']:<18}{row['tensors']:>8}" for row in summary["tensors_per_format"]]
+    before, after = summary["model_bytes_before"], summary["model_bytes_after"]
+    lines.append(f"quantized nodes: {summary['quantized_nodes']}; model size {before:,} -> {after:,} bytes "
+                 f"({after / before:.2f}x); {summary['seconds']:.2f} s")
+    return "\n".join(lines)

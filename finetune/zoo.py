@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import numpy as np
 import torch
 
 
@@ -82,3 +83,89 @@ def train_digits_cnn(seed: int = 0, epochs: int = 10) -> DigitsCNN:
             torch.nn.functional.cross_entropy(model(x_train[batch]), y_train[batch]).backward()
             optimizer.step()
     return model.eval()
+
+
+IMAGENET_SIZE = 224
+
+
+def sample_photos() -> list[np.ndarray]:
+    """Real colour photos that scikit-learn, scikit-image and matplotlib ship (uint8 HxWx3)."""
+    import matplotlib.cbook
+    import skimage.data
+    from PIL import Image
+    from sklearn.datasets import load_sample_images
+
+    photos = list(load_sample_images().images)
+    photos += [getattr(skimage.data, name)() for name in ("astronaut", "coffee", "chelsea", "rocket")]
+    photos.append(np.asarray(Image.open(matplotlib.cbook.get_sample_data("grace_hopper.jpg", asfileobj=False))))
+    return photos
+
+
+def photo_crops(scales: tuple[float, ...] = (1.0, 0.7, 0.5), grid: int = 3) -> torch.Tensor:
+    """224x224 crops of the sample photos (each resized by every scale, cut on a grid of
+    positions), normalised to [-1, 1] as EfficientNet-Lite expects: (N, 3, 224, 224) float32."""
+    crops = []
+    for photo in sample_photos():
+        image = torch.from_numpy(np.array(photo)).permute(2, 0, 1).float().unsqueeze(0) / 255.0
+        for scale in scales:
+            h, w = image.shape[-2:]
+            size = (max(IMAGENET_SIZE, round(h * scale)), max(IMAGENET_SIZE, round(w * scale)))
+            resized = torch.nn.functional.interpolate(image, size=size, mode="bilinear", antialias=True, align_corners=False)
+            for top in torch.linspace(0, size[0] - IMAGENET_SIZE, grid).round().int().tolist():
+                for left in torch.linspace(0, size[1] - IMAGENET_SIZE, grid).round().int().tolist():
+                    crops.append(resized[0, :, top : top + IMAGENET_SIZE, left : left + IMAGENET_SIZE])
+    return (torch.stack(crops) - 0.5) / 0.5
+
+
+# File extensions of the Python standard library's files and the magika label each should get.
+MAGIKA_EXTENSION_LABELS = {
+    ".py": "python", ".txt": "txt", ".json": "json", ".html": "html", ".xml": "xml", ".gif": "gif",
+    ".png": "png", ".c": "c", ".h": "c", ".sh": "shell", ".csv": "csv", ".ini": "ini", ".cfg": "ini",
+    ".pem": "pem", ".zip": "zip", ".css": "css", ".js": "javascript", ".bat": "batch", ".ps1": "powershell",
+    ".wav": "wav", ".mp3": "mp3", ".ico": "ico", ".toml": "toml", ".tar": "tar",
+}
+
+
+def magika_config() -> dict:
+    """magika's model configuration (feature sizes, padding token, label space)."""
+    import json
+
+    return json.loads(package_file("magika", "models", "standard_v3_3", "config.min.json").read_text())
+
+
+def magika_features(path: Path, config: dict) -> np.ndarray:
+    """magika's model input for one file: the first and last bytes (leading/trailing whitespace
+    stripped), padded with the padding token, as int32 (beg_size + end_size,)."""
+    beg_size, end_size, pad, block = (config[k] for k in ("beg_size", "end_size", "padding_token", "block_size"))
+    data = path.read_bytes()
+    head = data[:block].lstrip()[:beg_size]
+    tail = data[-block:].rstrip()[-end_size:] if data else b""
+    beg = list(head) + [pad] * (beg_size - len(head))
+    end = [pad] * (end_size - len(tail)) + list(tail)
+    return np.array(beg + end, dtype=np.int32)
+
+
+def magika_samples(per_extension: int = 40) -> tuple[np.ndarray, list[str]]:
+    """Files of this Python's standard library with a known type: magika features (N, 2048) and
+    the label each file's extension implies; at most `per_extension` files each, in sorted order."""
+    import sysconfig
+
+    config = magika_config()
+    root = Path(sysconfig.get_paths()["stdlib"])
+    chosen: dict[str, list[Path]] = {}
+    for path in sorted(root.rglob("*")):
+        suffix = path.suffix.lower()
+        if suffix in MAGIKA_EXTENSION_LABELS and path.is_file() and path.stat().st_size >= config["min_file_size_for_dl"]:
+            bucket = chosen.setdefault(suffix, [])
+            if len(bucket) < per_extension:
+                bucket.append(path)
+    paths = [p for bucket in chosen.values() for p in bucket]
+    features = np.stack([magika_features(p, config) for p in paths])
+    return features, [MAGIKA_EXTENSION_LABELS[p.suffix.lower()] for p in paths]
+
+
+def export_onnx(module: torch.nn.Module, example: torch.Tensor, path: Path, opset: int = 17) -> Path:
+    """The module as a float ONNX file with one input `x` (dynamic batch) and one output `y`."""
+    torch.onnx.export(module.eval(), (example,), str(path), opset_version=opset, input_names=["x"], output_names=["y"],
+                      dynamic_axes={"x": {0: "batch"}, "y": {0: "batch"}}, dynamo=False)
+    return path

@@ -294,70 +294,94 @@ def _int32_bias_qparams(uses: list[Use], qparams: QParams) -> QParams:
 
 
 def insert_qdq(model: onnx.ModelProto, uses: list[Use], qparams: QParams, weight_storage: str) -> onnx.ModelProto:
-    """A copy with one quantize-dequantize per distinct (tensor, format), each consumer rewired to
-    the one of its format; compact weight storage keeps codes + DequantizeLinear where standard."""
+    """A copy with one quantize-dequantize per distinct (tensor, format chain), each consumer
+    rewired to the one of its format; compact weight storage keeps codes + DequantizeLinear where
+    standard; float16 tensors are quantized in float32 between Casts (FORMATS.md)."""
     result = onnx.ModelProto()
     result.CopyFrom(model)
-    graph = result.graph
-    nodes = {n.name: n for n in graph.node}
-    initializers = {t.name: t for t in graph.initializer}
-    outputs: dict[tuple, str] = {}
-    new_nodes: dict[str, list[onnx.NodeProto]] = defaultdict(list)
+    types, _ = _tensor_types_and_ranks(result)
+    half = {name for name, elem_type in types.items() if elem_type == onnx.TensorProto.FLOAT16}
+    inserter = _Inserter(result.graph, qparams, weight_storage == "compact", half)
     for use in uses:
-        source = use.tensor
-        if use.before is not None:
-            source = _ensure_qdq(use.before, use.tensor, use.node, outputs, new_nodes, qparams, False, initializers, graph)
-        compact = weight_storage == "compact" and use.tensor in initializers
-        nodes[use.node].input[use.index] = _ensure_qdq(use, source, use.node, outputs, new_nodes, qparams, compact, initializers, graph)
-    ordered = []
-    for node in graph.node:
-        ordered.extend(new_nodes.get(node.name, []))
-        ordered.append(node)
-    del graph.node[:]
-    graph.node.extend(ordered)
-    _drop_unused_initializers(graph)
+        inserter.rewire(use)
+    inserter.finish()
     return result
 
 
-def _drop_unused_initializers(graph: onnx.GraphProto) -> None:
-    """Remove initializers nothing reads any more (float weights replaced by their stored codes)."""
-    read = {name for node in graph.node for name in node.input} | {o.name for o in graph.output}
-    kept = [t for t in graph.initializer if t.name in read]
-    del graph.initializer[:]
-    graph.initializer.extend(kept)
+class _Inserter:
+    """Adds the QDQ chains to one graph: each created once, placed before its first consumer."""
 
+    def __init__(self, graph: onnx.GraphProto, qparams: QParams, compact: bool, half: set[str]) -> None:
+        self.graph, self.qparams, self.compact, self.half = graph, qparams, compact, half
+        self.nodes = {n.name: n for n in graph.node}
+        self.initializers = {t.name: t for t in graph.initializer}
+        self.outputs: dict[tuple, str] = {}
+        self.added: dict[str, list[onnx.NodeProto]] = defaultdict(list)
 
-def _ensure_qdq(
-    use: Use, source: str, consumer: str, outputs: dict[tuple, str], new_nodes: dict[str, list[onnx.NodeProto]],
-    qparams: QParams, compact: bool, initializers: dict[str, onnx.TensorProto], graph: onnx.GraphProto,
-) -> str:
-    """The output of `use`'s quantize-dequantize of `source`, created (before `consumer`) on first need."""
-    if use.key not in outputs:
-        name = _unique_name(f"{use.tensor}_{_format_label(use.spec)}", initializers, outputs)
-        outputs[use.key] = f"{name}_qdq"
-        scale, zero_point = qparams.get((use.tensor, use.spec), (None, None))
-        new_nodes[consumer].extend(_qdq_nodes(use, source, name, outputs[use.key], scale, zero_point, compact, initializers, graph))
-    return outputs[use.key]
+    def rewire(self, use: Use) -> None:
+        """Point the use's node input at the output of its (possibly dual) QDQ chain."""
+        source = use.tensor if use.before is None else self._ensure(use.before, use.tensor, use.node, False)
+        compact = self.compact and use.tensor in self.initializers
+        self.nodes[use.node].input[use.index] = self._ensure(use, source, use.node, compact)
 
+    def finish(self) -> None:
+        """Insert the new nodes before their consumers and drop initializers nothing reads."""
+        ordered = []
+        for node in self.graph.node:
+            ordered.extend(self.added.get(node.name, []))
+            ordered.append(node)
+        del self.graph.node[:]
+        self.graph.node.extend(ordered)
+        read = {name for node in self.graph.node for name in node.input} | {o.name for o in self.graph.output}
+        kept = [t for t in self.graph.initializer if t.name in read]
+        del self.graph.initializer[:]
+        self.graph.initializer.extend(kept)
 
-def _qdq_nodes(
-    use: Use, source: str, name: str, output: str, scale: np.ndarray | None, zero_point: np.ndarray | None,
-    compact: bool, initializers: dict[str, onnx.TensorProto], graph: onnx.GraphProto,
-) -> list[onnx.NodeProto]:
-    """The Q/DQ nodes of one (tensor, format); new initializers are appended to the graph."""
-    qdq = make_qdq(source, output, use.spec, name, scale, zero_point)
-    if compact and (uses_standard_ops(use.spec) or use.choice == "int32"):
-        codes = _stored_codes(initializers[use.tensor], use.spec, scale, zero_point, f"{name}_stored")
-        graph.initializer.append(codes)
-        dequantize = qdq.nodes[-1]
-        dequantize.input[0] = codes.name
-        if dequantize.domain:  # an int32 bias: DequantizeLinear reads int32 codes natively
-            dequantize.domain, dequantize.op_type = "", "DequantizeLinear"
-        qdq.nodes = [dequantize]
-    elif compact:
-        logger.info("%s stays a float initializer: %s has no compact form onnxruntime can run", use.tensor, use.spec)
-    graph.initializer.extend(qdq.initializers)
-    return qdq.nodes
+    def _ensure(self, use: Use, source: str, consumer: str, compact: bool) -> str:
+        """The output of `use`'s quantize-dequantize of `source`, created on first need."""
+        if use.key in self.outputs:
+            return self.outputs[use.key]
+        name = self._unique(f"{use.tensor}_{_format_label(use.spec)}")
+        output = self.outputs[use.key] = f"{name}_qdq"
+        new = self.added[consumer]
+        if use.tensor in self.half:
+            source = self._cast(new, source, f"{name}_float", onnx.TensorProto.FLOAT)
+            output = f"{name}_qdq_float"
+        new.extend(self._qdq_nodes(use, source, name, output, compact))
+        if use.tensor in self.half:
+            self._cast(new, output, self.outputs[use.key], onnx.TensorProto.FLOAT16)
+        return self.outputs[use.key]
+
+    @staticmethod
+    def _cast(new: list[onnx.NodeProto], source: str, output: str, to: int) -> str:
+        new.append(onnx.helper.make_node("Cast", [source], [output], name=f"{output}_cast", to=to))
+        return output
+
+    def _qdq_nodes(self, use: Use, source: str, name: str, output: str, compact: bool) -> list[onnx.NodeProto]:
+        """The Q/DQ nodes of one (tensor, format); their initializers are appended to the graph."""
+        scale, zero_point = self.qparams.get((use.tensor, use.spec), (None, None))
+        qdq = make_qdq(source, output, use.spec, name, scale, zero_point)
+        if compact and (uses_standard_ops(use.spec) or use.choice == "int32"):
+            codes = _stored_codes(self.initializers[use.tensor], use.spec, scale, zero_point, f"{name}_stored")
+            self.graph.initializer.append(codes)
+            dequantize = qdq.nodes[-1]
+            dequantize.input[0] = codes.name
+            if dequantize.domain:  # an int32 bias: DequantizeLinear reads int32 codes natively
+                dequantize.domain, dequantize.op_type = "", "DequantizeLinear"
+            qdq.nodes = [dequantize]
+        elif compact:
+            logger.info("%s stays a float initializer: %s has no compact form onnxruntime can run", use.tensor, use.spec)
+        self.graph.initializer.extend(qdq.initializers)
+        return qdq.nodes
+
+    def _unique(self, base: str) -> str:
+        """A name prefix no initializer or earlier QDQ uses."""
+        used = set(self.initializers) | {output[: -len("_qdq")] for output in self.outputs.values()}
+        name, k = base, 1
+        while name in used:
+            k += 1
+            name = f"{base}_{k}"
+        return name
 
 
 def _stored_codes(tensor: onnx.TensorProto, spec: FormatSpec, scale: np.ndarray, zero_point: np.ndarray, name: str) -> onnx.TensorProto:
@@ -378,15 +402,6 @@ def _format_label(spec: FormatSpec) -> str:
     if isinstance(spec, MXSpec):
         return f"mx_{spec.element_dtype}"
     return f"{spec.bfp_method}{spec.bit_width}"
-
-
-def _unique_name(base: str, taken: dict[str, Any], outputs: dict[tuple, str]) -> str:
-    used = set(taken) | {o[: -len("_qdq")] for o in outputs.values()}
-    name, k = base, 1
-    while name in used:
-        k += 1
-        name = f"{base}_{k}"
-    return name
 
 
 # --- report ---------------------------------------------------------------------------------------

@@ -3,6 +3,7 @@ torch simulation; mixed precision at all three granularities; storage, opsets an
 
 from __future__ import annotations
 
+import copy
 import json
 import subprocess
 import sys
@@ -29,10 +30,11 @@ def digits(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """The digits CNN exported to ONNX (opset 17, dynamic batch), calibration and test data."""
     x_train, _, x_test, y_test = digits_split()
     path = tmp_path_factory.mktemp("digits") / "digits.onnx"
-    torch.onnx.export(train_digits_cnn(), (x_test[:1],), str(path), opset_version=17, input_names=["x"],
+    module = train_digits_cnn()
+    torch.onnx.export(module, (x_test[:1],), str(path), opset_version=17, input_names=["x"],
                       output_names=["logits"], dynamic_axes={"x": {0: "n"}}, dynamo=False)
     calibration = [{"x": x_train[i : i + 32].numpy()} for i in range(0, 256, 32)]
-    return {"path": path, "calibration": calibration, "x": x_test.numpy(), "y": y_test.numpy()}
+    return {"path": path, "module": module, "calibration": calibration, "x": x_test.numpy(), "y": y_test.numpy()}
 
 
 def run(model: onnx.ModelProto | Path, x: np.ndarray) -> np.ndarray:
@@ -195,3 +197,18 @@ def test_config_object_equals_preset_name(digits: dict) -> None:
     by_name = quantize_model(digits["path"], "MX6", None).model
     by_object = quantize_model(digits["path"], load_config("MX6"), None).model
     assert by_name.SerializeToString() == by_object.SerializeToString()
+
+
+@pytest.mark.parametrize("preset", ["A8W8", "MX6", "BF16"])
+def test_float16_model_is_quantized_in_float32_between_casts(digits: dict, tmp_path: Path, preset: str) -> None:
+    """float16 tensors are quantized as FORMATS.md says: computed in float32 and cast back."""
+    x_test = torch.from_numpy(digits["x"])
+    path = tmp_path / "digits16.onnx"
+    torch.onnx.export(copy.deepcopy(digits["module"]).half(), (x_test[:1].half(),), str(path), opset_version=17, input_names=["x"],
+                      dynamic_axes={"x": {0: "n"}}, dynamo=False)
+    calibration = [{"x": feed["x"].astype(np.float16)} for feed in digits["calibration"]]
+    quantized = quantize_model(path, preset, calibration).model
+    assert quantized.graph.input[0].type.tensor_type.elem_type == onnx.TensorProto.FLOAT16
+    logits = run(quantized, digits["x"].astype(np.float16))
+    assert logits.dtype == np.float16
+    assert accuracy(logits.astype(np.float32), digits["y"]) >= accuracy(run(path, digits["x"].astype(np.float16)), digits["y"]) - 0.03

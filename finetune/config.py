@@ -468,7 +468,7 @@ class FastFinetune(Section):
             raise ConfigError("update_bias", "applies to algorithm adaquant only (adaround learns roundings)")
 
 
-BiasFormat = FormatChoice | Literal["int32"] | None
+BiasFormat = Literal["int32"] | None
 
 
 @dataclass(frozen=True)
@@ -483,15 +483,11 @@ class NodeFormats:
 
 def resolve_bias(bias: str, activation: FormatChoice | None, weight: FormatChoice | None) -> BiasFormat:
     """The bias format that `bias` means next to these input and weight formats: auto is int32
-    when both are INT, else the weight's format unless that is INT or absent (then float)."""
+    when both are INT (FORMATS.md quantizes only an integer bias), float otherwise."""
     both_int = all(c is not None and c.format == "int" for c in (activation, weight))
     if bias == "int32" and not both_int:
         raise ValueError("int32 needs INT activations and weights (its scale is s_input * s_weight)")
-    if bias == "int32" or (bias == "auto" and both_int):
-        return "int32"
-    if bias == "float" or weight is None or weight.format == "int":
-        return None
-    return weight
+    return "int32" if bias == "int32" or (bias == "auto" and both_int) else None
 
 
 @dataclass(frozen=True)

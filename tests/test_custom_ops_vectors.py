@@ -305,3 +305,17 @@ def test_unknown_zero_point_type_raises() -> None:
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
     with pytest.raises(ValueError, match="'q'.*zero_point type='DOUBLE'.*INT32"):
         attach_custom_ops(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+
+
+def test_extended_qdq_keeps_a_scalar_input_scalar() -> None:
+    """A per-tensor scale must not give a rank-0 input a dimension."""
+    zero_point = numpy_helper.from_array(np.zeros((), ml_dtypes.bfloat16), "zp")
+    nodes = [helper.make_node("ExtendedQuantizeLinear", ["x", "s", "zp"], ["q"], domain=CUSTOM_DOMAIN),
+             helper.make_node("ExtendedDequantizeLinear", ["q", "s", "zp"], ["y"], domain=CUSTOM_DOMAIN)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [])],
+                              [numpy_helper.from_array(np.array(1.0, np.float32), "s"), zero_point])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    model.ir_version = 10
+    y = run(model, {"x": np.array(1.00390625, np.float32)})[0]
+    assert y.shape == () and y == np.float32(1.0)

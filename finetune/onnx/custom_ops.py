@@ -319,12 +319,15 @@ class _MXBody:
 
 
 def _broadcast_along(b: _Body, parameter: str, x: str, axis: int) -> str:
-    """A scalar or 1-D per-axis parameter reshaped to broadcast against x along `axis`."""
+    """A 1-D per-axis parameter reshaped to [C, 1, ...] to broadcast against x along `axis`; a
+    scalar stays a scalar (so a rank-0 x keeps its rank)."""
     rank = b.op("Shape", b.op("Shape", x))
     at = _axis_index(b, rank, axis)
-    trailing = b.op("Sub", b.op("Sub", rank, b.const([1], np.int64)), at)
-    ones = b.op("ConstantOfShape", trailing, value=numpy_helper.from_array(np.array([1], np.int64)))
-    return b.op("Reshape", parameter, b.op("Concat", b.const([-1], np.int64), ones, axis=0))
+    trailing = b.op("Max", b.op("Sub", b.op("Sub", rank, b.const([1], np.int64)), at), b.const([0], np.int64))
+    parameter_shape = b.op("Shape", parameter)
+    count = b.op("Mul", trailing, b.op("Size", parameter_shape))
+    ones = b.op("ConstantOfShape", count, value=numpy_helper.from_array(np.array([1], np.int64)))
+    return b.op("Reshape", parameter, b.op("Concat", parameter_shape, ones, axis=0))
 
 
 @dataclasses.dataclass(frozen=True)

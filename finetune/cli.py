@@ -8,13 +8,14 @@ import logging
 import sys
 from pathlib import Path
 
-import onnx
-
 from finetune.calibrate import CalibrationData, random_data
-from finetune.config import ConfigError, available_presets, load_config
+from finetune.config import QuantConfig, available_presets, load_config
 from finetune.onnx import attach_custom_ops
 from finetune.onnx.io import load_model, save_model_atomic
-from finetune.quantize import format_summary, quantize_model
+from finetune.pipeline import quantize_and_finetune, save_run_config, with_finetune
+from finetune.quantize import format_summary
+from finetune.tools import bf16, evaluate, infer
+from finetune.tools.command import run_command
 
 
 def attach_ops(args: argparse.Namespace) -> None:
@@ -36,13 +37,56 @@ def quantize(args: argparse.Namespace) -> None:
     if args.per_channel is not None:
         overrides["weight"] = {"granularity": "channel" if args.per_channel else "tensor"}
     config = load_config(overrides)
+    config = with_finetune(config, _finetune_overrides(args, config))
     data = _calibration_data(args)
-    result = quantize_model(args.model, config, data)
+    result = quantize_and_finetune(args.model, config, data, args.output.parent, _report_name(args.output))
     save_model_atomic(result.model, args.output)
     summary_path = args.output.with_name(args.output.name + ".summary.json")
     _write_text_atomic(summary_path, json.dumps(result.summary, indent=1))
+    save_run_config(config, _config_path(args.output))
     print(format_summary(result.summary))
-    logging.info("wrote %s and %s", args.output, summary_path)
+    if result.report is not None:
+        from finetune.recon.report import format_report  # lightning takes seconds to import: only after tuning
+
+        print(format_report(result.report))
+    logging.info("wrote %s, %s and %s", args.output, summary_path, _config_path(args.output))
+
+
+def tune(args: argparse.Namespace) -> None:
+    """Recover the accuracy of an already quantized QDQ model (ours, onnxruntime's, AMD Quark's)."""
+    from finetune.recon import finetune_model  # lightning takes seconds to import: only for this command
+    from finetune.recon.report import format_report
+
+    config = load_config(args.config) if args.config else QuantConfig()
+    if config.fast_finetune is None:
+        logging.info("no fast_finetune section in the config: starting from the defaults (AdaRound)")
+        config = with_finetune(config, {"algorithm": "adaround"})
+    config = with_finetune(config, _finetune_overrides(args, config))
+    data = CalibrationData(args.data, load_model(args.model), limit=config.fast_finetune.data_size)
+    tuned, report = finetune_model(args.model, data, config.fast_finetune, args.float_model, args.output.parent,
+                                   _report_name(args.output))
+    save_model_atomic(tuned, args.output)
+    save_run_config(config, _config_path(args.output))
+    print(format_report(report))
+    logging.info("wrote %s and %s", args.output, _config_path(args.output))
+
+
+def _finetune_overrides(args: argparse.Namespace, config: QuantConfig) -> dict:
+    """The fast_finetune keys the command-line flags set (None where a flag was not given);
+    --data-size alone (a calibration limit too) does not turn fine-tuning on."""
+    flags = {"algorithm": args.finetune, "iterations": args.iterations, "lr": args.lr, "batch_size": args.batch_size,
+             "early_stop": args.early_stop, "device": args.device, "seed": args.seed, "unit": args.unit}
+    tuning = config.fast_finetune is not None or any(value is not None for value in flags.values())
+    return {**flags, "data_size": args.data_size if tuning else None}
+
+
+def _report_name(output: Path) -> str:
+    """Report files sit beside the output: OUT.onnx.finetune.json, .png and .logs/."""
+    return f"{output.name}.finetune"
+
+
+def _config_path(output: Path) -> Path:
+    return output.with_name(output.name + ".config.yaml")
 
 
 def _calibration_data(args: argparse.Namespace) -> object:
@@ -84,19 +128,49 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--per-channel", action=argparse.BooleanOptionalAction, default=None, help="INT weights per channel")
     q.add_argument("--weight-storage", choices=["float", "compact"], help="float initializers + QDQ, or stored codes")
     q.add_argument("-o", "--output", type=Path, required=True, help="where to write the quantized model")
+    _add_finetune_flags(q)
     q.set_defaults(run=quantize)
+    t = commands.add_parser("tune", help="recover the accuracy of an already quantized QDQ model (AdaRound / AdaQuant)")
+    t.add_argument("model", type=Path, help="QDQ ONNX model (ours, onnxruntime quantize_static, com.amd.quark BFP/MX)")
+    t.add_argument("--float-model", type=Path,
+                   help="the float model it was made from (default: the QDQ model with its quantizers disabled)")
+    t.add_argument("--data", type=Path, required=True, help="calibration folder: .npy or .npz files")
+    t.add_argument("--config", help="preset or YAML file whose fast_finetune section to use (default: defaults)")
+    t.add_argument("--data-size", type=int, help="use at most this many samples")
+    t.add_argument("-o", "--output", type=Path, required=True, help="where to write the tuned model")
+    _add_finetune_flags(t)
+    t.set_defaults(run=tune)
+    convert = commands.add_parser(
+        "convert-bf16", help="convert a float32/float16 model to bfloat16 (with_cast, bf16, simulate_bf16, customqdq)",
+        description=bf16.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    bf16.add_arguments(convert, choose_source=True)
+    infer.add_arguments(commands.add_parser(
+        "infer", help="run a model over a data folder and save one .npy output per sample", description=infer.__doc__,
+    ))
+    evaluate.add_arguments(commands.add_parser(
+        "evaluate", help="compare baseline and quantized results: cosine, L2, PSNR, SSIM", description=evaluate.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    ), positional=True)
     return parser
 
 
+def _add_finetune_flags(parser: argparse.ArgumentParser) -> None:
+    """Flags that override the config's fast_finetune section (and add one when it has none)."""
+    group = parser.add_argument_group("fast finetune (override the config's fast_finetune section)")
+    group.add_argument("--finetune", choices=["adaround", "adaquant"], help="algorithm")
+    group.add_argument("--iterations", type=int, help="optimisation steps per unit")
+    group.add_argument("--lr", type=float, help="learning rate (default: 0.1 adaround, 1e-5 adaquant)")
+    group.add_argument("--batch-size", type=int, help="samples per optimisation step")
+    group.add_argument("--early-stop", action=argparse.BooleanOptionalAction, default=None,
+                       help="stop a unit when its reconstruction loss stops improving")
+    group.add_argument("--device", help="cpu, cuda, cuda:N or hip:N")
+    group.add_argument("--seed", type=int, help="random seed (same seed, data and device type: identical output)")
+    group.add_argument("--unit", choices=["layer", "block"], help="reconstruction unit")
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(message)s")
-    try:
-        args.run(args)
-    except (ValueError, ConfigError, FileNotFoundError, onnx.checker.ValidationError) as error:
-        logging.error("%s", error)
-        return 2
-    return 0
+    return run_command(build_parser(), argv)
 
 
 if __name__ == "__main__":

@@ -72,6 +72,8 @@ def quantize_model(
     qparams = calibrate(normalized, uses, data, providers)
     quantized = attach_custom_ops(insert_qdq(normalized, uses, qparams, config.weight_storage))
     summary = _summary(original, quantized, uses, changes, time.perf_counter() - start)
+    if config.fast_finetune is not None:
+        logger.info("the config's fast_finetune section is not run here; finetune.pipeline.quantize_and_finetune runs it")
     return QuantizeResult(quantized, summary)
 
 

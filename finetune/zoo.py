@@ -169,3 +169,24 @@ def export_onnx(module: torch.nn.Module, example: torch.Tensor, path: Path, opse
     torch.onnx.export(module.eval(), (example,), str(path), opset_version=opset, input_names=["x"], output_names=["y"],
                       dynamic_axes={"x": {0: "batch"}, "y": {0: "batch"}}, dynamo=False)
     return path
+
+
+def sample_photo_crops(count: int, size: int = 224, seed: int = 0) -> torch.Tensor:
+    """`count` random crops (10-100 % of the shorter side, anywhere, half of them mirrored) of the
+    photos scikit-learn bundles, resized to size x size and scaled as EfficientNet-Lite expects,
+    (pixel - 127) / 128, shape (count, 3, size, size); different seeds give independent sets."""
+    from sklearn.datasets import load_sample_images
+
+    photos = [torch.from_numpy(image.copy()).permute(2, 0, 1).float() for image in load_sample_images().images]
+    generator = torch.Generator().manual_seed(seed)
+    crops = []
+    for _ in range(count):
+        photo = photos[int(torch.randint(len(photos), (1,), generator=generator))]
+        side = int(min(photo.shape[1:]) * (0.1 + 0.9 * float(torch.rand((), generator=generator))))
+        top = int(torch.randint(photo.shape[1] - side + 1, (1,), generator=generator))
+        left = int(torch.randint(photo.shape[2] - side + 1, (1,), generator=generator))
+        crop = photo[None, :, top : top + side, left : left + side]
+        if float(torch.rand((), generator=generator)) < 0.5:
+            crop = crop.flip(-1)
+        crops.append(torch.nn.functional.interpolate(crop, size=(size, size), mode="bilinear", antialias=True))
+    return (torch.cat(crops) - 127.0) / 128.0

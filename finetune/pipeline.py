@@ -1,0 +1,77 @@
+"""Quantize, then recover accuracy: the orchestration the `finetune` command runs, above both the
+quantizer and the fine-tuning stage (neither imports the other), and the saved record of a run."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any
+
+import onnx
+import onnxruntime
+import torch
+
+from finetune.config import QuantConfig, load_config, save_config, to_dict
+from finetune.quantize import quantize_model
+
+
+@dataclass
+class PipelineResult:
+    """The final model, the quantizer's summary and the fine-tuning report (None if not run)."""
+
+    model: onnx.ModelProto
+    summary: dict[str, Any]
+    report: dict[str, Any] | None
+
+
+def quantize_and_finetune(
+    model: str | Path | onnx.ModelProto, config: QuantConfig | str | dict, data: Any,
+    output_dir: str | Path | None = None, name: str = "finetune",
+) -> PipelineResult:
+    """Quantize `model` with `config`; when the config has a fast_finetune section, tune the result
+    on the same data. The float reference is the quantized model with its quantizers off (its
+    weights are the float ones), or the float model itself when weights are stored as codes."""
+    config = load_config(config)
+    quantized = quantize_model(model, config, data)
+    if config.fast_finetune is None:
+        return PipelineResult(quantized.model, quantized.summary, None)
+    if data is None:
+        raise ValueError("fast finetune needs calibration data: pass --data (or data= in Python)")
+    from finetune.recon import (
+        finetune_model,  # lightning takes seconds to import: only when tuning
+    )
+
+    float_model = model if config.weight_storage == "compact" else None
+    tuned, report = finetune_model(quantized.model, data, config.fast_finetune, float_model, output_dir, name)
+    return PipelineResult(tuned, quantized.summary, report)
+
+
+def with_finetune(config: QuantConfig, overrides: Mapping[str, Any]) -> QuantConfig:
+    """The config with its fast_finetune section updated by the given (non-None) keys, added with
+    defaults when absent; a changed algorithm without an lr takes that algorithm's default lr."""
+    overrides = {key: value for key, value in overrides.items() if value is not None}
+    if not overrides:
+        return config
+    section = to_dict(config.fast_finetune) if config.fast_finetune is not None else {}
+    if "algorithm" in overrides and overrides["algorithm"] != section.get("algorithm") and "lr" not in overrides:
+        section.pop("lr", None)
+    early_stop = overrides.pop("early_stop", None)
+    section.update(overrides)
+    if early_stop is not None:
+        section["early_stop"] = {**section.get("early_stop", {}), "enabled": early_stop}
+    return load_config({**to_dict(config), "fast_finetune": section})
+
+
+def save_run_config(config: QuantConfig, path: str | Path) -> None:
+    """Write the run's complete config as YAML, headed by the command and the library versions."""
+    path = Path(path)
+    save_config(config, path)
+    header = (
+        f"# finetune {version('finetune')}, torch {torch.__version__}, onnxruntime {onnxruntime.__version__}, "
+        f"onnx {onnx.__version__}, lightning {version('lightning')}\n"
+        f"# command: {' '.join(sys.argv)}\n"
+    )
+    path.write_text(header + path.read_text(encoding="utf-8"), encoding="utf-8")

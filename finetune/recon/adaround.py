@@ -1,0 +1,89 @@
+"""AdaRound (Nagel et al., 2020): learn, per weight element, whether to round down or up. The
+rounding is floor(w / s) + h(V) with h a rectified sigmoid; a regulariser with an annealed
+exponent beta pushes h to 0 or 1, and the result is hardened to integer codes at the end."""
+
+from __future__ import annotations
+
+from typing import Self
+
+import torch
+from torch import nn
+
+from finetune.formats import IntSpec
+from finetune.formats.blocks import broadcast_param
+from finetune.lift import FakeQuantize, LiftedModule
+
+from .units import Unit
+
+ZETA = 1.1
+GAMMA = -0.1
+BETA_START = 20.0
+BETA_END = 2.0
+WARMUP_FRACTION = 0.2  # iterations before the regulariser starts
+REG_WEIGHT = 0.01  # lambda, against the reconstruction MSE relative to the target's mean square
+
+
+class SoftRounding(nn.Module):
+    """The learnable rounding of one INT-quantized weight; installed as its quantizer's rounding
+    hook while training, so the quantizer computes clamp(floor(w/s) + h(V) + zp) as usual."""
+
+    def __init__(self, quantizer: FakeQuantize, weight: torch.Tensor) -> None:
+        super().__init__()
+        if not isinstance(quantizer.spec, IntSpec):
+            raise TypeError(f"AdaRound needs INT weights, not {quantizer.spec}")
+        self.quantizer = quantizer
+        with torch.no_grad():
+            ratio = self._ratio(weight)
+            p = ((ratio - torch.floor(ratio)) - GAMMA) / (ZETA - GAMMA)
+        self.v = nn.Parameter(torch.log(p / (1 - p)))
+
+    def _scale(self, weight: torch.Tensor) -> torch.Tensor:
+        """The quantizer's scale broadcast to the weight's shape."""
+        spec = self.quantizer.spec
+        return broadcast_param(self.quantizer.scale, weight, spec.axis, spec.block_size)
+
+    def _ratio(self, weight: torch.Tensor) -> torch.Tensor:
+        """w / s in float32, as the quantizer computes it."""
+        return weight.detach().float() / self._scale(weight)
+
+    def h(self) -> torch.Tensor:
+        """The soft rounding offset in [0, 1]."""
+        return torch.clamp(torch.sigmoid(self.v) * (ZETA - GAMMA) + GAMMA, 0, 1)
+
+    def rounding(self, ratio: torch.Tensor) -> torch.Tensor:
+        """The quantizer's rounding hook: floor(w / s) + h(V) (`ratio` is w / s)."""
+        return torch.floor(ratio.detach()) + self.h()
+
+    def regularizer(self, beta: float) -> torch.Tensor:
+        """Mean of 1 - |2h - 1|^beta: zero once every h is 0 or 1."""
+        return (1 - (2 * self.h() - 1).abs().pow(beta)).mean()
+
+    def hardened(self, weight: torch.Tensor) -> torch.Tensor:
+        """The weight whose round-half-even codes are floor(w / s) + [h >= 0.5]: codes times scale."""
+        with torch.no_grad():
+            codes = torch.floor(self._ratio(weight)) + (self.h() >= 0.5).float()
+            return (codes * self._scale(weight)).to(weight.dtype)
+
+    def __enter__(self) -> Self:
+        self.quantizer.rounding = self.rounding
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.quantizer.rounding = None
+
+
+def beta(step: int, iterations: int) -> float | None:
+    """The regulariser's exponent at a step: None during warm-up, then annealed from 20 to 2."""
+    warmup = int(WARMUP_FRACTION * iterations)
+    if step < warmup:
+        return None
+    progress = (step - warmup) / max(1, iterations - warmup)
+    return BETA_END + (BETA_START - BETA_END) * (1 - progress)
+
+
+def check_int_weights(module: LiftedModule, units: list[Unit]) -> None:
+    """AdaRound learns integer roundings: every quantized weight must be INT (a clear error otherwise)."""
+    for unit in units:
+        spec = module.get_submodule(unit.weight_quantizer).spec if unit.weight_quantizer else None
+        if spec is not None and not isinstance(spec, IntSpec):
+            raise ValueError(f"AdaRound needs INT weights, but {unit.layer} has {spec}; use algorithm adaquant for this format")

@@ -1,0 +1,169 @@
+"""finetune_model: recover a QDQ model's accuracy with AdaRound or AdaQuant, unit by unit, and
+write the tuned weights back into a copy of the QDQ graph."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import onnx
+import torch
+from lightning.fabric.utilities.seed import seed_everything
+
+from finetune.calibrate import CalibrationData
+from finetune.config import FastFinetune, to_dict
+from finetune.export import export_model
+from finetune.lift import LiftedModule, lift_model
+from finetune.onnx.io import load_model
+
+from .adaround import check_int_weights
+from .cache import ActivationCache
+from .device import resolve_device
+from .loop import Tuner, UnitResult
+from .partition import cut
+from .report import write_report
+from .stream import QuantizedStream, cache_inputs, capture_float, float_input_key, float_target_key, quantizers_disabled
+from .units import Unit, constant_nodes, find_units, parameter_behind
+
+logger = logging.getLogger(__name__)
+
+
+def finetune_model(
+    qdq_model: str | Path | onnx.ModelProto,
+    data: Any,
+    config: FastFinetune,
+    float_model: str | Path | onnx.ModelProto | None = None,
+    output_dir: str | Path | None = None,
+    name: str = "finetune",
+) -> tuple[onnx.ModelProto, dict[str, Any]]:
+    """The QDQ model with tuned weights, and the report. `data` is anything CalibrationData reads;
+    the float targets come from `float_model` or, without one, from the QDQ model with its
+    quantizers off. With `output_dir`, `<name>.json`, `<name>.png` and `<name>.logs/` go there."""
+    begin = time.perf_counter()
+    device = resolve_device(config.device)
+    original = load_model(qdq_model)
+    module = lift_model(original)
+    units = find_units(module, config.op_types, config.include_output_quant, config.unit)
+    if not units:
+        raise ValueError(f"the model has no {'/'.join(config.op_types)} layer with a trainable weight to tune")
+    if config.algorithm == "adaround":
+        check_int_weights(module, units)
+    reference = _reference(module, float_model)
+    log_dir = Path(output_dir) / f"{name}.logs" if output_dir is not None else None
+    with _deterministic(config.seed, device), ActivationCache(config.cache_budget_bytes) as cache:
+        results, timing = _run(module, reference, units, original, data, config, device, cache, log_dir)
+        cache_stats = {"peak_bytes_in_memory": cache.peak_in_memory, "peak_bytes_on_disk": cache.peak_on_disk,
+                       "spilled_arrays": cache.spilled}
+    module.cpu()
+    tuned = export_model(module, original)
+    report = _report(config, device, reference is module, results, timing, cache_stats, time.perf_counter() - begin)
+    if output_dir is not None:
+        write_report(report, Path(output_dir), name)
+    return tuned, report
+
+
+def _reference(module: LiftedModule, float_model: str | Path | onnx.ModelProto | None) -> LiftedModule:
+    """The lifted float model, or the QDQ module itself (to be run with its quantizers off)."""
+    if float_model is not None:
+        logger.info("float reference: the given float model")
+        return lift_model(float_model)
+    coded = sorted(s.initializer for s in module.finetune_params.values() if s.transform is not None)
+    logger.info("float reference: the quantized model with its quantizers disabled (no float model given)")
+    if coded:
+        logger.warning("%d weight(s) are stored as quantized codes (e.g. %s): without the float model their float "
+                       "reference is the dequantized codes", len(coded), coded[0])
+    return module
+
+
+def _run(module: LiftedModule, reference: LiftedModule, units: list[Unit], original: onnx.ModelProto, data: Any,
+         config: FastFinetune, device: torch.device, cache: ActivationCache, log_dir: Path | None) -> tuple[list[UnitResult], dict[str, float]]:
+    """Cache the inputs and float activations, then tune unit after unit on the quantized stream."""
+    feeds = CalibrationData(data, original, limit=config.data_size)
+    inputs = cache_inputs(feeds, [info.name for info in feeds.inputs], cache)
+    samples = inputs[0].rows
+    module.to(device)
+    reference.to(device)
+    start = time.perf_counter()
+    with quantizers_disabled(module) if reference is module else contextlib.nullcontext():
+        capture_float(reference, units, inputs, cache, device)
+    float_seconds = time.perf_counter() - start
+    starts = _float_weights(module, reference, units) if reference is not module else {}
+    plan = cut(module, units)
+    placeholders = [n.name for n in module.graph.nodes if n.op == "placeholder"]
+    stream = QuantizedStream(plan, placeholders, inputs, cache, device)
+    tuner = Tuner(config, device, len(units), log_dir)
+    results = []
+    try:
+        for k, unit in enumerate(units):
+            unit_inputs = stream.before(k, unit)
+            float_inputs, targets = cache.value(float_input_key(unit)), cache.value(float_target_key(unit))
+            results.append(tuner.tune(k, unit, module, plan.train[k], unit_inputs, float_inputs, targets, starts.get(unit.weight)))
+            cache.release(float_inputs.name)
+            cache.release(targets.name)
+            stream.after(k)
+    finally:
+        tuner.close()
+    return results, {"float_pass_seconds": float_seconds, "quantized_stream_seconds": stream.seconds, "samples": samples}
+
+
+def _float_weights(module: LiftedModule, reference: LiftedModule, units: list[Unit]) -> dict[str, torch.Tensor]:
+    """Float weights of the float model for units whose QDQ weights are stored as codes, so the
+    optimisation starts from the real float values (by layer name and weight position)."""
+    layers = {n.target: n for n in reference.graph.nodes if n.op == "call_module"}
+    constant = constant_nodes(reference.graph)
+    starts = {}
+    for unit in units:
+        if module.finetune_params[unit.weight].transform is None or unit.layer not in layers:
+            continue
+        node = layers[unit.layer]
+        index = 1 if unit.op_type != "MatMul" else 1 - unit.input_index
+        name = parameter_behind(reference, node.args[index] if index < len(node.args) else None, constant)
+        value = None if name is None else reference.get_parameter(name).detach()
+        if value is not None and value.shape == module.get_parameter(unit.weight).shape:
+            starts[unit.weight] = value
+    if starts:
+        logger.info("%d unit(s) stored as codes start from the float model's weights", len(starts))
+    return starts
+
+
+@contextlib.contextmanager
+def _deterministic(seed: int, device: torch.device) -> Iterator[None]:
+    """Seeded, deterministic algorithms inside the block; the global setting restored after."""
+    if device.type == "cuda":
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    previous = torch.are_deterministic_algorithms_enabled()
+    seed_everything(seed, verbose=False)
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(previous)
+
+
+def _report(config: FastFinetune, device: torch.device, self_reference: bool, results: list[UnitResult],
+            timing: dict[str, float], cache_stats: dict[str, int], seconds: float) -> dict[str, Any]:
+    """The run's numbers: settings, per-unit losses and status, timing and cache use."""
+    iterations = sum(r.iterations for r in results)
+    train_seconds = sum(r.seconds for r in results)
+    return {
+        "algorithm": config.algorithm,
+        "config": to_dict(config),
+        "device": str(device),
+        "float_reference": "quantized model with quantizers disabled" if self_reference else "float model",
+        "samples": timing["samples"],
+        "units": [dataclasses.asdict(r) for r in results],
+        "kept": sum(r.status == "kept" for r in results),
+        "reverted": sum(r.status == "reverted" for r in results),
+        "iterations": iterations,
+        "seconds_per_unit_iteration": train_seconds / iterations if iterations else None,
+        "float_pass_seconds": timing["float_pass_seconds"],
+        "quantized_stream_seconds": timing["quantized_stream_seconds"],
+        "cache": cache_stats,
+        "total_seconds": seconds,
+    }

@@ -1,0 +1,133 @@
+"""Cached activations, one array per calibration batch ("chunk"): in memory up to a byte budget,
+beyond it in numpy memory maps in a temporary directory, removed when released."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Self
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+class ActivationCache:
+    """Stores chunks of named values; `in_memory` bytes never exceed `budget`, the rest spills."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.in_memory = 0
+        self.on_disk = 0
+        self.peak_in_memory = 0
+        self.peak_on_disk = 0
+        self.spilled = 0
+        self.values: dict[str, CachedValue] = {}
+        self._directory: Path | None = None
+        self._files = 0
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    def value(self, name: str) -> CachedValue:
+        """The cached value of that name, created empty on first use."""
+        if name not in self.values:
+            self.values[name] = CachedValue(self, name)
+        return self.values[name]
+
+    def release(self, name: str) -> None:
+        """Forget a value, freeing its memory and deleting its files."""
+        value = self.values.pop(name, None)
+        if value is not None:
+            value.clear()
+
+    def close(self) -> None:
+        """Release everything and remove the spill directory."""
+        for name in list(self.values):
+            self.release(name)
+        if self._directory is not None:
+            shutil.rmtree(self._directory, ignore_errors=True)
+            self._directory = None
+
+    def store(self, array: np.ndarray) -> np.ndarray:
+        """The array kept in memory if it fits the budget, else written to a memory map."""
+        if self.in_memory + array.nbytes <= self.budget:
+            self.in_memory += array.nbytes
+            self.peak_in_memory = max(self.peak_in_memory, self.in_memory)
+            return array
+        if self._directory is None:
+            self._directory = Path(tempfile.mkdtemp(prefix="finetune-activations-"))
+            logger.info("activation cache over its budget of %d bytes: spilling to %s", self.budget, self._directory)
+        self._files += 1
+        mapped = np.lib.format.open_memmap(self._directory / f"{self._files:06d}.npy", "w+", array.dtype, array.shape)
+        mapped[...] = array
+        mapped.flush()
+        self.on_disk += array.nbytes
+        self.peak_on_disk = max(self.peak_on_disk, self.on_disk)
+        self.spilled += 1
+        return mapped
+
+    def drop(self, array: np.ndarray) -> None:
+        """Account for a stored array going away, deleting its file if it was spilled."""
+        if isinstance(array, np.memmap):
+            self.on_disk -= array.nbytes
+            path = Path(array.filename)
+            del array
+            path.unlink(missing_ok=True)
+        else:
+            self.in_memory -= array.nbytes
+
+
+class CachedValue:
+    """One value over the calibration set, chunk by chunk; tensors are stored as numpy arrays
+    (counted against the budget), anything else (rare: tuples of shapes) as it is."""
+
+    def __init__(self, cache: ActivationCache, name: str) -> None:
+        self.cache = cache
+        self.name = name
+        self.chunks: list[Any] = []
+        self._offsets: np.ndarray | None = None
+
+    def append(self, value: Any) -> None:
+        """Add the next chunk's value."""
+        if isinstance(value, torch.Tensor):
+            value = self.cache.store(value.detach().cpu().numpy())
+        self.chunks.append(value)
+        self._offsets = None
+
+    def tensor(self, chunk: int, device: torch.device) -> Any:
+        """A chunk as a tensor on `device` (other values as stored)."""
+        value = self.chunks[chunk]
+        return torch.from_numpy(np.array(value)).to(device) if isinstance(value, np.ndarray) else value
+
+    @property
+    def rows(self) -> int:
+        """Rows along the leading axis over all chunks."""
+        return int(self.offsets[-1])
+
+    @property
+    def offsets(self) -> np.ndarray:
+        """Start row of each chunk, and the total at the end."""
+        if self._offsets is None:
+            self._offsets = np.cumsum([0, *(len(c) for c in self.chunks)])
+        return self._offsets
+
+    def gather(self, rows: np.ndarray) -> torch.Tensor:
+        """The given rows (sorted ascending) along the leading axis, as one CPU tensor."""
+        chunk_of = np.searchsorted(self.offsets, rows, side="right") - 1
+        parts = [self.chunks[c][rows[chunk_of == c] - self.offsets[c]] for c in np.unique(chunk_of)]
+        return torch.from_numpy(np.concatenate(parts) if len(parts) > 1 else np.array(parts[0]))
+
+    def clear(self) -> None:
+        """Drop every chunk."""
+        for chunk in self.chunks:
+            if isinstance(chunk, np.ndarray):
+                self.cache.drop(chunk)
+        self.chunks = []
+        self._offsets = None

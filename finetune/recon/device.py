@@ -1,0 +1,33 @@
+"""The device a fine-tuning run uses: cpu, cuda, cuda:N, or hip:N on ROCm builds of torch (which
+expose HIP devices through the cuda API); an unavailable device is an error naming what exists."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+_DEVICE = re.compile(r"(cpu)|(cuda|hip)(?::(\d+))?")
+
+
+def resolve_device(name: str) -> torch.device:
+    """The torch device for a config's device string, checked against this machine."""
+    match = _DEVICE.fullmatch(name)
+    if match is None:
+        raise ValueError(f"device {name!r} is not one of cpu, cuda, cuda:N, hip, hip:N")
+    if match.group(1):
+        return torch.device("cpu")
+    kind, index = match.group(2), int(match.group(3) or 0)
+    if kind == "hip" and torch.version.hip is None:
+        raise ValueError(f"device {name!r} is not available: this torch {torch.__version__} is not a ROCm build; "
+                         f"available: {', '.join(available_devices())}")
+    if not torch.cuda.is_available() or index >= torch.cuda.device_count():
+        raise ValueError(f"device {name!r} is not available (torch {torch.__version__}); available: {', '.join(available_devices())}")
+    return torch.device("cuda", index)
+
+
+def available_devices() -> list[str]:
+    """The devices this machine offers, as config strings."""
+    kind = "hip" if torch.version.hip is not None else "cuda"
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return ["cpu", *(f"{kind}:{i}" for i in range(count))]

@@ -1,0 +1,55 @@
+"""The fine-tuning report: per-unit numbers as JSON and a PNG of each unit's reconstruction loss
+before and after."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+
+def write_report(report: dict[str, Any], output_dir: Path, name: str) -> tuple[Path, Path]:
+    """Write `<name>.json` and `<name>.png` into `output_dir`; returns their paths."""
+    output_dir.mkdir(parents=True, exist_ok=True)
+    json_path, png_path = output_dir / f"{name}.json", output_dir / f"{name}.png"
+    json_path.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+    plot_losses(report["units"], png_path)
+    return json_path, png_path
+
+
+def plot_losses(units: list[dict[str, Any]], path: Path) -> None:
+    """Bars of the loss before and after per unit (log scale); reverted or skipped units hatched."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    positions = range(len(units))
+    figure, axes = plt.subplots(figsize=(max(6.0, 0.35 * len(units) + 2), 4.5), dpi=100)
+    axes.bar([p - 0.2 for p in positions], [u["loss_before"] for u in units], 0.4, label="before", color="#c44e52")
+    after = axes.bar([p + 0.2 for p in positions], [u["loss_after"] for u in units], 0.4, label="after", color="#4c72b0")
+    for bar, unit in zip(after, units):
+        if unit["status"] != "kept":
+            bar.set_hatch("//")
+            bar.set_alpha(0.5)
+    axes.set_yscale("log")
+    axes.set_xticks(list(positions), [f"{i + 1}" for i in positions], fontsize=7)
+    axes.set_xlabel("unit (graph order; hatched: reverted or skipped)")
+    axes.set_ylabel("reconstruction MSE")
+    axes.set_title("per-unit reconstruction loss before and after fine-tuning")
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, metadata={"Software": None})
+    plt.close(figure)
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """The report as the few lines the CLI prints."""
+    units = report["units"]
+    before = sum(u["loss_before"] for u in units)
+    after = sum(u["loss_after"] for u in units)
+    per_iteration = report["seconds_per_unit_iteration"]
+    timing = f"{per_iteration * 1e3:.2f} ms per unit-iteration, " if per_iteration else ""
+    return (f"fast finetune ({report['algorithm']}, {report['device']}, float reference: {report['float_reference']}): "
+            f"{len(units)} units, {report['kept']} kept, {report['reverted']} reverted; summed reconstruction loss "
+            f"{before:.4g} -> {after:.4g}; {timing}{report['total_seconds']:.1f} s")

@@ -1,0 +1,549 @@
+"""FP32/FP16 -> BF16 model conversion in four formats.
+
+Formats (the names users know from AMD Quark for ONNX):
+- `with_cast`: every float tensor a node reads (weights included) and every graph output goes
+  through Cast to bfloat16 and back to the original type; runs on any onnxruntime provider.
+- `bf16`: the model itself in bfloat16 (weights and internal tensors), Casts only at the graph
+  inputs and outputs. This format is for GPU execution providers: onnxruntime 1.31's CPU
+  provider has bfloat16 kernels only for Cast, data movement (Reshape, Transpose, Concat, Split,
+  Slice, Gather, ...), LayerNormalization, Sign, IsNaN and IsInf, none for MatMul, Gemm, Conv,
+  Add or Relu; on a CPU-only machine the nodes lacking a kernel are listed.
+- `simulate_bf16`: every weight rounded to bfloat16 and stored in the original type.
+- `customqdq`: like `with_cast`, with bfloat16 quantize-dequantize pairs of the `com.finetune`
+  domain (function bodies attached, so stock onnxruntime runs them).
+
+Every format first folds constants and fuses parallel MatMuls, and saturates: a value beyond the
+largest bfloat16 value that the original type can hold (3.3895e38 for float32, 65280 for
+float16) clamps to it instead of becoming inf (a Clip before each cast that could overflow;
+weights are clamped when converted). NaN stays NaN. A node input is converted only where the
+op's schema (at opset 22) lets it be bfloat16, so shape-like inputs such as Resize's scales keep
+their exact values.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+from collections import defaultdict
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import onnx
+import onnxruntime as ort
+import torch
+from onnx import TensorProto, defs, helper, numpy_helper
+
+from finetune.formats import BF16, float_quantize_dequantize
+from finetune.onnx import attach_custom_ops
+from finetune.onnx.io import PROTOBUF_LIMIT, load_model, save_model_atomic
+from finetune.onnx.normalize import (
+    DEFAULT_DOMAINS,
+    MIN_OPSET,
+    default_opset,
+    normalize_model,
+)
+from finetune.onnx.qdq import make_qdq
+
+from .command import run_command, tool_parser
+from .optimize import (
+    NameSource,
+    drop_unused_initializers,
+    infer_types,
+    optimize,
+    tensor_types,
+)
+from .session import describe_missing, missing_kernels
+
+logger = logging.getLogger(__name__)
+
+FORMATS = ("with_cast", "bf16", "simulate_bf16", "customqdq")
+FORMAT_HELP = {
+    "with_cast": "Cast to bfloat16 and back on every float tensor between nodes and on weights; runs on onnxruntime CPU (default)",
+    "bf16": "the model itself in bfloat16, Casts only at the graph inputs and outputs; for GPU execution providers: "
+            "onnxruntime's CPU provider has no bfloat16 kernels for most ops (MatMul, Gemm, Conv, Add, Relu, ...) "
+            "and the nodes lacking one are listed",
+    "simulate_bf16": "every weight rounded to bfloat16 and stored in the original float type",
+    "customqdq": "bfloat16 quantize-dequantize pairs (com.finetune ExtendedQuantizeLinear/ExtendedDequantizeLinear, "
+                 "function bodies attached) on every float tensor between nodes and on weights",
+}
+BF16_OPSET = 22  # the opset from which Conv, the pooling ops and most others accept bfloat16
+BF16_MAX = float(ml_dtypes.finfo(ml_dtypes.bfloat16).max)
+
+# Forms of one float tensor: as stored in the original type, rounded to bfloat16 values but in
+# the original type, or of type bfloat16.
+SOURCE, ROUNDED, BFLOAT16 = "source", "rounded", "bf16"
+
+# Ops whose output magnitude never exceeds the largest magnitude of their (already saturated)
+# inputs, or is at most 1: their outputs need no Clip before a cast to bfloat16.
+BOUNDED_OPS = frozenset({
+    "Relu", "MaxPool", "GlobalMaxPool", "ReduceMax", "ReduceMin", "Max", "Min", "Abs", "Neg", "Reshape",
+    "Transpose", "Flatten", "Squeeze", "Unsqueeze", "Slice", "Gather", "GatherElements", "GatherND", "Concat",
+    "Split", "Identity", "Dropout", "Expand", "Tile", "DepthToSpace", "SpaceToDepth", "Sigmoid", "Tanh",
+    "Softmax", "Erf", "Sin", "Cos", "HardSigmoid", "Sign",
+})
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """The float type a model is converted from."""
+
+    name: str
+    elem_type: int
+    dtype: type
+    bound: float  # the largest bfloat16 value that this type holds as a finite number
+
+
+SOURCES = {
+    "float32": Source("float32", TensorProto.FLOAT, np.float32, BF16_MAX),
+    "float16": Source("float16", TensorProto.FLOAT16, np.float16, 65280.0),
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser, choose_source: bool) -> None:
+    """The conversion options users know (--input, --output, --format), and --from where the
+    source type is not fixed by the tool's name."""
+    parser.add_argument("--input", type=Path, required=True, help="the float model (never modified)")
+    parser.add_argument("--output", type=Path, required=True, help="where to write the converted model")
+    parser.add_argument("--format", choices=FORMATS, default="with_cast",
+                        help="; ".join(f"{name}: {text}" for name, text in FORMAT_HELP.items()))
+    if choose_source:
+        parser.add_argument("--from", dest="source", choices=("auto", *SOURCES), default="auto",
+                            help="the model's float type (default: detected)")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> None:
+    """Run the conversion on parsed arguments."""
+    convert_file(args.input, args.output, args.format, args.source)
+
+
+def main(source: str, argv: list[str] | None = None) -> int:
+    """`python -m finetune.tools.convert_fp{32,16}_to_bf16`: the tool for one source type."""
+    name = "fp32" if source == "float32" else "fp16"
+    parser = tool_parser(f"python -m finetune.tools.convert_{name}_to_bf16", __doc__)
+    add_arguments(parser, choose_source=False)
+    parser.set_defaults(source=source)
+    return run_command(parser, argv)
+
+
+def convert_file(
+    input_path: str | os.PathLike, output_path: str | os.PathLike, fmt: str = "with_cast", source: str = "auto",
+) -> onnx.ModelProto:
+    """Convert the model at `input_path` and write it atomically to `output_path` (never the input)."""
+    input_path, output_path = Path(input_path), Path(output_path)
+    if output_path.exists() and input_path.exists() and output_path.resolve() == input_path.resolve():
+        raise ValueError(f"the output {output_path} is the input model; give another path, the input is never modified")
+    model = convert(load_model(input_path), fmt, source)
+    save_model_atomic(model, output_path)
+    logger.info("wrote %s (%s)", output_path, fmt)
+    return model
+
+
+def convert(model: onnx.ModelProto, fmt: str = "with_cast", source: str = "auto") -> onnx.ModelProto:
+    """A `fmt` bfloat16 version of a float32 or float16 (`source`, or `auto` to detect) model; the input is untouched."""
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    _refuse_subgraphs(model)
+    model, changes = normalize_model(model, BF16_OPSET if fmt == "bf16" else MIN_OPSET)
+    if fmt == "bf16" and default_opset(model) < BF16_OPSET:
+        raise ValueError(f"the bf16 format needs opset >= {BF16_OPSET} (bfloat16 Conv, pooling, ...): "
+                         + "; ".join(changes))
+    kind = SOURCES[detect_source(model) if source == "auto" else source]
+    _check_source(model, kind)
+    optimize(model)
+    _FORMATS[fmt](kind).apply(model)
+    if fmt == "bf16":
+        _report_cpu_kernels(model)
+    return model
+
+
+def detect_source(model: onnx.ModelProto) -> str:
+    """float16 if the model has more float16 than float32 tensors, else float32."""
+    counts = _float_counts(model)
+    return "float16" if counts[TensorProto.FLOAT16] > counts[TensorProto.FLOAT] else "float32"
+
+
+def _float_counts(model: onnx.ModelProto) -> dict[int, int]:
+    """How many declared tensors (inputs, outputs, value_info, initializers) have each element type."""
+    counts: dict[int, int] = defaultdict(int)
+    for tensor_type in tensor_types(model).values():
+        counts[tensor_type.elem_type] += 1
+    return counts
+
+
+def _check_source(model: onnx.ModelProto, source: Source) -> None:
+    """Refuse a model with no tensor of the source type, naming the tool that fits it."""
+    if _float_counts(model)[source.elem_type]:
+        return
+    other = "float16" if source.name == "float32" else "float32"
+    tool = f"convert_{'fp16' if other == 'float16' else 'fp32'}_to_bf16"
+    raise ValueError(f"the model has no {source.name} tensors; for a {other} model use {tool} (or --from {other})")
+
+
+def _refuse_subgraphs(model: onnx.ModelProto) -> None:
+    """Control-flow bodies would keep their float tensors; refuse them by name rather than convert half a model."""
+    nodes = [n.name or n.op_type for n in model.graph.node
+             if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in n.attribute)]
+    if nodes:
+        raise ValueError(f"nodes with subgraphs (If/Loop/Scan) are not supported by the bf16 conversion: {nodes}")
+
+
+def _report_cpu_kernels(model: onnx.ModelProto) -> None:
+    """Without a GPU provider, log which nodes of a bf16 model onnxruntime's CPU provider cannot run."""
+    gpu = [p for p in ort.get_available_providers() if p not in ("CPUExecutionProvider", "AzureExecutionProvider")]
+    if gpu:
+        return
+    missing = missing_kernels(model, "CPUExecutionProvider")
+    if missing:
+        logger.warning("the bf16 model targets GPU execution providers; onnxruntime's CPU provider (the only one "
+                       "here) lacks kernels for:\n%s", describe_missing(missing))
+
+
+# ---------------------------------------------------------------- numerics of weights
+
+
+def bf16_values(array: np.ndarray, bound: float = BF16_MAX) -> np.ndarray:
+    """float32 array of the bfloat16 values of `array` (RNE, saturating), clamped to ±bound; NaN stays."""
+    rounded = float_quantize_dequantize(torch.from_numpy(np.asarray(array, np.float32).copy()), BF16).numpy()
+    return np.clip(rounded, -bound, bound)
+
+
+# ---------------------------------------------------------------- op schemas
+
+
+class _Schemas:
+    """Type constraints of node inputs and outputs at the opset where bfloat16 is widely allowed."""
+
+    def __init__(self, opset: int) -> None:
+        self.opset = max(opset, BF16_OPSET)
+
+    def schema(self, node: onnx.NodeProto) -> defs.OpSchema | None:
+        """The default-domain schema of the node's op, None for other domains and unknown ops."""
+        if node.domain not in DEFAULT_DOMAINS:
+            return None
+        try:
+            return defs.get_schema(node.op_type, self.opset, "")
+        except defs.SchemaError:
+            return None
+
+    def type_str(self, node: onnx.NodeProto, index: int, is_input: bool) -> str | None:
+        """The formal type (a parameter like 'T' or a type like 'tensor(float)') of an input or output."""
+        schema = self.schema(node)
+        formals = [] if schema is None else schema.inputs if is_input else schema.outputs
+        if index < len(formals):
+            return formals[index].type_str
+        variadic = formals and formals[-1].option == defs.OpSchema.FormalParameterOption.Variadic
+        return formals[-1].type_str if variadic else None
+
+    def allows_bf16(self, node: onnx.NodeProto, index: int, is_input: bool = True) -> bool:
+        """Whether the schema lets this input (or output) be bfloat16."""
+        type_str = self.type_str(node, index, is_input)
+        if type_str is None:
+            return False
+        constraints = {c.type_param_str: set(c.allowed_type_strs) for c in self.schema(node).type_constraints}
+        return "tensor(bfloat16)" in constraints.get(type_str, {type_str})
+
+
+# ---------------------------------------------------------------- the shared traversal
+
+
+@dataclasses.dataclass
+class _Tensor:
+    """A float tensor of the source type: its native form, whether it is a (converted) weight and
+    whether its values are already within the saturation bound."""
+
+    name: str
+    form: str
+    weight: np.ndarray | None = None
+    bounded: bool = False
+
+
+class _Format:
+    """One conversion format: how weights are stored, which form each use needs, and the nodes
+    that turn one form of a tensor into another. The traversal in `apply` is shared."""
+
+    weight_form = SOURCE
+
+    def __init__(self, source: Source) -> None:
+        self.source = source
+
+    def weight(self, array: np.ndarray) -> np.ndarray:
+        """The weight as stored in the converted model (saturated to the bound)."""
+        return np.clip(array, -self.source.bound, self.source.bound).astype(self.source.dtype)
+
+    def need(self, bf16_position: bool) -> str | None:
+        """The form a node input needs (None: whatever the tensor is)."""
+        return ROUNDED if bf16_position else None
+
+    def output_need(self) -> str | None:
+        """The form a graph output needs."""
+        return ROUNDED
+
+    def output_form(self, schemas: _Schemas, node: onnx.NodeProto, index: int, bf16_params: set[str], retyped: bool) -> str:
+        """The form of a node's output."""
+        return SOURCE
+
+    def retype(self, schemas: _Schemas, node: onnx.NodeProto) -> bool:
+        """Switch attributes that name the source type to bfloat16; whether any was switched."""
+        return False
+
+    def convert(self, rewriter: _Rewriter, tensor: _Tensor, src: str, dst: str, form: str) -> list[onnx.NodeProto]:
+        """Nodes (or initializers added to the rewriter) making `dst`, the `form` of the tensor, from `src`."""
+        raise NotImplementedError
+
+    def finish(self, model: onnx.ModelProto) -> None:
+        """Last touches to the converted model."""
+
+    def apply(self, model: onnx.ModelProto) -> None:
+        """Convert the model in place."""
+        _Rewriter(model, self).run()
+        self.finish(model)
+        infer_types(model)
+        model.ir_version = max(model.ir_version, helper.find_min_ir_version_for(list(model.opset_import), True))
+        if model.ByteSize() < PROTOBUF_LIMIT:
+            onnx.checker.check_model(model)
+
+
+class _Rewriter:
+    """Walks the graph once: stores weights in their converted form, gives each node input the
+    form its format needs (creating conversions right after the producer, once per tensor and
+    form), and reroutes graph outputs so they carry the form the format wants."""
+
+    def __init__(self, model: onnx.ModelProto, fmt: _Format) -> None:
+        self.model, self.graph, self.fmt = model, model.graph, fmt
+        self.schemas = _Schemas(default_opset(model))
+        types = tensor_types(model)
+        self.types = {name: t.elem_type for name, t in types.items()}
+        self.ranks = {name: len(t.shape.dim) for name, t in types.items() if t.HasField("shape")}
+        self.names = NameSource(model)
+        self.tensors: dict[str, _Tensor] = {}
+        self.versions: dict[tuple[str, str], str] = {}
+        self.producer: dict[str, int] = {}
+        self.after: dict[int | None, list[onnx.NodeProto]] = defaultdict(list)
+        self.constants: dict[tuple[str, float], str] = {}
+
+    def is_source(self, name: str) -> bool:
+        """Whether a value is a float tensor of the source type."""
+        return bool(name) and self.types.get(name) == self.fmt.source.elem_type
+
+    def run(self) -> None:
+        """Rewrite the graph in place."""
+        self._weights()
+        for info in self.graph.input:
+            if self.is_source(info.name):
+                self._register(_Tensor(info.name, SOURCE), None)
+        outputs = {o.name for o in self.graph.output}
+        for index, node in enumerate(self.graph.node):
+            bf16_params = self._inputs(node)
+            retyped = self.fmt.retype(self.schemas, node)
+            for j, name in enumerate(node.output):
+                if self.is_source(name):
+                    bounded = node.op_type in BOUNDED_OPS and node.domain in DEFAULT_DOMAINS
+                    form = self.fmt.output_form(self.schemas, node, j, bf16_params, retyped)
+                    self._register(_Tensor(name, form, bounded=bounded), index)
+                    if name in outputs:
+                        self._reroute_output(node, j)
+        nodes = list(self.after[None])
+        for index, node in enumerate(self.graph.node):
+            nodes += [node, *self.after[index]]
+        del self.graph.node[:]
+        self.graph.node.extend(nodes)
+
+    def _weights(self) -> None:
+        """Store every source-type initializer in the format's weight form."""
+        for position, tensor in enumerate(self.graph.initializer):
+            if not self.is_source(tensor.name):
+                continue
+            original = numpy_helper.to_array(tensor)
+            self.graph.initializer[position].CopyFrom(numpy_helper.from_array(self.fmt.weight(original), tensor.name))
+            self._register(_Tensor(tensor.name, self.fmt.weight_form, original, bounded=True), None)
+
+    def _register(self, tensor: _Tensor, producer: int | None) -> None:
+        self.tensors[tensor.name] = tensor
+        self.versions[(tensor.name, tensor.form)] = tensor.name
+        if producer is not None:
+            self.producer[tensor.name] = producer
+
+    def _inputs(self, node: onnx.NodeProto) -> set[str]:
+        """Point each source-type input at the form it needs; the type parameters fed bfloat16."""
+        bf16_params = set()
+        for i, name in enumerate(node.input):
+            if name not in self.tensors:
+                continue
+            tensor = self.tensors[name]
+            form = self.fmt.need(self.schemas.allows_bf16(node, i)) or tensor.form
+            node.input[i] = self.version(tensor, form)
+            if form == BFLOAT16:
+                bf16_params.add(self.schemas.type_str(node, i, True))
+        return bf16_params
+
+    def version(self, tensor: _Tensor, form: str) -> str:
+        """The name of the tensor in `form`, converting (once) from its native form."""
+        key = (tensor.name, form)
+        if key not in self.versions:
+            src = self.versions[(tensor.name, tensor.form)]
+            dst = self.names.take(f"{tensor.name}_{form}")
+            self.after[self.producer.get(tensor.name)].extend(self.fmt.convert(self, tensor, src, dst, form))
+            self.versions[key] = dst
+        return self.versions[key]
+
+    def _reroute_output(self, node: onnx.NodeProto, index: int) -> None:
+        """Let the producer write a fresh name and make the graph output a converted version of it."""
+        name = node.output[index]
+        tensor = self.tensors[name]
+        wanted = self.fmt.output_need()
+        if wanted is None or wanted == tensor.form:
+            return
+        raw = self.names.take(f"{name}_{tensor.form}")
+        node.output[index] = raw
+        self.versions[(name, tensor.form)] = raw
+        self.after[self.producer[name]].extend(self.fmt.convert(self, tensor, raw, name, wanted))
+        self.versions[(name, wanted)] = name
+
+    def constant(self, value: float, elem_type: int) -> str:
+        """A scalar initializer of the given type, shared by every node that needs it."""
+        key = (TensorProto.DataType.Name(elem_type), value)
+        if key not in self.constants:
+            name = self.names.take(f"bf16_saturation_{'max' if value > 0 else 'min'}_{key[0].lower()}")
+            dtype = helper.tensor_dtype_to_np_dtype(elem_type)
+            self.graph.initializer.append(numpy_helper.from_array(np.array(value, dtype), name))
+            self.constants[key] = name
+        return self.constants[key]
+
+
+class _Chain:
+    """A chain of conversion nodes from one tensor, each reading the previous output."""
+
+    def __init__(self, rewriter: _Rewriter, src: str) -> None:
+        self.rewriter, self.current, self.nodes = rewriter, src, []
+        self.stem = src
+
+    def _add(self, op_type: str, extra_inputs: list[str], what: str, **attributes: int) -> None:
+        out = self.rewriter.names.take(f"{self.stem}_{what}")
+        name = self.rewriter.names.take(f"{self.stem}_{what}_{op_type.lower()}")
+        self.nodes.append(helper.make_node(op_type, [self.current, *extra_inputs], [out], name=name, **attributes))
+        self.current = out
+
+    def saturate(self, bound: float, elem_type: int) -> None:
+        """Clip to ±bound, in element type `elem_type`."""
+        lo, hi = self.rewriter.constant(-bound, elem_type), self.rewriter.constant(bound, elem_type)
+        self._add("Clip", [lo, hi], "saturated")
+
+    def cast(self, to: int) -> None:
+        """Cast to element type `to`."""
+        self._add("Cast", [], TensorProto.DataType.Name(to).lower(), to=to)
+
+    def qdq(self) -> None:
+        """bfloat16 quantize-dequantize in the com.finetune domain (float32 output)."""
+        out = self.rewriter.names.take(f"{self.stem}_bf16qdq")
+        qdq = make_qdq(self.current, out, BF16, self.rewriter.names.take(f"{self.stem}_bf16"))
+        self.rewriter.graph.initializer.extend(qdq.initializers)
+        self.nodes.extend(qdq.nodes)
+        self.current = out
+
+    def ending_in(self, dst: str) -> list[onnx.NodeProto]:
+        """The nodes, the last one writing `dst`."""
+        self.nodes[-1].output[0] = dst
+        return self.nodes
+
+
+class _WithCast(_Format):
+    """Cast to bfloat16 and back on every float tensor between nodes and on weights."""
+
+    def convert(self, rewriter: _Rewriter, tensor: _Tensor, src: str, dst: str, form: str) -> list[onnx.NodeProto]:
+        chain = _Chain(rewriter, src)
+        if not tensor.bounded:
+            chain.saturate(self.source.bound, self.source.elem_type)
+        chain.cast(TensorProto.BFLOAT16)
+        chain.cast(self.source.elem_type)
+        return chain.ending_in(dst)
+
+
+class _CustomQDQ(_Format):
+    """bfloat16 ExtendedQuantizeLinear/ExtendedDequantizeLinear pairs of the com.finetune domain."""
+
+    def convert(self, rewriter: _Rewriter, tensor: _Tensor, src: str, dst: str, form: str) -> list[onnx.NodeProto]:
+        chain = _Chain(rewriter, src)
+        if not tensor.bounded and self.source.bound < BF16_MAX:  # the quantizer saturates at BF16_MAX itself
+            chain.saturate(self.source.bound, self.source.elem_type)
+        chain.qdq()
+        if self.source.elem_type != TensorProto.FLOAT:  # the dequantizer yields float32
+            chain.cast(self.source.elem_type)
+        return chain.ending_in(dst)
+
+    def finish(self, model: onnx.ModelProto) -> None:
+        model.CopyFrom(attach_custom_ops(model))
+
+
+class _SimulateBF16(_Format):
+    """Weights rounded to bfloat16 values, stored in the original type; activations untouched."""
+
+    weight_form = ROUNDED
+
+    def weight(self, array: np.ndarray) -> np.ndarray:
+        return bf16_values(array, self.source.bound).astype(self.source.dtype)
+
+    def need(self, bf16_position: bool) -> str | None:
+        return None
+
+    def output_need(self) -> str | None:
+        return None
+
+
+class _DirectBF16(_Format):
+    """The model in bfloat16: weights converted, internal tensors retyped, Casts at the boundary."""
+
+    def weight(self, array: np.ndarray) -> np.ndarray:
+        return array  # the bfloat16 copy is made per use, the original serves float-only inputs
+
+    def need(self, bf16_position: bool) -> str | None:
+        return BFLOAT16 if bf16_position else SOURCE
+
+    def output_need(self) -> str | None:
+        return SOURCE
+
+    def output_form(self, schemas: _Schemas, node: onnx.NodeProto, index: int, bf16_params: set[str], retyped: bool) -> str:
+        param = schemas.type_str(node, index, False)
+        return BFLOAT16 if retyped or (param is not None and param in bf16_params) else SOURCE
+
+    def retype(self, schemas: _Schemas, node: onnx.NodeProto) -> bool:
+        if not schemas.allows_bf16(node, 0, is_input=False):
+            return False
+        retyped = False
+        for attribute in node.attribute:
+            if attribute.name in ("to", "dtype") and attribute.type == onnx.AttributeProto.INT \
+                    and attribute.i == self.source.elem_type:
+                attribute.i = TensorProto.BFLOAT16
+                retyped = True
+            elif node.op_type == "ConstantOfShape" and attribute.name == "value" \
+                    and attribute.t.data_type == self.source.elem_type:
+                values = bf16_values(numpy_helper.to_array(attribute.t)).astype(ml_dtypes.bfloat16)
+                attribute.t.CopyFrom(numpy_helper.from_array(values, attribute.t.name))
+                retyped = True
+        return retyped
+
+    def convert(self, rewriter: _Rewriter, tensor: _Tensor, src: str, dst: str, form: str) -> list[onnx.NodeProto]:
+        if form == BFLOAT16 and tensor.weight is not None:
+            values = bf16_values(tensor.weight).astype(ml_dtypes.bfloat16)
+            rewriter.graph.initializer.append(numpy_helper.from_array(values, dst))
+            return []
+        chain = _Chain(rewriter, src)
+        if form == BFLOAT16:
+            chain.saturate(self.source.bound, self.source.elem_type)
+            chain.cast(TensorProto.BFLOAT16)
+        else:
+            if self.source.bound < BF16_MAX:  # float16 cannot hold every bfloat16 value
+                chain.saturate(self.source.bound, TensorProto.BFLOAT16)
+            chain.cast(self.source.elem_type)
+        return chain.ending_in(dst)
+
+    def finish(self, model: onnx.ModelProto) -> None:
+        drop_unused_initializers(model)
+
+
+_FORMATS: dict[str, type[_Format]] = {
+    "with_cast": _WithCast, "bf16": _DirectBF16, "simulate_bf16": _SimulateBF16, "customqdq": _CustomQDQ,
+}

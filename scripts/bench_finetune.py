@@ -1,0 +1,278 @@
+"""Fast-finetune benchmark (JSON on stdout, progress on stderr): quantize real models harshly,
+recover accuracy with AdaRound (INT weights) or AdaQuant (block formats), and measure the metric
+before and after, seconds per unit-iteration, wall time, peak RSS, and what re-running
+onnxruntime on the model truncated after each unit (the per-layer input regeneration this
+library replaces with one pass in torch) would cost over the same calibration data.
+
+Models: the digits CNN and a small transformer classifier (both trained here, reproducibly, on
+scikit-learn's digits; metric: held-out accuracy) and EfficientNet-Lite0 (metric: agreement with
+the float model's top-1 on crops of scikit-learn's sample photos). Each (model, preset) case runs
+in its own process, so its peak RSS is its own.
+
+    python scripts/bench_finetune.py                                  # everything
+    python scripts/bench_finetune.py --models digits --presets XINT8 --iterations 20   # smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import torch
+from torch import nn
+
+from finetune.config import FastFinetune, load_config
+from finetune.lift import lift_model
+from finetune.onnx import attach_custom_ops
+from finetune.onnx.normalize import normalize_model
+from finetune.quantize import quantize_model
+from finetune.recon import find_units, finetune_model
+from finetune.zoo import digits_split, efficientnet_lite0, sample_photo_crops, train_digits_cnn
+
+MODELS = ("digits", "transformer", "efficientnet")
+_INT8_TENSOR = {"format": "int", "dtype": "int8", "symmetric": True, "granularity": "tensor", "calibration": "minmax"}
+PRESETS: dict[str, Any] = {
+    "MX4": "MX4",
+    "MXFP4": "MXFP4",
+    "INT4W_INT8A": {"activation": _INT8_TENSOR, "weight": {**_INT8_TENSOR, "dtype": "int4"}},
+    "XINT8": "XINT8",
+}
+INT_PRESETS = ("INT4W_INT8A", "XINT8")  # AdaRound; the block formats get AdaQuant
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+# --- models and data ------------------------------------------------------------------------------
+
+
+class DigitsTransformer(nn.Module):
+    """A digit's 8 rows as 8 tokens of 8 pixels: linear embedding, learned positions, two
+    TransformerEncoder layers, mean pooling, a linear head."""
+
+    def __init__(self, width: int = 32) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, width)
+        self.position = nn.Parameter(torch.zeros(8, width))
+        layer = nn.TransformerEncoderLayer(width, 4, 2 * width, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(width, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = self.embed(x.reshape(-1, 8, 8)) + self.position
+        return self.head(self.encoder(tokens).mean(1))
+
+
+def train_transformer(seed: int = 0, epochs: int = 40) -> DigitsTransformer:
+    """The transformer trained on the digits training split, reproducibly for a seed."""
+    x_train, y_train, _, _ = digits_split()
+    torch.manual_seed(seed)
+    generator = torch.Generator().manual_seed(seed)
+    model = DigitsTransformer()
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    for _ in range(epochs):
+        for batch in torch.randperm(len(y_train), generator=generator).split(64):
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(model(x_train[batch]), y_train[batch]).backward()
+            optimizer.step()
+    return model.eval()
+
+
+def export(module: nn.Module, example: torch.Tensor, path: Path, opset: int) -> None:
+    """TorchScript-exporter ONNX with a dynamic batch (MatMul weights stay initializers)."""
+    torch.onnx.export(module, (example,), str(path), opset_version=opset, input_names=["x"], output_names=["y"],
+                      dynamic_axes={"x": {0: "n"}, "y": {0: "n"}}, dynamo=False)
+
+
+def prepare(model: str, directory: Path, calibration: int) -> None:
+    """Write float.onnx, calibration batches and evaluation data of a model into `directory`."""
+    directory.mkdir(parents=True, exist_ok=True)
+    if model == "efficientnet":
+        export(efficientnet_lite0(), torch.zeros(1, 3, 224, 224), directory / "float.onnx", 13)
+        batches = sample_photo_crops(calibration, seed=1).split(8)
+        np.savez(directory / "eval.npz", x=sample_photo_crops(200, seed=2).numpy())
+    else:
+        network = train_digits_cnn() if model == "digits" else train_transformer()
+        x_train, _, x_test, y_test = digits_split()
+        export(network, x_test[:2], directory / "float.onnx", 17)
+        batches = x_train[:calibration].split(32)
+        np.savez(directory / "eval.npz", x=x_test.numpy(), y=y_test.numpy())
+    np.savez(directory / "calibration.npz", *[b.numpy() for b in batches])
+
+
+def load_case_data(directory: Path) -> tuple[list[dict[str, np.ndarray]], dict[str, np.ndarray]]:
+    """Calibration feeds and evaluation arrays written by `prepare`."""
+    with np.load(directory / "calibration.npz") as stored:
+        calibration = [{"x": stored[f"arr_{i}"]} for i in range(len(stored.files))]
+    with np.load(directory / "eval.npz") as stored:
+        evaluation = {key: stored[key] for key in stored.files}
+    return calibration, evaluation
+
+
+def session(model: onnx.ModelProto | Path) -> ort.InferenceSession:
+    """onnxruntime CPU with graph optimisations off, so the simulated numerics stay exact."""
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    source = str(model) if isinstance(model, Path) else model.SerializeToString()
+    return ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
+
+
+def logits(model: onnx.ModelProto | Path, x: np.ndarray) -> np.ndarray:
+    """The model's outputs over `x`, in batches of 50."""
+    run = session(model)
+    return np.concatenate([run.run(None, {"x": x[i : i + 50]})[0] for i in range(0, len(x), 50)])
+
+
+def scores(outputs: np.ndarray, float_outputs: np.ndarray, labels: np.ndarray | None) -> dict[str, float]:
+    """The metric (percent held-out accuracy, or top-1 agreement with the float model when there
+    are no labels), the agreement itself, and the mean squared logit error against the float model."""
+    agreement = float(100 * (outputs.argmax(1) == float_outputs.argmax(1)).mean())
+    metric = agreement if labels is None else float(100 * (outputs.argmax(1) == labels).mean())
+    return {"metric": metric, "agreement": agreement, "logit_mse": float(((outputs - float_outputs) ** 2).mean())}
+
+
+# --- one case -------------------------------------------------------------------------------------
+
+
+def ort_rerun_seconds(quantized: onnx.ModelProto, calibration: list[dict[str, np.ndarray]], op_types: tuple[str, ...]) -> float:
+    """Seconds to run onnxruntime on the model truncated after each unit over the calibration
+    data (session creation included), summed over units: regenerating unit inputs per layer."""
+    normalized, _ = normalize_model(quantized)
+    units = find_units(lift_model(normalized), op_types)
+    outputs = {node.name.replace(".", "/"): node.output[0] for node in normalized.graph.node}
+    extractor = onnx.utils.Extractor(normalized)
+    inputs = [i.name for i in normalized.graph.input]
+    total = 0.0
+    for unit in units:
+        truncated = attach_custom_ops(extractor.extract_model(inputs, [outputs[unit.layer]]))
+        start = time.perf_counter()
+        run = session(truncated)
+        for feed in calibration:
+            run.run(None, feed)
+        total += time.perf_counter() - start
+    return total
+
+
+def run_case(model: str, preset: str, directory: Path, iterations: int, adaquant_lr: float) -> dict[str, Any]:
+    """Quantize, measure, fine-tune, measure again; the case's numbers."""
+    calibration, evaluation = load_case_data(directory)
+    float_path = directory / "float.onnx"
+    float_outputs = logits(float_path, evaluation["x"])
+    labels = evaluation.get("y")
+    algorithm = "adaround" if preset in INT_PRESETS else "adaquant"
+    config = FastFinetune(algorithm=algorithm, iterations=iterations, seed=0, lr=adaquant_lr if algorithm == "adaquant" else None)
+    start = time.perf_counter()
+    quantized = quantize_model(float_path, load_config(PRESETS[preset]), calibration).model
+    quantize_seconds = time.perf_counter() - start
+    start = time.perf_counter()
+    tuned, report = finetune_model(quantized, calibration, config)
+    finetune_seconds = time.perf_counter() - start
+    float_metric = scores(float_outputs, float_outputs, labels)["metric"]
+    before = scores(logits(quantized, evaluation["x"]), float_outputs, labels)
+    after = scores(logits(tuned, evaluation["x"]), float_outputs, labels)
+    rerun = ort_rerun_seconds(quantized, calibration, config.op_types)
+    ours = report["float_pass_seconds"] + report["quantized_stream_seconds"]
+    training = sum(u["seconds"] for u in report["units"])
+    loss = float_metric - before["metric"]
+    return {
+        "model": model, "preset": preset, "algorithm": algorithm, "iterations_per_unit": iterations, "lr": config.lr,
+        "metric": "accuracy %" if labels is not None else "top-1 agreement with float %",
+        "float": float_metric, "before": before["metric"], "after": after["metric"],
+        "recovered_fraction": (after["metric"] - before["metric"]) / loss if loss >= 2 else None,
+        "agreement_before": before["agreement"], "agreement_after": after["agreement"],
+        "logit_mse_before": before["logit_mse"], "logit_mse_after": after["logit_mse"],
+        "units": len(report["units"]), "kept": report["kept"], "reverted": report["reverted"],
+        "calibration_samples": report["samples"],
+        "seconds_per_unit_iteration": report["seconds_per_unit_iteration"],
+        "quantize_seconds": quantize_seconds, "finetune_wall_seconds": finetune_seconds,
+        "activation_seconds_ours": ours, "activation_seconds_ort_rerun_per_unit": rerun,
+        "finetune_seconds_if_inputs_came_from_ort_reruns": training + rerun + report["float_pass_seconds"],
+        "per_unit_iteration_with_ort_reruns": (training + rerun) / max(1, report["iterations"]),
+        "per_unit_iteration_ours": (training + ours) / max(1, report["iterations"]),
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "threads": torch.get_num_threads(),
+    }
+
+
+# --- driver ---------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {','.join(MODELS)}")
+    parser.add_argument("--presets", default=",".join(PRESETS), help=f"comma-separated subset of {','.join(PRESETS)}")
+    parser.add_argument("--iterations", type=int, default=500, help="iterations per unit (default 500)")
+    parser.add_argument("--adaquant-lr", type=float, default=1e-3,
+                        help="AdaQuant learning rate (default 1e-3; the library's default 1e-5 barely moves 4-bit block-format weights)")
+    parser.add_argument("--calibration", type=int, default=512, help="calibration samples for the digits models")
+    parser.add_argument("--photo-calibration", type=int, default=32, help="calibration crops for EfficientNet-Lite0")
+    parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--work-dir", type=Path, help="where to keep models and data (default: a temporary folder)")
+    parser.add_argument("--case", nargs=3, metavar=("MODEL", "PRESET", "DIR"), help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def child(args: argparse.Namespace) -> None:
+    """Run one case in this process and print its JSON."""
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
+    model, preset, directory = args.case
+    print(json.dumps(run_case(model, preset, Path(directory), args.iterations, args.adaquant_lr)))
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    if args.case:
+        child(args)
+        return
+    models, presets = args.models.split(","), args.presets.split(",")
+    unknown = (set(models) - set(MODELS)) | (set(presets) - set(PRESETS))
+    if unknown:
+        raise SystemExit(f"unknown model or preset: {sorted(unknown)}")
+    with tempfile.TemporaryDirectory() as scratch:
+        work = args.work_dir or Path(scratch)
+        cases = []
+        for model in models:
+            directory = work / model
+            log(f"preparing {model}")
+            prepare(model, directory, args.photo_calibration if model == "efficientnet" else args.calibration)
+            for preset in presets:
+                log(f"case {model} {preset}")
+                cases.append(run_child(model, preset, directory, args))
+                log(json.dumps(cases[-1]))
+    print(json.dumps({"torch": torch.__version__, "onnxruntime": ort.__version__, "cpus": os.cpu_count(),
+                      "load_average": os.getloadavg(), "cases": cases}, indent=1))
+
+
+def run_child(model: str, preset: str, directory: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """One case in a fresh process (its own peak RSS); wall time measured around it."""
+    command = [sys.executable, __file__, "--case", model, preset, str(directory), "--iterations", str(args.iterations),
+               "--adaquant-lr", str(args.adaquant_lr)]
+    if args.threads:
+        command += ["--threads", str(args.threads)]
+    start = time.perf_counter()
+    result = subprocess.run(command, capture_output=True, text=True, check=False)
+    if result.returncode:
+        raise RuntimeError(f"case {model} {preset} failed:\n{result.stderr[-4000:]}")
+    case = json.loads(result.stdout.strip().splitlines()[-1])
+    case["case_wall_seconds"] = time.perf_counter() - start
+    return case
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,197 @@
+"""Fast finetune from the command line and the pipeline: `finetune quantize` with a fast_finetune
+section or flags, `finetune tune` on models quantized by us, by onnxruntime's quantize_static and
+with com.amd.quark nodes, the saved run config, and the benchmark's smoke run."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
+
+from finetune.cli import main
+from finetune.config import load_config
+from finetune.onnx import CUSTOM_DOMAIN, QUARK_DOMAIN
+from finetune.pipeline import quantize_and_finetune, with_finetune
+from finetune.quantize import quantize_model
+from finetune.zoo import digits_split
+
+from .recon_helpers import export_digits_cnn, one_thread, run  # noqa: F401  (one_thread: autouse fixture)
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+@pytest.fixture(scope="module")
+def digits(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The digits CNN as ONNX, a folder of 4 calibration batches (.npy) and the held-out split."""
+    root = tmp_path_factory.mktemp("digits_cli")
+    x_train, _, x_test, y_test = digits_split()
+    path = export_digits_cnn(root / "digits.onnx", x_test[:1])
+    folder = root / "calib"
+    folder.mkdir()
+    feeds = [{"x": x_train[i : i + 32].numpy()} for i in range(0, 128, 32)]
+    for i, feed in enumerate(feeds):
+        np.save(folder / f"{i:03d}.npy", feed["x"])
+    return {"path": path, "data": folder, "feeds": feeds, "x": x_test.numpy(), "y": y_test.numpy()}
+
+
+@dataclass
+class Outcome:
+    returncode: int
+    stdout: str
+    stderr: str  # the log
+
+
+@pytest.fixture
+def cli(capsys: pytest.CaptureFixture, caplog: pytest.LogCaptureFixture) -> Iterator[Callable[..., Outcome]]:
+    """`finetune ARGS` in this process (a subprocess would spend most of its time importing torch)."""
+    caplog.set_level(logging.INFO)
+
+    def call(*args: str) -> Outcome:
+        capsys.readouterr()
+        caplog.clear()
+        code = main(list(args))
+        return Outcome(code, capsys.readouterr().out, caplog.text)
+
+    yield call
+
+
+def test_flags_override_and_add_a_fast_finetune_section() -> None:
+    adaround = load_config("XINT8_ADAROUND")
+    switched = with_finetune(adaround, {"algorithm": "adaquant", "iterations": 7, "early_stop": True, "seed": None})
+    assert (switched.fast_finetune.algorithm, switched.fast_finetune.lr, switched.fast_finetune.iterations) == ("adaquant", 1e-5, 7)
+    assert switched.fast_finetune.early_stop.enabled and switched.fast_finetune.batch_size == adaround.fast_finetune.batch_size
+    added = with_finetune(load_config("MX4"), {"algorithm": "adaquant", "lr": 1e-3})
+    assert added.fast_finetune.lr == 1e-3 and added.activation == load_config("MX4").activation
+    assert with_finetune(adaround, {"lr": None}) is adaround
+
+
+def test_cli_quantize_with_finetune_writes_model_config_and_report(digits: dict, tmp_path: Path, cli: Callable[..., Outcome]) -> None:
+    out = tmp_path / "out" / "digits.onnx"
+    result = cli("quantize", str(digits["path"]), "--config", "XINT8", "--data", str(digits["data"]), "--finetune", "adaround",
+                 "--iterations", "20", "--seed", "1", "--no-early-stop", "-o", str(out))
+    assert result.returncode == 0, result.stderr
+    assert "fast finetune (adaround, cpu" in result.stdout and "5 units" in result.stdout
+    assert "float reference: the quantized model with its quantizers disabled" in result.stderr
+    config_text = out.with_name("digits.onnx.config.yaml").read_text()
+    assert config_text.startswith("# finetune ") and "torch " in config_text.splitlines()[0]
+    saved = load_config(out.with_name("digits.onnx.config.yaml"))
+    assert saved.fast_finetune.iterations == 20 and saved.fast_finetune.seed == 1 and saved.activation.dtype == "int8"
+    report = json.loads(out.with_name("digits.onnx.finetune.json").read_text())
+    assert len(report["units"]) == 5 and report["config"]["iterations"] == 20
+    assert out.with_name("digits.onnx.finetune.png").is_file()
+    assert (out.parent / "digits.onnx.finetune.logs" / "metrics.csv").is_file()
+    assert (run(out, digits["x"]).argmax(1) == digits["y"]).mean() >= 0.95
+
+
+def test_data_size_alone_does_not_turn_finetuning_on(digits: dict, tmp_path: Path, cli: Callable[..., Outcome]) -> None:
+    out = tmp_path / "q.onnx"
+    result = cli("quantize", str(digits["path"]), "--config", "XINT8", "--data", str(digits["data"]), "--data-size", "64",
+                 "-o", str(out))
+    assert result.returncode == 0 and "fast finetune" not in result.stdout
+    assert load_config(out.with_name("q.onnx.config.yaml")).fast_finetune is None
+    assert not out.with_name("q.onnx.finetune.json").exists()
+
+
+def test_cli_quantize_honours_a_config_with_fast_finetune(digits: dict, tmp_path: Path, cli: Callable[..., Outcome]) -> None:
+    config = tmp_path / "mx4_adaquant.yaml"
+    config.write_text("preset: MX4_ADAQUANT\nfast_finetune: {iterations: 10, lr: 1.0e-3}\n")
+    out = tmp_path / "mx4.onnx"
+    result = cli("quantize", str(digits["path"]), "--config", str(config), "--data", str(digits["data"]), "-o", str(out))
+    assert result.returncode == 0, result.stderr
+    assert json.loads(out.with_name("mx4.onnx.finetune.json").read_text())["algorithm"] == "adaquant"
+    run(out, digits["x"])
+
+
+def test_cli_errors_name_the_problem(digits: dict, tmp_path: Path, cli: Callable[..., Outcome]) -> None:
+    block = cli("quantize", str(digits["path"]), "--config", "XINT8", "--data", str(digits["data"]), "--unit", "block",
+                "-o", str(tmp_path / "b.onnx"))
+    assert block.returncode == 2 and "unit: block" in block.stderr and "later issue" in block.stderr
+    rounding = cli("quantize", str(digits["path"]), "--config", "MX4", "--data", str(digits["data"]), "--finetune", "adaround",
+                   "-o", str(tmp_path / "r.onnx"))
+    assert rounding.returncode == 2 and "AdaRound needs INT weights" in rounding.stderr
+    device = cli("quantize", str(digits["path"]), "--config", "XINT8", "--data", str(digits["data"]), "--finetune", "adaround",
+                 "--device", "hip:0", "-o", str(tmp_path / "d.onnx"))
+    assert device.returncode == 2 and "'hip:0' is not available" in device.stderr
+
+
+class _Reader(CalibrationDataReader):
+    """onnxruntime's calibration reader over the test feeds."""
+
+    def __init__(self, feeds: list[dict[str, np.ndarray]]) -> None:
+        self.feeds = iter(feeds)
+
+    def get_next(self) -> dict[str, np.ndarray] | None:
+        return next(self.feeds, None)
+
+
+def test_cli_tune_a_quantize_static_model_with_and_without_the_float_model(digits: dict, tmp_path: Path, cli: Callable[..., Outcome]) -> None:
+    """onnxruntime's QDQ output stores int8 weight codes: with --float-model the units start from
+    the float weights; without it the log says the reference is the quantized model."""
+    qdq = tmp_path / "ort_qdq.onnx"
+    quantize_static(str(digits["path"]), str(qdq), _Reader(digits["feeds"]), quant_format=QuantFormat.QDQ,
+                    activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8)
+    for extra, reference in [(["--float-model", str(digits["path"]), "--data-size", "64"], "float model"),
+                             ([], "quantized model with quantizers disabled")]:
+        out = tmp_path / f"tuned{len(extra)}.onnx"
+        result = cli("tune", str(qdq), *extra, "--data", str(digits["data"]), "--finetune", "adaround", "--iterations", "30",
+                     "-o", str(out))
+        assert result.returncode == 0, result.stderr
+        assert f"float reference: {reference}" in result.stdout
+        report = json.loads(out.with_name(out.name + ".finetune.json").read_text())
+        assert report["kept"] >= 1 and report["float_reference"] == reference
+        assert report["samples"] == (64 if extra else 128)
+        weights = {t.data_type for t in onnx.load(out).graph.initializer if len(t.dims) == 4}
+        assert weights == {onnx.TensorProto.INT8}
+        assert (run(out, digits["x"]).argmax(1) == digits["y"]).mean() >= 0.95
+    assert "stored as quantized codes" in result.stderr
+
+
+def test_cli_tune_a_model_with_amd_quark_nodes(digits: dict, tmp_path: Path, cli: Callable[..., Outcome]) -> None:
+    """Our MX4 model with its BFP nodes moved to the com.amd.quark domain and the function bodies
+    dropped (as AMD Quark writes it): tuned with AdaQuant, written back with bodies attached."""
+    model = quantize_model(digits["path"], "MX4", None).model
+    for node in model.graph.node:
+        if node.domain == CUSTOM_DOMAIN:
+            node.domain, node.overload = QUARK_DOMAIN, ""
+    del model.functions[:]
+    model.opset_import.append(onnx.helper.make_opsetid(QUARK_DOMAIN, 1))
+    source, out = tmp_path / "quark.onnx", tmp_path / "tuned.onnx"
+    onnx.save(model, source)
+    config = tmp_path / "tune.yaml"
+    config.write_text("fast_finetune: {algorithm: adaquant, iterations: 15, lr: 1.0e-3}\n")
+    result = cli("tune", str(source), "--data", str(digits["data"]), "--config", str(config), "-o", str(out))
+    assert result.returncode == 0, result.stderr
+    tuned = onnx.load(out)
+    assert {n.domain for n in tuned.graph.node if "Quantize" in n.op_type and n.domain} == {QUARK_DOMAIN}
+    assert {f.domain for f in tuned.functions} == {QUARK_DOMAIN}
+    assert (run(out, digits["x"]).argmax(1) == digits["y"]).mean() >= 0.95
+
+
+def test_pipeline_uses_the_float_model_for_compact_weights(digits: dict) -> None:
+    config = {"preset": "XINT8_ADAROUND", "weight_storage": "compact", "fast_finetune": {"iterations": 10}}
+    result = quantize_and_finetune(digits["path"], config, digits["feeds"])
+    assert result.report["float_reference"] == "float model" and result.summary["quantized_nodes"] == 5
+    assert quantize_and_finetune(digits["path"], "XINT8", digits["feeds"]).report is None
+
+
+@pytest.mark.slow
+def test_bench_finetune_smoke_run_on_digits(tmp_path: Path) -> None:
+    result = subprocess.run([sys.executable, str(SCRIPTS / "bench_finetune.py"), "--models", "digits", "--presets", "XINT8,MX4",
+                             "--iterations", "10", "--calibration", "128", "--threads", "1"],
+                            capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    cases = json.loads(result.stdout)["cases"]
+    assert [(c["model"], c["preset"], c["algorithm"]) for c in cases] == [("digits", "XINT8", "adaround"), ("digits", "MX4", "adaquant")]
+    for case in cases:
+        assert case["units"] == 5 and case["calibration_samples"] == 128 and case["peak_rss_mb"] > 0
+        assert 0 < case["seconds_per_unit_iteration"] and case["activation_seconds_ort_rerun_per_unit"] > 0
+        assert 90 <= case["float"] <= 100 and case["after"] >= 80

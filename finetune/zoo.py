@@ -101,22 +101,6 @@ def sample_photos() -> list[np.ndarray]:
     return photos
 
 
-def photo_crops(scales: tuple[float, ...] = (1.0, 0.7, 0.5), grid: int = 3) -> torch.Tensor:
-    """224x224 crops of the sample photos (each resized by every scale, cut on a grid of
-    positions), normalised to [-1, 1] as EfficientNet-Lite expects: (N, 3, 224, 224) float32."""
-    crops = []
-    for photo in sample_photos():
-        image = torch.from_numpy(np.array(photo)).permute(2, 0, 1).float().unsqueeze(0) / 255.0
-        for scale in scales:
-            h, w = image.shape[-2:]
-            size = (max(IMAGENET_SIZE, round(h * scale)), max(IMAGENET_SIZE, round(w * scale)))
-            resized = torch.nn.functional.interpolate(image, size=size, mode="bilinear", antialias=True, align_corners=False)
-            for top in torch.linspace(0, size[0] - IMAGENET_SIZE, grid).round().int().tolist():
-                for left in torch.linspace(0, size[1] - IMAGENET_SIZE, grid).round().int().tolist():
-                    crops.append(resized[0, :, top : top + IMAGENET_SIZE, left : left + IMAGENET_SIZE])
-    return (torch.stack(crops) - 0.5) / 0.5
-
-
 # File extensions of the Python standard library's files and the magika label each should get.
 MAGIKA_EXTENSION_LABELS = {
     ".py": "python", ".txt": "txt", ".json": "json", ".html": "html", ".xml": "xml", ".gif": "gif",
@@ -171,18 +155,16 @@ def export_onnx(module: torch.nn.Module, example: torch.Tensor, path: Path, opse
     return path
 
 
-def sample_photo_crops(count: int, size: int = 224, seed: int = 0) -> torch.Tensor:
-    """`count` random crops (10-100 % of the shorter side, anywhere, half of them mirrored) of the
-    photos scikit-learn bundles, resized to size x size and scaled as EfficientNet-Lite expects,
-    (pixel - 127) / 128, shape (count, 3, size, size); different seeds give independent sets."""
-    from sklearn.datasets import load_sample_images
-
-    photos = [torch.from_numpy(image.copy()).permute(2, 0, 1).float() for image in load_sample_images().images]
+def photo_crops(count: int, size: int = IMAGENET_SIZE, seed: int = 0) -> torch.Tensor:
+    """`count` random square crops of the sample photos (25-100 % of the shorter side, anywhere,
+    half of them mirrored), resized to size x size and scaled as EfficientNet-Lite expects,
+    (pixel - 127) / 128: (count, 3, size, size) float32. Different seeds give independent sets."""
+    photos = [torch.from_numpy(np.array(photo)).permute(2, 0, 1).float() for photo in sample_photos()]
     generator = torch.Generator().manual_seed(seed)
     crops = []
     for _ in range(count):
         photo = photos[int(torch.randint(len(photos), (1,), generator=generator))]
-        side = int(min(photo.shape[1:]) * (0.1 + 0.9 * float(torch.rand((), generator=generator))))
+        side = int(min(photo.shape[1:]) * (0.25 + 0.75 * float(torch.rand((), generator=generator))))
         top = int(torch.randint(photo.shape[1] - side + 1, (1,), generator=generator))
         left = int(torch.randint(photo.shape[2] - side + 1, (1,), generator=generator))
         crop = photo[None, :, top : top + side, left : left + side]

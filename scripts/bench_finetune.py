@@ -39,7 +39,7 @@ from finetune.onnx import attach_custom_ops
 from finetune.onnx.normalize import normalize_model
 from finetune.quantize import quantize_model
 from finetune.recon import find_units, finetune_model
-from finetune.zoo import digits_split, efficientnet_lite0, sample_photo_crops, train_digits_cnn
+from finetune.zoo import digits_split, efficientnet_lite0, photo_crops, train_digits_cnn
 
 MODELS = ("digits", "transformer", "efficientnet")
 _INT8_TENSOR = {"format": "int", "dtype": "int8", "symmetric": True, "granularity": "tensor", "calibration": "minmax"}
@@ -102,8 +102,8 @@ def prepare(model: str, directory: Path, calibration: int) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     if model == "efficientnet":
         export(efficientnet_lite0(), torch.zeros(1, 3, 224, 224), directory / "float.onnx", 13)
-        batches = sample_photo_crops(calibration, seed=1).split(8)
-        np.savez(directory / "eval.npz", x=sample_photo_crops(200, seed=2).numpy())
+        batches = photo_crops(calibration, seed=1).split(8)
+        np.savez(directory / "eval.npz", x=photo_crops(200, seed=2).numpy())
     else:
         network = train_digits_cnn() if model == "digits" else train_transformer()
         x_train, _, x_test, y_test = digits_split()

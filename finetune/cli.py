@@ -160,7 +160,7 @@ def _add_finetune_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("fast finetune (override the config's fast_finetune section)")
     group.add_argument("--finetune", choices=["adaround", "adaquant"], help="algorithm")
     group.add_argument("--iterations", type=int, help="optimisation steps per unit")
-    group.add_argument("--lr", type=float, help="learning rate (default: 0.1 adaround, 1e-5 adaquant)")
+    group.add_argument("--lr", type=float, help="learning rate (default: 0.1 adaround, 1e-3 adaquant)")
     group.add_argument("--batch-size", type=int, help="samples per optimisation step")
     group.add_argument("--early-stop", action=argparse.BooleanOptionalAction, default=None,
                        help="stop a unit when its reconstruction loss stops improving")

@@ -122,7 +122,7 @@ class CachedValue:
         """The given rows (sorted ascending) along the leading axis, as one CPU tensor."""
         chunk_of = np.searchsorted(self.offsets, rows, side="right") - 1
         parts = [self.chunks[c][rows[chunk_of == c] - self.offsets[c]] for c in np.unique(chunk_of)]
-        return torch.from_numpy(np.concatenate(parts) if len(parts) > 1 else np.array(parts[0]))
+        return torch.from_numpy(np.concatenate(parts) if len(parts) > 1 else parts[0].view(np.ndarray))
 
     def clear(self) -> None:
         """Drop every chunk."""

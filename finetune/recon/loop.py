@@ -201,21 +201,22 @@ class Tuner:
 class Batches:
     """Random training batches of a unit, reproducible from the seed and the unit index: rows
     drawn without replacement, the input mixed per element from the quantized (probability
-    drop_ratio) and float inputs, QDrop-style."""
+    drop_ratio, in steps of 1/256) and float inputs, QDrop-style. The mask comes from random
+    bytes, four times cheaper than float draws on the large inputs of image models."""
 
     def __init__(self, inputs: CachedValue, float_inputs: CachedValue, targets: CachedValue, config: FastFinetune, k: int) -> None:
         self.inputs, self.float_inputs, self.targets = inputs, float_inputs, targets
         self.size = min(config.batch_size, inputs.rows)
-        self.drop_ratio = config.drop_ratio
-        self.generator = torch.Generator().manual_seed(config.seed * 100_003 + k)
+        self.threshold = round(config.drop_ratio * 256)
+        self.generator = np.random.default_rng([config.seed, k])
 
     def next(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """The next (input, target) batch on `device`."""
-        rows = np.sort(torch.randperm(self.inputs.rows, generator=self.generator)[: self.size].numpy())
+        rows = np.sort(self.generator.permutation(self.inputs.rows)[: self.size])
         x = self.inputs.gather(rows)
-        if self.drop_ratio < 1:
-            keep = torch.rand(x.shape, generator=self.generator) < self.drop_ratio
-            x = torch.where(keep, x, self.float_inputs.gather(rows))
+        if self.threshold < 256:
+            noise = np.frombuffer(self.generator.bytes(x.numel()), dtype=np.uint8).reshape(x.shape)
+            x = torch.where(torch.from_numpy(noise < self.threshold), x, self.float_inputs.gather(rows))
         return x.to(device), self.targets.gather(rows).to(device)
 
 

@@ -99,7 +99,7 @@ def _layer_unit(
         return None
     bias_arg = node.args[BIAS_INDEX] if op_type != "MatMul" and len(node.args) > BIAS_INDEX else None
     bias = parameter_behind(module, bias_arg, constant) if isinstance(bias_arg, fx.Node) else None
-    tail = _output_tail(module, node) if include_output_quant else []
+    tail = _output_tail(module, node, include_output_quant)
     last_float = next((n for n in reversed(tail) if not isinstance(module.get_submodule(n.target), FakeQuantize)), node)
     return Unit(
         layer=node.target, op_type=op_type, input=node.args[activations[0]].name, input_index=activations[0],
@@ -133,12 +133,13 @@ def parameter_behind(module: LiftedModule, node: fx.Node | None, constant: set[f
     return None
 
 
-def _output_tail(module: LiftedModule, layer: fx.Node) -> list[fx.Node]:
-    """The layer's activation and then its output quantizer, each taken only when it is the sole
+def _output_tail(module: LiftedModule, layer: fx.Node, include_output_quant: bool) -> list[fx.Node]:
+    """The layer's activation (so the loss ignores what the activation discards, as AdaRound's
+    paper does) and, when asked, then its output quantizer; each taken only when it is the sole
     reader of the value before it."""
     tail: list[fx.Node] = []
     current = layer
-    for kinds in (ACTIVATION_TYPES, (FakeQuantize,)):
+    for kinds in (ACTIVATION_TYPES, (FakeQuantize,))[: 2 if include_output_quant else 1]:
         users = list(current.users)
         if len(users) == 1 and users[0].op == "call_module" and isinstance(module.get_submodule(users[0].target), kinds):
             current = users[0]

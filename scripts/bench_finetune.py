@@ -31,7 +31,6 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import torch
-from torch import nn
 
 from finetune.config import FastFinetune, load_config
 from finetune.lift import lift_model
@@ -39,7 +38,7 @@ from finetune.onnx import attach_custom_ops
 from finetune.onnx.normalize import normalize_model
 from finetune.quantize import quantize_model
 from finetune.recon import find_units, finetune_model
-from finetune.zoo import digits_split, efficientnet_lite0, photo_crops, train_digits_cnn
+from finetune.zoo import digits_split, efficientnet_lite0, export_onnx, photo_crops, train_digits_cnn, train_digits_transformer
 
 MODELS = ("digits", "transformer", "efficientnet")
 _INT8_TENSOR = {"format": "int", "dtype": "int8", "symmetric": True, "granularity": "tensor", "calibration": "minmax"}
@@ -59,55 +58,17 @@ def log(message: str) -> None:
 # --- models and data ------------------------------------------------------------------------------
 
 
-class DigitsTransformer(nn.Module):
-    """A digit's 8 rows as 8 tokens of 8 pixels: linear embedding, learned positions, two
-    TransformerEncoder layers, mean pooling, a linear head."""
-
-    def __init__(self, width: int = 32) -> None:
-        super().__init__()
-        self.embed = nn.Linear(8, width)
-        self.position = nn.Parameter(torch.zeros(8, width))
-        layer = nn.TransformerEncoderLayer(width, 4, 2 * width, dropout=0.0, batch_first=True)
-        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
-        self.head = nn.Linear(width, 10)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        tokens = self.embed(x.reshape(-1, 8, 8)) + self.position
-        return self.head(self.encoder(tokens).mean(1))
-
-
-def train_transformer(seed: int = 0, epochs: int = 40) -> DigitsTransformer:
-    """The transformer trained on the digits training split, reproducibly for a seed."""
-    x_train, y_train, _, _ = digits_split()
-    torch.manual_seed(seed)
-    generator = torch.Generator().manual_seed(seed)
-    model = DigitsTransformer()
-    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
-    for _ in range(epochs):
-        for batch in torch.randperm(len(y_train), generator=generator).split(64):
-            optimizer.zero_grad()
-            nn.functional.cross_entropy(model(x_train[batch]), y_train[batch]).backward()
-            optimizer.step()
-    return model.eval()
-
-
-def export(module: nn.Module, example: torch.Tensor, path: Path, opset: int) -> None:
-    """TorchScript-exporter ONNX with a dynamic batch (MatMul weights stay initializers)."""
-    torch.onnx.export(module, (example,), str(path), opset_version=opset, input_names=["x"], output_names=["y"],
-                      dynamic_axes={"x": {0: "n"}, "y": {0: "n"}}, dynamo=False)
-
-
 def prepare(model: str, directory: Path, calibration: int) -> None:
     """Write float.onnx, calibration batches and evaluation data of a model into `directory`."""
     directory.mkdir(parents=True, exist_ok=True)
     if model == "efficientnet":
-        export(efficientnet_lite0(), torch.zeros(1, 3, 224, 224), directory / "float.onnx", 13)
+        export_onnx(efficientnet_lite0(), torch.zeros(1, 3, 224, 224), directory / "float.onnx", 13)
         batches = photo_crops(calibration, seed=1).split(8)
         np.savez(directory / "eval.npz", x=photo_crops(200, seed=2).numpy())
     else:
-        network = train_digits_cnn() if model == "digits" else train_transformer()
+        network = train_digits_cnn() if model == "digits" else train_digits_transformer()
         x_train, _, x_test, y_test = digits_split()
-        export(network, x_test[:2], directory / "float.onnx", 17)
+        export_onnx(network, x_test[:2], directory / "float.onnx", 17)
         batches = x_train[:calibration].split(32)
         np.savez(directory / "eval.npz", x=x_test.numpy(), y=y_test.numpy())
     np.savez(directory / "calibration.npz", *[b.numpy() for b in batches])

@@ -82,6 +82,10 @@ def test_units_of_the_digits_cnn(digits: dict) -> None:
     assert all(isinstance(module.get_submodule(u.weight_quantizer), FakeQuantize) for u in units)
     inputs = dict(module.named_modules())
     assert all(isinstance(inputs[next(n for n in module.graph.nodes if n.name == u.input).target], FakeQuantize) for u in units)
+    kinds = [[type(module.get_submodule(next(n for n in module.graph.nodes if n.name == name).target)).__name__
+              for name in u.nodes] for u in units]
+    assert kinds == [["Conv", "ReLU"]] * 3 + [["OnnxGemm", "ReLU"], ["OnnxGemm"]]  # the activation is in the unit
+    assert all(u.target_module.endswith("Relu") for u in units[:4])
     with_tail = find_units(module, OP_TYPES, include_output_quant=True)
     kinds = [[type(module.get_submodule(next(n for n in module.graph.nodes if n.name == name).target)).__name__
               for name in u.nodes] for u in with_tail]

@@ -50,12 +50,13 @@ def initializers(model: onnx.ModelProto) -> dict[str, np.ndarray]:
 
 
 class TwoLinear(nn.Module):
-    """Transformer-style MatMuls on (batch, tokens, features): two Linear layers with a ReLU, and
-    a MatMul of two activations (not a unit: it has no constant weight)."""
+    """Transformer-style MatMuls on (batch, tokens, features): two Linear layers (the first with a
+    bias, exported as MatMul + Add) with a ReLU, and a MatMul of two activations (not a unit: it
+    has no constant weight)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.first, self.second = nn.Linear(16, 32, bias=False), nn.Linear(32, 16, bias=False)
+        self.first, self.second = nn.Linear(16, 32), nn.Linear(32, 16, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.second(torch.relu(self.first(x)))
@@ -100,7 +101,11 @@ def test_units_of_a_matmul_model(matmul_model: Path) -> None:
     module = lift_model(quantize_model(matmul_model, "MXFP4", None).model)
     units = find_units(module, OP_TYPES)
     assert [u.op_type for u in units] == ["MatMul", "MatMul"]
-    assert [u.input_index for u in units] == [0, 0] and all(u.bias is None for u in units)
+    assert [u.input_index for u in units] == [0, 0]
+    assert units[0].bias == "initializers.first/bias" and units[1].bias is None  # the bias Add joins the MatMul's unit
+    kinds = [[type(module.get_submodule(next(n for n in module.graph.nodes if n.name == name).target)).__name__
+              for name in u.nodes] for u in units]
+    assert kinds == [["OnnxMatMul", "OnnxBinaryMathOperation", "ReLU"], ["OnnxMatMul"]]
     with pytest.raises(NotImplementedError, match="later issue"):
         find_units(module, OP_TYPES, unit="block")
 

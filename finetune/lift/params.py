@@ -86,8 +86,14 @@ def to_torch(array: np.ndarray) -> torch.Tensor:
 
 def trainable_initializers(graph: onnx.GraphProto) -> set[str]:
     """Initializers that feed a weight or bias input of Conv, ConvTranspose, Gemm or MatMul,
-    directly or through quantize-dequantize nodes."""
+    directly or through quantize-dequantize nodes, and the 1-D bias a lone Add puts after a
+    MatMul (a Linear layer as exporters write it)."""
     producers = {output: node for node in graph.node for output in node.output}
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        for value in node.input:
+            readers.setdefault(value, []).append(node)
+    vectors = {t.name for t in graph.initializer if len(t.dims) == 1}
     initializers = {t.name for t in graph.initializer}
     found = set()
     for node in graph.node:
@@ -97,6 +103,9 @@ def trainable_initializers(graph: onnx.GraphProto) -> set[str]:
             name = _through_quantizers(node.input[index], producers, initializers) if index < len(node.input) else None
             if name is not None:
                 found.add(name)
+        after = readers.get(node.output[0], []) if node.op_type == "MatMul" else []
+        if len(after) == 1 and after[0].op_type == "Add" and after[0].domain in DEFAULT_DOMAINS:
+            found.update(value for value in after[0].input if value in vectors)
     return found
 
 

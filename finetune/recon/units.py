@@ -1,6 +1,6 @@
 """Reconstruction units of a lifted module: one weight layer (Conv, ConvTranspose, Gemm, MatMul
-with a constant weight) with the quantized input it reads, optionally followed by its activation
-and output quantizer, in graph order."""
+with a constant weight, and the bias Add after such a MatMul) with the quantized input it reads,
+followed by its activation and optionally its output quantizer, in graph order."""
 
 from __future__ import annotations
 
@@ -8,9 +8,11 @@ import logging
 from dataclasses import dataclass
 
 from onnx2torch.node_converters.activations import OnnxHardSigmoid
+from onnx2torch.node_converters.binary_math_operations import OnnxBinaryMathOperation
 from onnx2torch.node_converters.clip import OnnxClip
 from onnx2torch.node_converters.gemm import OnnxGemm
 from onnx2torch.node_converters.matmul import OnnxMatMul
+import torch
 from torch import fx, nn
 
 from finetune.lift import FakeQuantize, LiftedModule
@@ -97,9 +99,13 @@ def _layer_unit(
     if len(module.finetune_params[weight].consumers) > 1:
         logger.warning("%s is not tuned: its weight is shared with %s", node.target, module.finetune_params[weight].consumers)
         return None
-    bias_arg = node.args[BIAS_INDEX] if op_type != "MatMul" and len(node.args) > BIAS_INDEX else None
+    bias_add = _bias_add(module, node, constant) if op_type == "MatMul" else None
+    if bias_add is not None:
+        bias_arg = next(arg for arg in bias_add.args if arg is not node)
+    else:
+        bias_arg = node.args[BIAS_INDEX] if op_type != "MatMul" and len(node.args) > BIAS_INDEX else None
     bias = parameter_behind(module, bias_arg, constant) if isinstance(bias_arg, fx.Node) else None
-    tail = _output_tail(module, node, include_output_quant)
+    tail = ([bias_add] if bias_add is not None else []) + _output_tail(module, bias_add or node, include_output_quant)
     last_float = next((n for n in reversed(tail) if not isinstance(module.get_submodule(n.target), FakeQuantize)), node)
     return Unit(
         layer=node.target, op_type=op_type, input=node.args[activations[0]].name, input_index=activations[0],
@@ -131,6 +137,23 @@ def parameter_behind(module: LiftedModule, node: fx.Node | None, constant: set[f
             return current.target
         stack.extend(current.all_input_nodes)
     return None
+
+
+def _bias_add(module: LiftedModule, matmul: fx.Node, constant: set[fx.Node]) -> fx.Node | None:
+    """The Add of a constant vector (a Linear layer's bias, as exporters write it after a MatMul)
+    that is the MatMul's sole reader, with a bias parameter only it reads; else None."""
+    users = list(matmul.users)
+    if len(users) != 1 or users[0].op != "call_module" or len(users[0].args) != 2:
+        return None
+    add = users[0]
+    operation = module.get_submodule(add.target)
+    other = next((arg for arg in add.args if arg is not matmul), None)
+    if not isinstance(operation, OnnxBinaryMathOperation) or operation.math_op_function is not torch.add:
+        return None
+    bias = parameter_behind(module, other, constant) if isinstance(other, fx.Node) else None
+    if bias is None or len(module.finetune_params[bias].consumers) > 1 or module.get_parameter(bias).dim() != 1:
+        return None
+    return add
 
 
 def _output_tail(module: LiftedModule, layer: fx.Node, include_output_quant: bool) -> list[fx.Node]:

@@ -7,12 +7,12 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import torch
 from onnx2torch.node_converters.activations import OnnxHardSigmoid
 from onnx2torch.node_converters.binary_math_operations import OnnxBinaryMathOperation
 from onnx2torch.node_converters.clip import OnnxClip
 from onnx2torch.node_converters.gemm import OnnxGemm
 from onnx2torch.node_converters.matmul import OnnxMatMul
-import torch
 from torch import fx, nn
 
 from finetune.lift import FakeQuantize, LiftedModule
@@ -99,12 +99,10 @@ def _layer_unit(
     if len(module.finetune_params[weight].consumers) > 1:
         logger.warning("%s is not tuned: its weight is shared with %s", node.target, module.finetune_params[weight].consumers)
         return None
-    bias_add = _bias_add(module, node, constant) if op_type == "MatMul" else None
-    if bias_add is not None:
-        bias_arg = next(arg for arg in bias_add.args if arg is not node)
+    if op_type == "MatMul":
+        bias_add, bias = _bias_add(module, node, constant)
     else:
-        bias_arg = node.args[BIAS_INDEX] if op_type != "MatMul" and len(node.args) > BIAS_INDEX else None
-    bias = parameter_behind(module, bias_arg, constant) if isinstance(bias_arg, fx.Node) else None
+        bias_add, bias = None, parameter_behind(module, node.args[BIAS_INDEX] if len(node.args) > BIAS_INDEX else None, constant)
     tail = ([bias_add] if bias_add is not None else []) + _output_tail(module, bias_add or node, include_output_quant)
     last_float = next((n for n in reversed(tail) if not isinstance(module.get_submodule(n.target), FakeQuantize)), node)
     return Unit(
@@ -139,21 +137,21 @@ def parameter_behind(module: LiftedModule, node: fx.Node | None, constant: set[f
     return None
 
 
-def _bias_add(module: LiftedModule, matmul: fx.Node, constant: set[fx.Node]) -> fx.Node | None:
-    """The Add of a constant vector (a Linear layer's bias, as exporters write it after a MatMul)
-    that is the MatMul's sole reader, with a bias parameter only it reads; else None."""
+def _bias_add(module: LiftedModule, matmul: fx.Node, constant: set[fx.Node]) -> tuple[fx.Node | None, str | None]:
+    """(the Add, its bias parameter) when the MatMul's sole reader adds a constant vector that
+    only it reads (a Linear layer's bias, as exporters write it), else (None, None)."""
     users = list(matmul.users)
     if len(users) != 1 or users[0].op != "call_module" or len(users[0].args) != 2:
-        return None
+        return None, None
     add = users[0]
     operation = module.get_submodule(add.target)
-    other = next((arg for arg in add.args if arg is not matmul), None)
     if not isinstance(operation, OnnxBinaryMathOperation) or operation.math_op_function is not torch.add:
-        return None
-    bias = parameter_behind(module, other, constant) if isinstance(other, fx.Node) else None
+        return None, None
+    other = add.args[0] if add.args[1] is matmul else add.args[1]
+    bias = parameter_behind(module, other if isinstance(other, fx.Node) else None, constant)
     if bias is None or len(module.finetune_params[bias].consumers) > 1 or module.get_parameter(bias).dim() != 1:
-        return None
-    return add
+        return None, None
+    return add, bias
 
 
 def _output_tail(module: LiftedModule, layer: fx.Node, include_output_quant: bool) -> list[fx.Node]:

@@ -127,7 +127,7 @@ def ort_rerun_seconds(quantized: onnx.ModelProto, calibration: list[dict[str, np
     return total
 
 
-def run_case(model: str, preset: str, directory: Path, iterations: int, adaquant_lr: float) -> dict[str, Any]:
+def run_case(model: str, preset: str, directory: Path, iterations: int, adaquant_lr: float | None) -> dict[str, Any]:
     """Quantize, measure, fine-tune, measure again; the case's numbers."""
     calibration, evaluation = load_case_data(directory)
     float_path = directory / "float.onnx"
@@ -176,8 +176,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {','.join(MODELS)}")
     parser.add_argument("--presets", default=",".join(PRESETS), help=f"comma-separated subset of {','.join(PRESETS)}")
     parser.add_argument("--iterations", type=int, default=500, help="iterations per unit (default 500)")
-    parser.add_argument("--adaquant-lr", type=float, default=1e-3,
-                        help="AdaQuant learning rate (default 1e-3; the library's default 1e-5 barely moves 4-bit block-format weights)")
+    parser.add_argument("--adaquant-lr", type=float, help="AdaQuant learning rate (default: the library's, 1e-3)")
     parser.add_argument("--calibration", type=int, default=512, help="calibration samples for the digits models")
     parser.add_argument("--photo-calibration", type=int, default=32, help="calibration crops for EfficientNet-Lite0")
     parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
@@ -223,7 +222,7 @@ def main(argv: list[str] | None = None) -> None:
 def run_child(model: str, preset: str, directory: Path, args: argparse.Namespace) -> dict[str, Any]:
     """One case in a fresh process (its own peak RSS); wall time measured around it."""
     command = [sys.executable, __file__, "--case", model, preset, str(directory), "--iterations", str(args.iterations),
-               "--adaquant-lr", str(args.adaquant_lr)]
+               *(["--adaquant-lr", str(args.adaquant_lr)] if args.adaquant_lr else [])]
     if args.threads:
         command += ["--threads", str(args.threads)]
     start = time.perf_counter()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import onnx
@@ -130,12 +131,10 @@ def _bypass_initializer_identities(model: onnx.ModelProto) -> list[str]:
     }
     if not renames:
         return []
-    kept = [node for node in graph.node if not (node.op_type == "Identity" and node.output and node.output[0] in renames)]
-    for node in kept:
+    keep_only(graph.node, lambda node: not (node.op_type == "Identity" and node.output and node.output[0] in renames))
+    for node in graph.node:
         for i, name in enumerate(node.input):
             node.input[i] = renames.get(name, name)
-    del graph.node[:]
-    graph.node.extend(kept)
     return [f"bypassed {len(renames)} Identity node(s) of initializers"]
 
 
@@ -143,13 +142,19 @@ def _drop_initializer_inputs(model: onnx.ModelProto) -> list[str]:
     """Remove initializers from the graph inputs (older IRs list them there), so the inputs are the data."""
     graph = model.graph
     initializers = {t.name for t in graph.initializer}
-    data = [i for i in graph.input if i.name not in initializers]
-    dropped = len(graph.input) - len(data)
-    if not dropped:
-        return []
-    del graph.input[:]
-    graph.input.extend(data)
-    return [f"removed {dropped} initializer(s) from the graph inputs"]
+    dropped = keep_only(graph.input, lambda value: value.name not in initializers)
+    return [f"removed {dropped} initializer(s) from the graph inputs"] if dropped else []
+
+
+def keep_only(items: Any, keep: Callable[[Any], bool]) -> int:
+    """Keep the entries of a protobuf repeated field that `keep` accepts, in order and in place;
+    returns how many were removed."""
+    kept = [item for item in items if keep(item)]
+    removed = len(items) - len(kept)
+    if removed:
+        del items[:]
+        items.extend(kept)
+    return removed
 
 
 def _name_nodes(model: onnx.ModelProto) -> list[str]:

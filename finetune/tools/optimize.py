@@ -12,7 +12,7 @@ import onnx
 from onnx import helper, numpy_helper, shape_inference
 from onnx.reference import ReferenceEvaluator
 
-from finetune.onnx.normalize import DEFAULT_DOMAINS, default_opset
+from finetune.onnx.normalize import DEFAULT_DOMAINS, default_opset, keep_only
 
 logger = logging.getLogger(__name__)
 
@@ -121,13 +121,8 @@ def drop_unused_initializers(model: onnx.ModelProto) -> list[str]:
     """Remove initializers that no node reads and that are not graph outputs, in place."""
     graph = model.graph
     used = {name for node in graph.node for name in node.input} | {o.name for o in graph.output}
-    kept = [tensor for tensor in graph.initializer if tensor.name in used]
-    dropped = len(graph.initializer) - len(kept)
-    if not dropped:
-        return []
-    del graph.initializer[:]
-    graph.initializer.extend(kept)
-    return [f"removed {dropped} unused initializer(s)"]
+    dropped = keep_only(graph.initializer, lambda tensor: tensor.name in used)
+    return [f"removed {dropped} unused initializer(s)"] if dropped else []
 
 
 def fuse_parallel_matmuls(model: onnx.ModelProto) -> list[str]:

@@ -467,6 +467,9 @@ class FastFinetune(Section):
             object.__setattr__(self, "lr", DEFAULT_LR[self.algorithm])
         if self.update_bias and self.algorithm != "adaquant":
             raise ConfigError("update_bias", "applies to algorithm adaquant only (adaround learns roundings)")
+        if self.include_output_quant and self.unit == "block":
+            raise ConfigError("include_output_quant", "applies to unit: layer only (a block ends where one value is live; "
+                              "the quantizers reading it belong to the next block)")
 
 
 BiasFormat = Literal["int32"] | None

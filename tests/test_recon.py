@@ -79,8 +79,8 @@ def test_units_of_the_digits_cnn(digits: dict) -> None:
     module = lift_model(quantize_model(digits["path"], "XINT8", digits["small"]).model)
     units = find_units(module, OP_TYPES)
     assert [u.op_type for u in units] == ["Conv", "Conv", "Conv", "Gemm", "Gemm"]
-    assert all(u.weight_quantizer and u.bias for u in units)
-    assert all(isinstance(module.get_submodule(u.weight_quantizer), FakeQuantize) for u in units)
+    assert all(len(u.layers) == 1 and u.layers[0].weight_quantizer and u.layers[0].bias for u in units)
+    assert all(isinstance(module.get_submodule(u.layers[0].weight_quantizer), FakeQuantize) for u in units)
     inputs = dict(module.named_modules())
     assert all(isinstance(inputs[next(n for n in module.graph.nodes if n.name == u.input).target], FakeQuantize) for u in units)
     kinds = [[type(module.get_submodule(next(n for n in module.graph.nodes if n.name == name).target)).__name__
@@ -101,13 +101,11 @@ def test_units_of_a_matmul_model(matmul_model: Path) -> None:
     module = lift_model(quantize_model(matmul_model, "MXFP4", None).model)
     units = find_units(module, OP_TYPES)
     assert [u.op_type for u in units] == ["MatMul", "MatMul"]
-    assert [u.input_index for u in units] == [0, 0]
-    assert units[0].bias == "initializers.first/bias" and units[1].bias is None  # the bias Add joins the MatMul's unit
+    assert [u.layers[0].input_index for u in units] == [0, 0]
+    assert units[0].layers[0].bias == "initializers.first/bias" and units[1].layers[0].bias is None  # the bias Add joins the MatMul's unit
     kinds = [[type(module.get_submodule(next(n for n in module.graph.nodes if n.name == name).target)).__name__
               for name in u.nodes] for u in units]
     assert kinds == [["OnnxMatMul", "OnnxBinaryMathOperation", "ReLU"], ["OnnxMatMul"]]
-    with pytest.raises(NotImplementedError, match="later issue"):
-        find_units(module, OP_TYPES, unit="block")
 
 
 def test_the_quantized_stream_equals_the_full_model(matmul_model: Path, digits: dict) -> None:
@@ -117,8 +115,8 @@ def test_the_quantized_stream_equals_the_full_model(matmul_model: Path, digits: 
                                                        for i in range(3)]), (digits["path"], "XINT8", digits["small"])]:
         module = lift_model(quantize_model(path, preset, feeds).model)
         units = find_units(module, OP_TYPES, include_output_quant=True)
-        seen = {u.layer: [] for u in units}
-        hooks = [module.get_submodule(u.layer).register_forward_pre_hook(lambda _m, a, u=u, seen=seen: seen[u.layer].append(a[u.input_index]))
+        seen = {u.name: [] for u in units}
+        hooks = [module.get_submodule(u.source).register_forward_pre_hook(lambda _m, a, u=u, seen=seen: seen[u.name].append(a[u.source_argument]))
                  for u in units]
         with torch.no_grad():
             for feed in feeds:
@@ -130,7 +128,7 @@ def test_the_quantized_stream_equals_the_full_model(matmul_model: Path, digits: 
             stream = QuantizedStream(cut(module, units), placeholders, cache_inputs(feeds, ["x"], cache), cache, torch.device("cpu"))
             for k, unit in enumerate(units):
                 value = stream.before(k, unit)
-                for chunk, expected in enumerate(seen[unit.layer]):
+                for chunk, expected in enumerate(seen[unit.name]):
                     assert torch.equal(value.tensor(chunk, torch.device("cpu")), expected)
                 stream.after(k)
             assert not stream.env and cache.in_memory == 0
@@ -185,8 +183,8 @@ def test_adaround_codes_are_floor_or_ceil(digits: dict) -> None:
     module, before, after = lift_model(quantized), initializers(quantized), initializers(tuned)
     changed = 0
     for unit in find_units(module, OP_TYPES):
-        source = module.finetune_params[unit.weight]
-        quantizer = module.get_submodule(unit.weight_quantizer)
+        source = module.finetune_params[unit.layers[0].weight]
+        quantizer = module.get_submodule(unit.layers[0].weight_quantizer)
         w0, w1 = (torch.tensor(m[source.initializer]) for m in (before, after))
         scale = broadcast_param(quantizer.scale, w0, quantizer.spec.axis, quantizer.spec.block_size)
         codes = torch.round(w1 / scale)  # what QuantizeLinear stores

@@ -112,9 +112,11 @@ def test_cli_quantize_honours_a_config_with_fast_finetune(digits: dict, tmp_path
 
 
 def test_cli_errors_name_the_problem(digits: dict, tmp_path: Path, cli: Callable[..., Outcome]) -> None:
-    block = cli("quantize", str(digits["path"]), "--config", "XINT8", "--data", str(digits["data"]), "--unit", "block",
+    config = tmp_path / "block_tail.yaml"
+    config.write_text("preset: XINT8\nfast_finetune: {include_output_quant: true}\n")
+    block = cli("quantize", str(digits["path"]), "--config", str(config), "--data", str(digits["data"]), "--unit", "block",
                 "-o", str(tmp_path / "b.onnx"))
-    assert block.returncode == 2 and "unit: block" in block.stderr and "later issue" in block.stderr
+    assert block.returncode == 2 and "include_output_quant" in block.stderr and "unit: layer only" in block.stderr
     rounding = cli("quantize", str(digits["path"]), "--config", "MX4", "--data", str(digits["data"]), "--finetune", "adaround",
                    "-o", str(tmp_path / "r.onnx"))
     assert rounding.returncode == 2 and "AdaRound needs INT weights" in rounding.stderr

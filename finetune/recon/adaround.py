@@ -83,7 +83,7 @@ def beta(step: int, iterations: int) -> float | None:
 
 def check_int_weights(module: LiftedModule, units: list[Unit]) -> None:
     """AdaRound learns integer roundings: every quantized weight must be INT (a clear error otherwise)."""
-    for unit in units:
-        spec = module.get_submodule(unit.weight_quantizer).spec if unit.weight_quantizer else None
+    for layer in (layer for unit in units for layer in unit.layers):
+        spec = module.get_submodule(layer.weight_quantizer).spec if layer.weight_quantizer else None
         if spec is not None and not isinstance(spec, IntSpec):
-            raise ValueError(f"AdaRound needs INT weights, but {unit.layer} has {spec}; use algorithm adaquant for this format")
+            raise ValueError(f"AdaRound needs INT weights, but {layer.name} has {spec}; use algorithm adaquant for this format")

@@ -103,7 +103,7 @@ def _run(module: LiftedModule, reference: LiftedModule, units: list[Unit], origi
         for k, unit in enumerate(units):
             unit_inputs = stream.before(k, unit)
             float_inputs, targets = cache.value(float_input_key(unit)), cache.value(float_target_key(unit))
-            results.append(tuner.tune(k, unit, module, plan.train[k], unit_inputs, float_inputs, targets, starts.get(unit.weight)))
+            results.append(tuner.tune(k, unit, module, plan.train[k], unit_inputs, float_inputs, targets, starts))
             cache.release(float_inputs.name)
             cache.release(targets.name)
             stream.after(k)
@@ -118,15 +118,15 @@ def _float_weights(module: LiftedModule, reference: LiftedModule, units: list[Un
     layers = {n.target: n for n in reference.graph.nodes if n.op == "call_module"}
     constant = constant_nodes(reference.graph)
     starts = {}
-    for unit in units:
-        if module.finetune_params[unit.weight].transform is None or unit.layer not in layers:
+    for layer in (layer for unit in units for layer in unit.layers):
+        if module.finetune_params[layer.weight].transform is None or layer.name not in layers:
             continue
-        node = layers[unit.layer]
-        index = 1 if unit.op_type != "MatMul" else 1 - unit.input_index
+        node = layers[layer.name]
+        index = 1 if layer.op_type != "MatMul" else 1 - layer.input_index
         name = parameter_behind(reference, node.args[index] if index < len(node.args) else None, constant)
         value = None if name is None else reference.get_parameter(name).detach()
-        if value is not None and value.shape == module.get_parameter(unit.weight).shape:
-            starts[unit.weight] = value
+        if value is not None and value.shape == module.get_parameter(layer.weight).shape:
+            starts[layer.weight] = value
     if starts:
         logger.info("%d unit(s) stored as codes start from the float model's weights", len(starts))
     return starts

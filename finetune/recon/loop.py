@@ -12,6 +12,7 @@ import importlib.util
 import logging
 import math
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,14 +25,15 @@ from torch import fx
 from tqdm.auto import tqdm
 
 from finetune.config import EarlyStop, FastFinetune
-from finetune.lift import LiftedModule
+from finetune.lift import FakeQuantize, LiftedModule
 
 from .adaround import REG_WEIGHT, SoftRounding, beta
 from .cache import CachedValue
-from .units import Unit
+from .units import Unit, constant_nodes
 
 logger = logging.getLogger(__name__)
 
+Roundings = list[tuple[SoftRounding, torch.Tensor]]  # AdaRound's soft rounding of each quantized weight, and the weight
 LOG_EVERY = 10  # iterations between logged rows and progress-bar loss updates
 
 
@@ -89,19 +91,20 @@ class Tuner:
 
     def tune(self, k: int, unit: Unit, module: LiftedModule, train: fx.GraphModule,
              inputs: CachedValue, float_inputs: CachedValue, targets: CachedValue,
-             start: torch.Tensor | None = None) -> UnitResult:
-        """Optimise unit k's weights (from `start` if given) to reproduce its float targets; keep
-        them only if the loss over all cached samples went down."""
+             starts: dict[str, torch.Tensor] | None = None) -> UnitResult:
+        """Optimise unit k's weights (from `starts`, by parameter name, where given) to reproduce its
+        float targets; keep them only if the loss over all cached samples went down."""
         begin = time.perf_counter()
-        self.progress.set_description(f"unit {k + 1}/{self.units} {unit.layer}")
-        names = [unit.weight] + ([unit.bias] if unit.bias else [])
+        self.progress.set_description(f"unit {k + 1}/{self.units} {unit.name}")
+        names = [name for layer in unit.layers for name in (layer.weight, layer.bias) if name]
         original = {name: module.get_parameter(name).detach().clone() for name in names}
         before, power = evaluate(train, inputs, targets, self.fabric.device)
         skip = self._skip_reason(unit)
         if skip:
             return self._finish(k, unit, before, before, f"skipped: {skip}", 0, begin)
-        if start is not None:
-            module.get_parameter(unit.weight).data.copy_(start)
+        for name, start in (starts or {}).items():
+            if name in original:
+                module.get_parameter(name).data.copy_(start)
         iterations = self._optimise(k, unit, module, train, inputs, float_inputs, targets, power)
         after, _ = evaluate(train, inputs, targets, self.fabric.device)
         if after > before:
@@ -112,8 +115,8 @@ class Tuner:
 
     def _skip_reason(self, unit: Unit) -> str | None:
         """Why AdaRound cannot tune a unit (no weight quantizer), else None."""
-        if self.config.algorithm == "adaround" and unit.weight_quantizer is None:
-            return "its weight is not quantized (nothing to round)"
+        if self.config.algorithm == "adaround" and all(layer.weight_quantizer is None for layer in unit.layers):
+            return "no weight of it is quantized (nothing to round)"
         return None
 
     def _optimise(self, k: int, unit: Unit, module: LiftedModule, train: fx.GraphModule, inputs: CachedValue,
@@ -122,24 +125,27 @@ class Tuner:
         a cosine, so the weights settle across the quantizer's steps (on the digits transformer at
         MX4 that recovered 93 % of the quantization loss, against 40 % at a constant rate)."""
         config = self.config
-        weight = module.get_parameter(unit.weight)
-        rounding, trainable, frozen = self._trainables(unit, module)
+        roundings, trainable, frozen = self._trainables(unit, module)
         model = self.fabric.setup_module(train)
         optimizer = self.fabric.setup_optimizers(torch.optim.Adam(trainable, lr=config.lr))
-        schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, config.iterations) if rounding is None else None
+        schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, config.iterations) if not roundings else None
         batches = Batches(inputs, float_inputs, targets, config, k)
         patience = Patience(config.early_stop)
         try:
-            with rounding if rounding is not None else contextlib.nullcontext():
+            with contextlib.ExitStack() as installed:
+                for rounding, _ in roundings:
+                    installed.enter_context(rounding)
+                if unit.op_type == "block":
+                    installed.enter_context(_dropped_quantization(train, config, k))
                 for step in range(config.iterations):
-                    loss = self._step(model, optimizer, batches.next(self.fabric.device), power, rounding, step)
+                    loss = self._step(model, optimizer, batches.next(self.fabric.device), power, roundings, step)
                     if schedule is not None:
                         schedule.step()
                     self._record(k, step, loss)
                     if patience.stop(step, loss):
-                        logger.info("unit %d/%d %s: early stop after %d iterations", k + 1, self.units, unit.layer, step + 1)
+                        logger.info("unit %d/%d %s: early stop after %d iterations", k + 1, self.units, unit.name, step + 1)
                         break
-            if rounding is not None:
+            for rounding, weight in roundings:
                 weight.data.copy_(rounding.hardened(weight))
         finally:
             for parameter in frozen:
@@ -147,32 +153,36 @@ class Tuner:
         self.progress.update(config.iterations - step - 1)
         return step + 1
 
-    def _trainables(self, unit: Unit, module: LiftedModule) -> tuple[SoftRounding | None, list[torch.Tensor], list[torch.Tensor]]:
-        """(AdaRound's soft rounding or None, the tensors to train, the unit's parameters frozen
-        meanwhile): AdaRound trains V only; AdaQuant the weight, and the bias with update_bias."""
-        weight = module.get_parameter(unit.weight)
-        bias = module.get_parameter(unit.bias) if unit.bias else None
-        rounding = None
+    def _trainables(self, unit: Unit, module: LiftedModule) -> tuple[Roundings, list[torch.Tensor], list[torch.Tensor]]:
+        """(AdaRound's soft roundings with their weights, the tensors to train, the unit's parameters frozen meanwhile):
+        AdaRound trains V of each quantized weight only; AdaQuant the weights, and the biases with
+        update_bias."""
+        weights = [module.get_parameter(layer.weight) for layer in unit.layers]
+        biases = [module.get_parameter(layer.bias) for layer in unit.layers if layer.bias]
+        roundings = []
         if self.config.algorithm == "adaround":
-            rounding = SoftRounding(module.get_submodule(unit.weight_quantizer), weight).to(weight.device)
-            trainable = [rounding.v]
+            roundings = [(SoftRounding(module.get_submodule(layer.weight_quantizer), weight).to(weight.device), weight)
+                         for layer, weight in zip(unit.layers, weights) if layer.weight_quantizer]
+            trainable = [rounding.v for rounding, _ in roundings]
         else:
-            trainable = [weight] + ([bias] if bias is not None and self.config.update_bias else [])
-        frozen = [p for p in (weight, bias) if p is not None and all(p is not t for t in trainable)]
+            trainable = weights + (biases if self.config.update_bias else [])
+        frozen = [p for p in weights + biases if all(p is not t for t in trainable)]
         for parameter in frozen:
             parameter.requires_grad_(False)
-        return rounding, trainable, frozen
+        return roundings, trainable, frozen
 
     def _step(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: tuple[torch.Tensor, torch.Tensor],
-              power: float, rounding: SoftRounding | None, step: int) -> float:
-        """One Adam step on MSE relative to the target power (plus AdaRound's regulariser)."""
+              power: float, roundings: Roundings, step: int) -> float:
+        """One Adam step on MSE relative to the target power (plus AdaRound's regulariser, averaged
+        over every rounded weight element of the unit)."""
         x, target = batch
         optimizer.zero_grad(set_to_none=True)
         mse = F.mse_loss(model(x)[0], target)
         objective = mse / power
-        exponent = beta(step, self.config.iterations) if rounding is not None else None
+        exponent = beta(step, self.config.iterations) if roundings else None
         if exponent is not None:
-            objective = objective + REG_WEIGHT * rounding.regularizer(exponent)
+            elements = sum(r.v.numel() for r, _ in roundings)
+            objective = objective + REG_WEIGHT * sum(r.regularizer(exponent) * (r.v.numel() / elements) for r, _ in roundings)
         self.fabric.backward(objective, model=model)
         optimizer.step()
         return mse.detach().item()
@@ -192,32 +202,67 @@ class Tuner:
         self.fabric.log_dict({"unit": k, "loss_before": before, "loss_after": after}, step=self.step)
         worse = f" (tuned {tried:.4g} was worse)" if tried is not None else ""
         logger.info("unit %d/%d %s: loss %.4g -> %.4g, %s%s, %d iterations, %.2f s",
-                    k + 1, self.units, unit.layer, before, after, status, worse, iterations, seconds)
+                    k + 1, self.units, unit.name, before, after, status, worse, iterations, seconds)
         if not iterations:
             self.progress.update(self.config.iterations)
-        return UnitResult(unit.layer, unit.op_type, before, after, status, iterations, seconds, tried)
+        return UnitResult(unit.name, unit.op_type, before, after, status, iterations, seconds, tried)
 
 
 class Batches:
     """Random training batches of a unit, reproducible from the seed and the unit index: rows
     drawn without replacement, the input mixed per element from the quantized (probability
     drop_ratio, in steps of 1/256) and float inputs, QDrop-style. The mask comes from random
-    bytes, four times cheaper than float draws on the large inputs of image models."""
+    bytes, four times cheaper than float draws on the large inputs of image models.
+
+    Rows come from the chunks shaped like the first beyond the leading axis: a value laid out
+    sequence-first, (tokens, batch, ...), has a smaller second axis in a last, partial batch, and
+    its rows cannot join the others (they still count in the loss before and after)."""
 
     def __init__(self, inputs: CachedValue, float_inputs: CachedValue, targets: CachedValue, config: FastFinetune, k: int) -> None:
         self.inputs, self.float_inputs, self.targets = inputs, float_inputs, targets
-        self.size = min(config.batch_size, inputs.rows)
+        self.rows = _rows_shaped_like_the_first(inputs, targets)
+        self.size = min(config.batch_size, len(self.rows))
         self.threshold = round(config.drop_ratio * 256)
         self.generator = np.random.default_rng([config.seed, k])
 
     def next(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """The next (input, target) batch on `device`."""
-        rows = np.sort(self.generator.permutation(self.inputs.rows)[: self.size])
+        rows = np.sort(self.rows[self.generator.permutation(len(self.rows))[: self.size]])
         x = self.inputs.gather(rows)
         if self.threshold < 256:
             noise = np.frombuffer(self.generator.bytes(x.numel()), dtype=np.uint8).reshape(x.shape)
             x = torch.where(torch.from_numpy(noise < self.threshold), x, self.float_inputs.gather(rows))
         return x.to(device), self.targets.gather(rows).to(device)
+
+
+@contextlib.contextmanager
+def _dropped_quantization(train: fx.GraphModule, config: FastFinetune, k: int) -> Iterator[None]:
+    """QDrop inside a block while it trains: each activation quantizer keeps its quantized value
+    per element with probability drop_ratio and passes the float value otherwise (seeded by the
+    unit index, so reruns repeat). Weight quantizers, which read constants, are left alone."""
+    constant = constant_nodes(train.graph)
+    quantizers = [train.get_submodule(n.target) for n in train.graph.nodes
+                  if n.op == "call_module" and n not in constant and isinstance(train.get_submodule(n.target), FakeQuantize)]
+    generator = torch.Generator().manual_seed(config.seed * 1_000_003 + k)
+
+    def mix(_module: torch.nn.Module, args: tuple[torch.Tensor, ...], quantized: torch.Tensor) -> torch.Tensor:
+        keep = torch.rand(quantized.shape, generator=generator) < config.drop_ratio
+        return torch.where(keep.to(quantized.device), quantized, args[0])
+
+    hooks = [quantizer.register_forward_hook(mix) for quantizer in quantizers] if config.drop_ratio < 1 else []
+    try:
+        yield
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def _rows_shaped_like_the_first(*values: CachedValue) -> np.ndarray:
+    """Rows (over all chunks) of the chunks whose values have the first chunk's trailing shapes."""
+    first = [np.shape(value.chunks[0])[1:] for value in values]
+    offsets = values[0].offsets
+    return np.concatenate([np.arange(offsets[c], offsets[c + 1]) for c in range(len(values[0].chunks))
+                           if all(np.shape(v.chunks[c])[1:] == shape for v, shape in zip(values, first))])
 
 
 def evaluate(train: fx.GraphModule, inputs: CachedValue, targets: CachedValue, device: torch.device) -> tuple[float, float]:

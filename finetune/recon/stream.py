@@ -35,23 +35,26 @@ def quantizers_disabled(module: nn.Module) -> Iterator[None]:
 
 def float_input_key(unit: Unit) -> str:
     """The cache name of a unit's float inputs."""
-    return f"float_input:{unit.layer}"
+    return f"float_input:{unit.name}"
 
 
 def float_target_key(unit: Unit) -> str:
     """The cache name of a unit's float targets."""
-    return f"float_target:{unit.layer}"
+    return f"float_target:{unit.name}"
 
 
 def capture_float(reference: LiftedModule, units: list[Unit], inputs: list[CachedValue], cache: ActivationCache,
                   device: torch.device) -> None:
-    """One pass of `reference` over the cached model inputs, storing each unit's float input (the
-    layer's activation argument) and float target (the output of its last float op)."""
+    """One pass of `reference` over the cached model inputs, storing each unit's float input (a
+    layer's activation argument, a block's entry value) and float target (its last float op's output)."""
     hooks = []
     for unit in units:
-        layer, target = _submodule(reference, unit.layer), _submodule(reference, unit.target_module)
+        source, target = _submodule(reference, unit.source), _submodule(reference, unit.target_module)
         inputs_of, targets_of = cache.value(float_input_key(unit)), cache.value(float_target_key(unit))
-        hooks.append(layer.register_forward_pre_hook(lambda _m, args, v=inputs_of, i=unit.input_index: v.append(args[i])))
+        if unit.source_argument is None:
+            hooks.append(source.register_forward_hook(lambda _m, _args, out, v=inputs_of: v.append(out)))
+        else:
+            hooks.append(source.register_forward_pre_hook(lambda _m, args, v=inputs_of, i=unit.source_argument: v.append(args[i])))
         hooks.append(target.register_forward_hook(lambda _m, _args, out, v=targets_of: v.append(out)))
     try:
         with torch.no_grad():

@@ -1,6 +1,8 @@
-"""Reconstruction units of a lifted module: one weight layer (Conv, ConvTranspose, Gemm, MatMul
-with a constant weight, and the bias Add after such a MatMul) with the quantized input it reads,
-followed by its activation and optionally its output quantizer, in graph order."""
+"""Reconstruction units of a lifted module, in graph order. A layer unit is one weight layer (Conv,
+ConvTranspose, Gemm, MatMul with a constant weight, and the bias Add after such a MatMul) with
+the quantized input it reads, followed by its activation and optionally its output quantizer.
+A block unit is a run of such layers between two points where a single value is live (BRECQ's
+blocks: a residual block, a transformer layer), reconstructed together at the block's output."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from onnx2torch.node_converters.binary_math_operations import OnnxBinaryMathOper
 from onnx2torch.node_converters.clip import OnnxClip
 from onnx2torch.node_converters.gemm import OnnxGemm
 from onnx2torch.node_converters.matmul import OnnxMatMul
+from onnx2torch.node_converters.shape import OnnxShape
 from torch import fx, nn
 
 from finetune.lift import FakeQuantize, LiftedModule
@@ -28,45 +31,52 @@ ACTIVATION_TYPES = (
 BIAS_INDEX = 2  # Conv, ConvTranspose and Gemm take their bias as the third input
 
 
-class UnsupportedUnit(NotImplementedError, ValueError):
-    """A unit kind not implemented yet (a ValueError too, so the command line reports it in one line)."""
-
-
 @dataclass(frozen=True)
-class Unit:
-    """One reconstruction unit. Names are fx node names (`input`, `nodes`, `output`) and module
-    names (`layer`, `target_module`: the last float op, whose output is the float target); the
-    unit's input is its input quantizer's output, so QDrop mixes quantized and float values."""
+class Layer:
+    """One weight layer: its module (the ONNX node's name), which argument is its activation, and
+    the trainable parameters behind its weight (with the weight's quantizer module) and bias."""
 
-    layer: str
+    name: str
     op_type: str
-    input: str
     input_index: int
-    nodes: tuple[str, ...]
-    output: str
-    target_module: str
     weight: str
     weight_quantizer: str | None
     bias: str | None
 
 
+@dataclass(frozen=True)
+class Unit:
+    """One reconstruction unit. Names are fx node names (`input`, `nodes`, `output`) and module
+    names (`target_module`: the last float op, whose output is the float target). The float
+    counterpart of `input` is argument `source_argument` of module `source`, or its output when
+    that is None ("" is the whole model). A layer unit's input is its input quantizer's output, so
+    QDrop mixes quantized and float values; a block's is the value live where the block starts."""
+
+    name: str
+    op_type: str  # the layer's, or "block"
+    layers: tuple[Layer, ...]
+    input: str
+    source: str
+    source_argument: int | None
+    nodes: tuple[str, ...]
+    output: str
+    target_module: str
+
+
 def find_units(
     module: LiftedModule, op_types: tuple[str, ...], include_output_quant: bool = False, unit: str = "layer"
 ) -> list[Unit]:
-    """The layer units of `module` in graph order; layers whose weight other layers share are
-    left out (tuning one would change the others), with a warning naming them."""
-    if unit == "block":
-        raise UnsupportedUnit("unit: block (reconstructing several layers at once) is not implemented yet; it is planned "
-                              "in a later issue; use unit: layer")
-    if unit != "layer":
+    """The layer or block units of `module` in graph order; layers whose weight other layers share
+    are left out (tuning one would change the others), with a warning naming them."""
+    if unit not in ("layer", "block"):
         raise ValueError(f"unit must be layer or block, got {unit!r}")
     constant = constant_nodes(module.graph)
-    units = []
+    layers = []
     for node in module.graph.nodes:
-        found = _layer_unit(module, node, constant, op_types, include_output_quant)
+        found = _layer_unit(module, node, constant, op_types, include_output_quant and unit == "layer")
         if found is not None:
-            units.append(found)
-    return units
+            layers.append(found)
+    return layers if unit == "layer" else _blocks(module, layers, constant, include_output_quant)
 
 
 def constant_nodes(graph: fx.Graph) -> set[fx.Node]:
@@ -105,11 +115,11 @@ def _layer_unit(
         bias_add, bias = None, parameter_behind(module, node.args[BIAS_INDEX] if len(node.args) > BIAS_INDEX else None, constant)
     tail = ([bias_add] if bias_add is not None else []) + _output_tail(module, bias_add or node, include_output_quant)
     last_float = next((n for n in reversed(tail) if not isinstance(module.get_submodule(n.target), FakeQuantize)), node)
+    layer = Layer(node.target, op_type, activations[0], weight, module.finetune_params[weight].quantizer, bias)
     return Unit(
-        layer=node.target, op_type=op_type, input=node.args[activations[0]].name, input_index=activations[0],
-        nodes=tuple(n.name for n in [node, *tail]), output=(tail[-1] if tail else node).name,
-        target_module=last_float.target, weight=weight, weight_quantizer=module.finetune_params[weight].quantizer,
-        bias=bias,
+        name=node.target, op_type=op_type, layers=(layer,), input=node.args[activations[0]].name, source=node.target,
+        source_argument=activations[0], nodes=tuple(n.name for n in [node, *tail]), output=(tail[-1] if tail else node).name,
+        target_module=last_float.target,
     )
 
 
@@ -166,3 +176,112 @@ def _output_tail(module: LiftedModule, layer: fx.Node, include_output_quant: boo
             current = users[0]
             tail.append(current)
     return tail
+
+
+# --- blocks ---------------------------------------------------------------------------------------
+
+
+def scope(layer: str) -> str:
+    """The block a layer belongs to by its name: the exporter's module path without the layer's own
+    module and op (/_blocks.3/_expand_conv/Conv -> /_blocks.3, /encoder/layers.0/linear1/MatMul ->
+    /encoder/layers.0); "" for a top-level layer."""
+    return "/".join(layer.split("/")[:-2])
+
+
+def _blocks(module: LiftedModule, layers: list[Unit], constant: set[fx.Node], include_output_quant: bool) -> list[Unit]:
+    """Consecutive layers of one scope, widened to the single-value cut points around them (and
+    merged with neighbours they overlap), as block units; the ops between two blocks join the
+    first, so its loss is measured on what the next block reads (the last block runs to the last
+    cut point before the model's output). A block that would read more
+    than its entry value (such as the batch size, taken from the input's shape for a Reshape)
+    stays as layer units, and the log says so."""
+    shapes = _shape_values(module, constant)
+    order = [n for n in module.graph.nodes if n not in constant and n not in shapes and n.op != "output"]
+    position = {n: i for i, n in enumerate(order)}
+    cuts = _cut_points(module, order, position)
+    nodes = {n.name: n for n in order}
+    spans: list[tuple[int, int, list[Unit]]] = []
+    for group in _scope_runs(layers):
+        first = min(position[nodes[group[0].input]], *(position[nodes[n]] for n in group[0].nodes))
+        last = max(position[nodes[n]] for n in group[-1].nodes)
+        start = max((c for c in cuts if c < first), default=None)
+        end = min((c for c in cuts if c >= last), default=None)
+        if start is None or end is None:
+            raise ValueError(f"cannot make a block of {group[0].name}..{group[-1].name}: no single value is live around it; "
+                             "use unit: layer")
+        if spans and start < spans[-1][1]:
+            start, _, merged = spans.pop()
+            group = merged + group
+        spans.append((start, end, group))
+    ends = [next_start for next_start, _, _ in spans[1:]] + [cuts[-1]] if spans else []
+    graph_order = [n for n in module.graph.nodes if n not in constant]
+    units = []
+    for (start, _, group), end in zip(spans, ends):
+        entry, exit_ = order[start], order[end]
+        members = graph_order[graph_order.index(entry) + 1 : graph_order.index(exit_) + 1]
+        outside = {i.name for n in members for i in n.all_input_nodes if i not in constant} - {n.name for n in [entry, *members]}
+        if outside:
+            logger.info("%s stay layer units: a block of them would also read %s", [u.name for u in group], sorted(outside))
+            units.extend(group)
+        else:
+            units.append(_block_unit(module, entry, members, group, include_output_quant))
+    return units
+
+
+def _shape_values(module: LiftedModule, constant: set[fx.Node]) -> set[fx.Node]:
+    """Nodes computed from tensor shapes alone (Shape and what follows only from it and constants)."""
+    shapes: set[fx.Node] = set()
+    for node in module.graph.nodes:
+        inputs = [i for i in node.all_input_nodes if i not in constant]
+        is_shape = node.op == "call_module" and isinstance(module.get_submodule(node.target), OnnxShape)
+        if is_shape or (inputs and node.op != "output" and all(i in shapes for i in inputs)):
+            shapes.add(node)
+    return shapes
+
+
+def _scope_runs(layers: list[Unit]) -> list[list[Unit]]:
+    """Runs of consecutive layers with the same scope; top-level layers (scope "") stand alone, as
+    a plain sequential network has no blocks."""
+    runs: list[list[Unit]] = []
+    for layer in layers:
+        if runs and scope(layer.name) and scope(runs[-1][-1].name) == scope(layer.name):
+            runs[-1].append(layer)
+        else:
+            runs.append([layer])
+    return runs
+
+
+def _cut_points(module: LiftedModule, order: list[fx.Node], position: dict[fx.Node, int]) -> list[int]:
+    """Positions in `order` after which the node there is the only live value and can be found in
+    the float model too (a graph input or a float op's output, not a quantizer's)."""
+    last_reader = {}
+    for node in order:
+        readers = [position[u] if u in position else len(order) for u in node.users if u in position or u.op == "output"]
+        if readers:
+            last_reader[node] = max(readers)
+    ends = [0] * (len(order) + 1)
+    for end in last_reader.values():
+        ends[end] += 1
+    cuts, live = [], 0
+    for i, node in enumerate(order):
+        live += (node in last_reader) - ends[i]
+        findable = node.op == "placeholder" or (node.op == "call_module" and not isinstance(module.get_submodule(node.target), FakeQuantize))
+        if live == 1 and node in last_reader and findable:
+            cuts.append(i)
+    return cuts
+
+
+def _block_unit(module: LiftedModule, entry: fx.Node, members: list[fx.Node], group: list[Unit], include_output_quant: bool) -> Unit:
+    """The block unit computing `members` (the last one its output) from `entry`."""
+    exit_ = members[-1]
+    readers = list(exit_.users)
+    quantized = len(readers) == 1 and readers[0].op == "call_module" and isinstance(module.get_submodule(readers[0].target), FakeQuantize)
+    tail = readers if include_output_quant and quantized else []
+    placeholders = [n for n in module.graph.nodes if n.op == "placeholder"]
+    source, argument = ("", placeholders.index(entry)) if entry.op == "placeholder" else (entry.target, None)
+    name = scope(group[0].name) or "+".join(u.name for u in group)
+    return Unit(
+        name=name, op_type="block", layers=tuple(layer for u in group for layer in u.layers), input=entry.name,
+        source=source, source_argument=argument, nodes=tuple(n.name for n in [*members, *tail]),
+        output=(tail[-1] if tail else exit_).name, target_module=exit_.target,
+    )

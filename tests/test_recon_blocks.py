@@ -1,0 +1,145 @@
+"""Block units (unit: block): which layers form a block, that a block reads one value only, and
+fast finetune over blocks on a residual CNN and a transformer encoder; partial last batches."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from finetune.config import ConfigError, FastFinetune
+from finetune.lift import FakeQuantize, lift_model
+from finetune.quantize import quantize_model
+from finetune.recon import ActivationCache, cut, find_units, finetune_model
+from finetune.recon.loop import _dropped_quantization
+from finetune.recon.stream import QuantizedStream, cache_inputs
+from finetune.zoo import export_onnx
+
+from .lift_helpers import CNN_INPUT, ENCODER_INPUT, ResidualCNN, randomized, transformer_encoder
+from .recon_helpers import one_thread, run  # noqa: F401  (one_thread: autouse fixture)
+
+OP_TYPES = ("Conv", "ConvTranspose", "Gemm", "MatMul")
+
+
+def feeds(shape: tuple[int, ...], sizes: tuple[int, ...] = (4, 4, 4)) -> list[dict[str, np.ndarray]]:
+    return [{"x": np.random.default_rng(i).standard_normal((n, *shape[1:]), np.float32)} for i, n in enumerate(sizes)]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A residual CNN and a two-layer transformer encoder with random weights, as float ONNX."""
+    folder = tmp_path_factory.mktemp("blocks")
+    return {name: export_onnx(randomized(factory()), torch.randn(*shape), folder / f"{name}.onnx")
+            for name, factory, shape in [("cnn", ResidualCNN, CNN_INPUT), ("encoder", transformer_encoder, ENCODER_INPUT)]}
+
+
+def block_units(path: Path, shape: tuple[int, ...], preset: str = "XINT8"):
+    module = lift_model(quantize_model(path, preset, feeds(shape)).model)
+    return module, find_units(module, OP_TYPES, unit="block")
+
+
+def test_blocks_follow_the_exporters_scopes_between_single_value_cuts(models: dict[str, Path]) -> None:
+    """Each residual block is one unit from the value entering it to its output; the stem reads the
+    model input; the head stays alone. Each encoder layer (attention, feed-forward, both norms) is one."""
+    _, units = block_units(models["cnn"], CNN_INPUT)
+    assert [u.name for u in units] == ["/stem/stem", "/blocks/blocks/0", "/blocks/blocks/1", "/head/Gemm"]
+    assert [[layer.name.rsplit("/", 2)[-2] for layer in u.layers] for u in units] == [
+        ["0"], ["conv1", "conv2"], ["conv1", "conv2"], ["head"]]
+    assert {u.op_type for u in units} == {"block"}
+    assert (units[0].source, units[0].source_argument) == ("", 0)  # the model input
+    assert units[1].source == "/stem/stem/3/MaxPool" and units[1].source_argument is None
+    assert units[1].target_module == units[2].source == "/blocks/blocks/0/Relu_1"  # residual Add, then its ReLU
+    _, units = block_units(models["encoder"], ENCODER_INPUT)
+    assert [u.name for u in units] == ["/layers/0", "/layers/1"]
+    assert [len(u.layers) for u in units] == [4, 4]  # in-projection, out-projection, linear1, linear2
+    assert [u.target_module for u in units] == ["/layers/0/norm2/LayerNormalization", "/layers/1/norm2/LayerNormalization"]
+
+
+def test_a_block_reads_only_its_entry_and_the_stream_reaches_it_exactly(models: dict[str, Path]) -> None:
+    """The training module of every block has one input, and the quantized stream delivers there
+    exactly what the whole quantized model computes at the block's entry."""
+    batches = feeds(CNN_INPUT)
+    module = lift_model(quantize_model(models["cnn"], "XINT8", batches).model)
+    units = find_units(module, OP_TYPES, unit="block")
+    plan = cut(module, units)
+    assert [len([n for n in train.graph.nodes if n.op == "placeholder"]) for train in plan.train] == [1] * len(units)
+    seen: dict[str, list[torch.Tensor]] = {u.name: [] for u in units[1:]}
+    hooks = [module.get_submodule(u.source).register_forward_hook(lambda _m, _a, out, u=u: seen[u.name].append(out))
+             for u in units[1:]]
+    with torch.no_grad():
+        for feed in batches:
+            module(torch.from_numpy(feed["x"]))
+    for hook in hooks:
+        hook.remove()
+    with ActivationCache(2**30) as cache:
+        stream = QuantizedStream(plan, ["x"], cache_inputs(batches, ["x"], cache), cache, torch.device("cpu"))
+        for k, unit in enumerate(units):
+            value = stream.before(k, unit)
+            for chunk, expected in enumerate(seen.get(unit.name, [])):
+                assert torch.equal(value.tensor(chunk, torch.device("cpu")), expected)
+            stream.after(k)
+
+
+def test_adaround_over_blocks_lowers_every_loss_and_exports_exactly(models: dict[str, Path]) -> None:
+    """AdaRound tunes all layers of a block at once (INT4 weights, power-of-two scales): both
+    residual blocks end with a lower loss, and onnxruntime computes what torch does, bit for bit."""
+    batches = feeds(CNN_INPUT)
+    quantized = quantize_model(models["cnn"], {"preset": "XINT8", "weight": {"dtype": "int4"}}, batches).model
+    tuned, report = finetune_model(quantized, batches, FastFinetune(iterations=40, unit="block"))
+    assert [(u["name"], u["op_type"]) for u in report["units"]][1:3] == [("/blocks/blocks/0", "block"), ("/blocks/blocks/1", "block")]
+    assert all(u["status"] == "kept" and u["loss_after"] <= u["loss_before"] for u in report["units"])
+    assert all(u["loss_after"] < 0.9 * u["loss_before"] for u in report["units"][1:3])
+    x = np.random.default_rng(9).standard_normal(CNN_INPUT, np.float32)
+    with torch.no_grad():
+        assert np.array_equal(lift_model(tuned)(torch.from_numpy(x)).numpy(), run(tuned, x))
+
+
+def test_adaquant_over_transformer_blocks(models: dict[str, Path]) -> None:
+    """MX4 with AdaQuant over whole encoder layers: the tuned model runs in onnxruntime and is
+    closer to the float model on held-out inputs than before."""
+    batches = feeds(ENCODER_INPUT, (8, 8, 8, 8))
+    quantized = quantize_model(models["encoder"], "MX4", None).model
+    tuned, report = finetune_model(quantized, batches, FastFinetune(algorithm="adaquant", iterations=60, unit="block"))
+    assert report["kept"] == 2
+    x = np.random.default_rng(7).standard_normal((16, *ENCODER_INPUT[1:]), np.float32)
+    reference = run(models["encoder"], x)
+    assert ((run(tuned, x) - reference) ** 2).mean() < ((run(quantized, x) - reference) ** 2).mean()
+
+
+def test_a_partial_last_batch_trains_on_sequence_first_values(models: dict[str, Path]) -> None:
+    """Inside attention the exporter lays values out (tokens, batch, features); a last batch of 3
+    gives those a smaller second axis. Training draws rows from the full batches, and the loss
+    before and after still covers every sample."""
+    batches = feeds(ENCODER_INPUT, (4, 4, 3))
+    quantized = quantize_model(models["encoder"], "XINT8", batches).model
+    _, report = finetune_model(quantized, batches, FastFinetune(algorithm="adaquant", iterations=20))
+    assert report["samples"] == 11 and len(report["units"]) == 8
+    assert all(u["iterations"] == 20 for u in report["units"])
+
+
+def test_output_quantizers_belong_to_layer_units_only() -> None:
+    with pytest.raises(ConfigError, match="include_output_quant.*unit: layer only"):
+        FastFinetune(unit="block", include_output_quant=True)
+
+
+def test_inside_a_block_each_activation_quantizer_drops_per_element(models: dict[str, Path]) -> None:
+    """QDrop inside blocks while training: an activation quantizer's output is its quantized value
+    for about drop_ratio of the elements and the float value elsewhere, the same on a rerun; weight
+    quantizers and the module outside training are untouched."""
+    module = lift_model(quantize_model(models["encoder"], "MX4", None).model)
+    units = find_units(module, OP_TYPES, unit="block")
+    train = cut(module, units).train[0]
+    quantizer = next(train.get_submodule(n.target) for n in train.graph.nodes
+                     if n.op == "call_module" and isinstance(train.get_submodule(n.target), FakeQuantize) and n.target.endswith("norm1/LayerNormalization_output_0_to_bfp_prime11"))
+    x = torch.randn(64, 5, 16)
+    quantized = quantizer(x)
+    outputs = []
+    for _ in range(2):
+        with _dropped_quantization(train, FastFinetune(drop_ratio=0.25, seed=5), 3):
+            outputs.append(quantizer(x))
+    kept = outputs[0] == quantized
+    assert torch.equal(outputs[0], outputs[1]) and torch.equal(torch.where(kept, quantized, x), outputs[0])
+    assert 0.2 < kept[quantized != x].float().mean() < 0.3
+    assert torch.equal(quantizer(x), quantized)  # hooks gone after training

@@ -192,8 +192,9 @@ def test_bench_finetune_smoke_run_on_digits(tmp_path: Path) -> None:
                             capture_output=True, text=True, check=False)
     assert result.returncode == 0, result.stderr[-3000:]
     cases = json.loads(result.stdout)["cases"]
-    assert [(c["model"], c["preset"], c["algorithm"]) for c in cases] == [("digits", "XINT8", "adaround"), ("digits", "MX4", "adaquant")]
+    assert [(c["model"], c["preset"], c["algorithm"], c["unit"], c["units"]) for c in cases] == [
+        ("digits", "XINT8", "adaround", "layer", 5), ("digits", "MX4", "adaquant", "block", 2)]
     for case in cases:
-        assert case["units"] == 5 and case["calibration_samples"] == 128 and case["peak_rss_mb"] > 0
+        assert case["calibration_samples"] == 128 and case["peak_rss_mb"] > 0
         assert 0 < case["seconds_per_unit_iteration"] and case["activation_seconds_ort_rerun_per_unit"] > 0
         assert 90 <= case["float"] <= 100 and case["after"] >= 80

@@ -70,13 +70,16 @@ def find_units(
     are left out (tuning one would change the others), with a warning naming them."""
     if unit not in ("layer", "block"):
         raise ValueError(f"unit must be layer or block, got {unit!r}")
+    if unit == "block" and include_output_quant:
+        raise ValueError("include_output_quant applies to layer units only: a block ends where one value is live, and the "
+                         "quantizers reading it belong to the next block")
     constant = constant_nodes(module.graph)
     layers = []
     for node in module.graph.nodes:
-        found = _layer_unit(module, node, constant, op_types, include_output_quant and unit == "layer")
+        found = _layer_unit(module, node, constant, op_types, include_output_quant)
         if found is not None:
             layers.append(found)
-    return layers if unit == "layer" else _blocks(module, layers, constant, include_output_quant)
+    return layers if unit == "layer" else _blocks(module, layers, constant)
 
 
 def constant_nodes(graph: fx.Graph) -> set[fx.Node]:
@@ -188,43 +191,43 @@ def scope(layer: str) -> str:
     return "/".join(layer.split("/")[:-2])
 
 
-def _blocks(module: LiftedModule, layers: list[Unit], constant: set[fx.Node], include_output_quant: bool) -> list[Unit]:
+def _blocks(module: LiftedModule, layers: list[Unit], constant: set[fx.Node]) -> list[Unit]:
     """Consecutive layers of one scope, widened to the single-value cut points around them (and
-    merged with neighbours they overlap), as block units; the ops between two blocks join the
-    first, so its loss is measured on what the next block reads (the last block runs to the last
-    cut point before the model's output). A block that would read more
-    than its entry value (such as the batch size, taken from the input's shape for a Reshape)
-    stays as layer units, and the log says so."""
+    merged with neighbours they overlap), as block units. The ops between two blocks join the
+    first, so its loss is measured on what the next block reads; the last block runs to the last
+    cut point. Layers with no cut point around them, or whose block would read more than its
+    entry value (the batch size taken from the input's shape, say), stay layer units, logged."""
     shapes = _shape_values(module, constant)
     order = [n for n in module.graph.nodes if n not in constant and n not in shapes and n.op != "output"]
     position = {n: i for i, n in enumerate(order)}
     cuts = _cut_points(module, order, position)
-    nodes = {n.name: n for n in order}
-    spans: list[tuple[int, int, list[Unit]]] = []
+    spans: list[tuple[int | None, int | None, list[Unit]]] = []  # (None, None, layers) where no cut surrounds them
     for group in _scope_runs(layers):
-        first = min(position[nodes[group[0].input]], *(position[nodes[n]] for n in group[0].nodes))
-        last = max(position[nodes[n]] for n in group[-1].nodes)
-        start = max((c for c in cuts if c < first), default=None)
-        end = min((c for c in cuts if c >= last), default=None)
+        first = min(position[n] for n in order if n.name in (group[0].input, *group[0].nodes))
+        last = max(position[n] for n in order if n.name in group[-1].nodes)
+        start, end = max((c for c in cuts if c < first), default=None), min((c for c in cuts if c >= last), default=None)
         if start is None or end is None:
-            raise ValueError(f"cannot make a block of {group[0].name}..{group[-1].name}: no single value is live around it; "
-                             "use unit: layer")
-        if spans and start < spans[-1][1]:
+            logger.info("%s stay layer units: no single value is live around them", [u.name for u in group])
+            start = end = None
+        elif spans and spans[-1][1] is not None and start < spans[-1][1]:
             start, _, merged = spans.pop()
             group = merged + group
         spans.append((start, end, group))
-    ends = [next_start for next_start, _, _ in spans[1:]] + [cuts[-1]] if spans else []
     graph_order = [n for n in module.graph.nodes if n not in constant]
-    units = []
-    for (start, _, group), end in zip(spans, ends):
-        entry, exit_ = order[start], order[end]
+    units: list[Unit] = []
+    for k, (start, end, group) in enumerate(spans):
+        following = spans[k + 1][0] if k + 1 < len(spans) else cuts[-1]
+        if start is None:
+            units.extend(group)
+            continue
+        entry, exit_ = order[start], order[end if following is None else following]
         members = graph_order[graph_order.index(entry) + 1 : graph_order.index(exit_) + 1]
         outside = {i.name for n in members for i in n.all_input_nodes if i not in constant} - {n.name for n in [entry, *members]}
         if outside:
             logger.info("%s stay layer units: a block of them would also read %s", [u.name for u in group], sorted(outside))
             units.extend(group)
         else:
-            units.append(_block_unit(module, entry, members, group, include_output_quant))
+            units.append(_block_unit(module, entry, members, group))
     return units
 
 
@@ -271,17 +274,12 @@ def _cut_points(module: LiftedModule, order: list[fx.Node], position: dict[fx.No
     return cuts
 
 
-def _block_unit(module: LiftedModule, entry: fx.Node, members: list[fx.Node], group: list[Unit], include_output_quant: bool) -> Unit:
+def _block_unit(module: LiftedModule, entry: fx.Node, members: list[fx.Node], group: list[Unit]) -> Unit:
     """The block unit computing `members` (the last one its output) from `entry`."""
-    exit_ = members[-1]
-    readers = list(exit_.users)
-    quantized = len(readers) == 1 and readers[0].op == "call_module" and isinstance(module.get_submodule(readers[0].target), FakeQuantize)
-    tail = readers if include_output_quant and quantized else []
     placeholders = [n for n in module.graph.nodes if n.op == "placeholder"]
     source, argument = ("", placeholders.index(entry)) if entry.op == "placeholder" else (entry.target, None)
-    name = scope(group[0].name) or "+".join(u.name for u in group)
     return Unit(
-        name=name, op_type="block", layers=tuple(layer for u in group for layer in u.layers), input=entry.name,
-        source=source, source_argument=argument, nodes=tuple(n.name for n in [*members, *tail]),
-        output=(tail[-1] if tail else exit_).name, target_module=exit_.target,
+        name=scope(group[0].name) or "+".join(u.name for u in group), op_type="block",
+        layers=tuple(layer for u in group for layer in u.layers), input=entry.name, source=source, source_argument=argument,
+        nodes=tuple(n.name for n in members), output=members[-1].name, target_module=members[-1].target,
     )

@@ -160,7 +160,7 @@ def run_case(model: str, preset: str, directory: Path, iterations: int, adaquant
         "model": model, "preset": preset, "algorithm": algorithm, "unit": unit, "iterations_per_unit": iterations, "lr": config.lr,
         "metric": "accuracy %" if labels is not None else "top-1 agreement with float %",
         "float": float_metric, "before": before["metric"], "after": after["metric"],
-        "recovered_fraction": (after["metric"] - before["metric"]) / loss if loss >= 2 else None,
+        "recovered_fraction": round((after["metric"] - before["metric"]) / loss, 9) if loss >= 2 else None,  # 12/15 digits is 0.8
         "agreement_before": before["agreement"], "agreement_after": after["agreement"],
         "logit_mse_before": before["logit_mse"], "logit_mse_after": after["logit_mse"],
         "units": len(report["units"]), "kept": report["kept"], "reverted": report["reverted"],

@@ -1,5 +1,6 @@
 """Shared by the fast-finetune tests: the digits CNN as ONNX, onnxruntime runs with exact
-numerics, and a one-thread fixture."""
+numerics, a one-thread fixture, and the check that the quantized stream reaches every unit's
+input exactly."""
 
 from __future__ import annotations
 
@@ -12,6 +13,9 @@ import onnxruntime as ort
 import pytest
 import torch
 
+from finetune.lift import LiftedModule
+from finetune.recon import ActivationCache, Unit, cut
+from finetune.recon.stream import QuantizedStream, cache_inputs
 from finetune.zoo import train_digits_cnn
 
 
@@ -38,3 +42,32 @@ def run(model: onnx.ModelProto | Path, x: np.ndarray) -> np.ndarray:
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     source = str(model) if isinstance(model, Path) else model.SerializeToString()
     return ort.InferenceSession(source, options, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+
+
+def assert_stream_equals_full_model(module: LiftedModule, units: list[Unit], feeds: list[dict[str, np.ndarray]]) -> None:
+    """Pushing the batches through the cut segments gives, at every unit's input, exactly what the
+    whole quantized model computes there (seen by hooks on each unit's source); nothing stays
+    cached at the end."""
+    seen: dict[str, list[torch.Tensor]] = {u.name: [] for u in units}
+    hooks = []
+    for unit in units:
+        source, values = module.get_submodule(unit.source), seen[unit.name]
+        if unit.source_argument is None:
+            hooks.append(source.register_forward_hook(lambda _m, _a, out, v=values: v.append(out)))
+        else:
+            hooks.append(source.register_forward_pre_hook(lambda _m, a, v=values, i=unit.source_argument: v.append(a[i])))
+    with torch.no_grad():
+        for feed in feeds:
+            module(torch.from_numpy(feed["x"]))
+    for hook in hooks:
+        hook.remove()
+    with ActivationCache(2**30) as cache:
+        placeholders = [n.name for n in module.graph.nodes if n.op == "placeholder"]
+        stream = QuantizedStream(cut(module, units), placeholders, cache_inputs(feeds, ["x"], cache), cache, torch.device("cpu"))
+        for k, unit in enumerate(units):
+            value = stream.before(k, unit)
+            assert len(seen[unit.name]) == len(feeds)
+            for chunk, expected in enumerate(seen[unit.name]):
+                assert torch.equal(value.tensor(chunk, torch.device("cpu")), expected)
+            stream.after(k)
+        assert not stream.env and cache.in_memory == 0

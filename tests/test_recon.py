@@ -19,13 +19,21 @@ from finetune.formats import IntSpec
 from finetune.formats.blocks import broadcast_param
 from finetune.lift import FakeQuantize, lift_model
 from finetune.quantize import quantize_model
-from finetune.recon import ActivationCache, cut, find_units, finetune_model, resolve_device
 from finetune.recon import api as recon_api
+from finetune.recon import (
+    find_units,
+    finetune_model,
+    resolve_device,
+)
 from finetune.recon.adaround import SoftRounding
-from finetune.recon.stream import QuantizedStream, cache_inputs
 from finetune.zoo import digits_split
 
-from .recon_helpers import export_digits_cnn, one_thread, run  # noqa: F401  (one_thread: autouse fixture)
+from .recon_helpers import (  # noqa: F401  (one_thread: autouse fixture)
+    assert_stream_equals_full_model,
+    export_digits_cnn,
+    one_thread,
+    run,
+)
 
 OP_TYPES = ("Conv", "ConvTranspose", "Gemm", "MatMul")
 INT8_TENSOR = {"format": "int", "dtype": "int8", "symmetric": True, "granularity": "tensor", "calibration": "minmax"}
@@ -114,24 +122,7 @@ def test_the_quantized_stream_equals_the_full_model(matmul_model: Path, digits: 
     for path, preset, feeds in [(matmul_model, "MX4", [{"x": np.random.default_rng(i).standard_normal((3, 5, 16), np.float32)}
                                                        for i in range(3)]), (digits["path"], "XINT8", digits["small"])]:
         module = lift_model(quantize_model(path, preset, feeds).model)
-        units = find_units(module, OP_TYPES, include_output_quant=True)
-        seen = {u.name: [] for u in units}
-        hooks = [module.get_submodule(u.source).register_forward_pre_hook(lambda _m, a, u=u, seen=seen: seen[u.name].append(a[u.source_argument]))
-                 for u in units]
-        with torch.no_grad():
-            for feed in feeds:
-                module(torch.from_numpy(feed["x"]))
-        for hook in hooks:
-            hook.remove()
-        with ActivationCache(2**30) as cache:
-            placeholders = [n.name for n in module.graph.nodes if n.op == "placeholder"]
-            stream = QuantizedStream(cut(module, units), placeholders, cache_inputs(feeds, ["x"], cache), cache, torch.device("cpu"))
-            for k, unit in enumerate(units):
-                value = stream.before(k, unit)
-                for chunk, expected in enumerate(seen[unit.name]):
-                    assert torch.equal(value.tensor(chunk, torch.device("cpu")), expected)
-                stream.after(k)
-            assert not stream.env and cache.in_memory == 0
+        assert_stream_equals_full_model(module, find_units(module, OP_TYPES, include_output_quant=True), feeds)
 
 
 def test_activation_caching_is_linear_in_depth(digits: dict, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -12,13 +12,18 @@ import torch
 from finetune.config import ConfigError, FastFinetune
 from finetune.lift import FakeQuantize, lift_model
 from finetune.quantize import quantize_model
-from finetune.recon import ActivationCache, cut, find_units, finetune_model
+from finetune.recon import cut, find_units, finetune_model
 from finetune.recon.loop import _dropped_quantization
-from finetune.recon.stream import QuantizedStream, cache_inputs
 from finetune.zoo import export_onnx
 
-from .lift_helpers import CNN_INPUT, ENCODER_INPUT, ResidualCNN, randomized, transformer_encoder
-from .recon_helpers import one_thread, run  # noqa: F401  (one_thread: autouse fixture)
+from .lift_helpers import (
+    CNN_INPUT,
+    ENCODER_INPUT,
+    ResidualCNN,
+    randomized,
+    transformer_encoder,
+)
+from .recon_helpers import assert_stream_equals_full_model, one_thread, run  # noqa: F401  (one_thread: autouse fixture)
 
 OP_TYPES = ("Conv", "ConvTranspose", "Gemm", "MatMul")
 
@@ -65,21 +70,7 @@ def test_a_block_reads_only_its_entry_and_the_stream_reaches_it_exactly(models: 
     units = find_units(module, OP_TYPES, unit="block")
     plan = cut(module, units)
     assert [len([n for n in train.graph.nodes if n.op == "placeholder"]) for train in plan.train] == [1] * len(units)
-    seen: dict[str, list[torch.Tensor]] = {u.name: [] for u in units[1:]}
-    hooks = [module.get_submodule(u.source).register_forward_hook(lambda _m, _a, out, u=u: seen[u.name].append(out))
-             for u in units[1:]]
-    with torch.no_grad():
-        for feed in batches:
-            module(torch.from_numpy(feed["x"]))
-    for hook in hooks:
-        hook.remove()
-    with ActivationCache(2**30) as cache:
-        stream = QuantizedStream(plan, ["x"], cache_inputs(batches, ["x"], cache), cache, torch.device("cpu"))
-        for k, unit in enumerate(units):
-            value = stream.before(k, unit)
-            for chunk, expected in enumerate(seen.get(unit.name, [])):
-                assert torch.equal(value.tensor(chunk, torch.device("cpu")), expected)
-            stream.after(k)
+    assert_stream_equals_full_model(module, units, batches)
 
 
 def test_adaround_over_blocks_lowers_every_loss_and_exports_exactly(models: dict[str, Path]) -> None:

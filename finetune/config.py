@@ -445,7 +445,7 @@ class FastFinetune(Section):
     seed 0, cpu, the default op types, no bias update (adaquant only), output quantizers left out
     (a layer's activation is always in its unit), drop_ratio 0.5 (share of unit inputs taken from
     the quantized rather than the float model), 2 GiB of cached activations in memory, layer-wise
-    units."""
+    units (`block`: the layers of one exporter scope tuned together, as in BRECQ)."""
 
     algorithm: Literal["adaround", "adaquant"] = "adaround"
     iterations: int = field(default=1000, metadata={"min": 1})

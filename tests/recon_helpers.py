@@ -15,7 +15,7 @@ import torch
 
 from finetune.lift import LiftedModule
 from finetune.recon import ActivationCache, Unit, cut
-from finetune.recon.stream import QuantizedStream, cache_inputs
+from finetune.recon.stream import QuantizedStream, cache_inputs, record_unit_input
 from finetune.zoo import train_digits_cnn
 
 
@@ -49,13 +49,7 @@ def assert_stream_equals_full_model(module: LiftedModule, units: list[Unit], fee
     whole quantized model computes there (seen by hooks on each unit's source); nothing stays
     cached at the end."""
     seen: dict[str, list[torch.Tensor]] = {u.name: [] for u in units}
-    hooks = []
-    for unit in units:
-        source, values = module.get_submodule(unit.source), seen[unit.name]
-        if unit.source_argument is None:
-            hooks.append(source.register_forward_hook(lambda _m, _a, out, v=values: v.append(out)))
-        else:
-            hooks.append(source.register_forward_pre_hook(lambda _m, a, v=values, i=unit.source_argument: v.append(a[i])))
+    hooks = [record_unit_input(module.get_submodule(u.source), u, seen[u.name].append) for u in units]
     with torch.no_grad():
         for feed in feeds:
             module(torch.from_numpy(feed["x"]))

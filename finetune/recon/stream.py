@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from finetune.lift import FakeQuantize, LiftedModule
 
@@ -51,10 +52,7 @@ def capture_float(reference: LiftedModule, units: list[Unit], inputs: list[Cache
     for unit in units:
         source, target = _submodule(reference, unit.source), _submodule(reference, unit.target_module)
         inputs_of, targets_of = cache.value(float_input_key(unit)), cache.value(float_target_key(unit))
-        if unit.source_argument is None:
-            hooks.append(source.register_forward_hook(lambda _m, _args, out, v=inputs_of: v.append(out)))
-        else:
-            hooks.append(source.register_forward_pre_hook(lambda _m, args, v=inputs_of, i=unit.source_argument: v.append(args[i])))
+        hooks.append(record_unit_input(source, unit, inputs_of.append))
         hooks.append(target.register_forward_hook(lambda _m, _args, out, v=targets_of: v.append(out)))
     try:
         with torch.no_grad():
@@ -63,6 +61,14 @@ def capture_float(reference: LiftedModule, units: list[Unit], inputs: list[Cache
     finally:
         for hook in hooks:
             hook.remove()
+
+
+def record_unit_input(source: nn.Module, unit: Unit, record: Callable[[Any], None]) -> RemovableHandle:
+    """Hook `source` (the module `unit.source` names) so each call hands `record` the unit's input:
+    the module's argument `unit.source_argument`, or its output when that is None."""
+    if unit.source_argument is None:
+        return source.register_forward_hook(lambda _m, _args, out: record(out))
+    return source.register_forward_pre_hook(lambda _m, args, i=unit.source_argument: record(args[i]))
 
 
 def _submodule(module: nn.Module, name: str) -> nn.Module:

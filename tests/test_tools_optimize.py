@@ -14,8 +14,9 @@ import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
+from finetune.onnx.fold import fold_constants
 from finetune.onnx.io import load_model
-from finetune.tools.optimize import fold_constants, fuse_parallel_matmuls
+from finetune.tools.optimize import fuse_parallel_matmuls
 
 from .tools_models import attention, make_model, mk, run
 

@@ -38,6 +38,7 @@ from onnx import TensorProto, defs, helper, numpy_helper
 
 from finetune.formats import BF16, float_quantize_dequantize
 from finetune.onnx import attach_custom_ops
+from finetune.onnx.fold import drop_unused_initializers, infer_types, tensor_types
 from finetune.onnx.io import PROTOBUF_LIMIT, load_model, save_model_atomic
 from finetune.onnx.normalize import (
     DEFAULT_DOMAINS,
@@ -48,13 +49,7 @@ from finetune.onnx.normalize import (
 from finetune.onnx.qdq import make_qdq
 
 from .command import run_command, tool_parser
-from .optimize import (
-    NameSource,
-    drop_unused_initializers,
-    infer_types,
-    optimize,
-    tensor_types,
-)
+from .optimize import NameSource, optimize
 from .session import describe_missing, missing_kernels
 
 logger = logging.getLogger(__name__)

@@ -14,9 +14,8 @@ import onnxruntime as ort
 from onnx import TensorProto, helper
 
 from finetune.onnx import attach_custom_ops
+from finetune.onnx.fold import infer_types, tensor_types
 from finetune.onnx.io import PROTOBUF_LIMIT, load_model, save_model_atomic
-
-from .optimize import infer_types, tensor_types
 
 DEFAULT_PROVIDERS = ("CPUExecutionProvider",)
 Signature = tuple[str, str, tuple[int, ...], tuple[int, ...]]

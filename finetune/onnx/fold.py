@@ -1,0 +1,111 @@
+"""Constant folding with onnx's reference evaluator (standard ops only, any float type), and the
+shape and type lookups it needs; the quantizer's equalisation and the conversion tools share it."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper, shape_inference
+from onnx.reference import ReferenceEvaluator
+
+from .normalize import DEFAULT_DOMAINS, default_opset, keep_only
+
+# Ops never folded: random ops differ per run, and folding a Q/DQ pair would erase quantization.
+NOT_FOLDED = frozenset({
+    "RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Bernoulli", "Multinomial",
+    "QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear",
+})
+
+
+def infer_types(model: onnx.ModelProto) -> None:
+    """Replace the model's value_info by onnx's inferred shapes and types (in place)."""
+    del model.graph.value_info[:]
+    model.CopyFrom(shape_inference.infer_shapes(model, strict_mode=False, data_prop=True))
+
+
+def tensor_types(model: onnx.ModelProto) -> dict[str, onnx.TypeProto.Tensor]:
+    """The tensor type (element type and shape) of every named value the model declares."""
+    graph = model.graph
+    types = {
+        info.name: info.type.tensor_type
+        for info in [*graph.input, *graph.value_info, *graph.output]
+        if info.type.HasField("tensor_type")
+    }
+    for tensor in graph.initializer:
+        types[tensor.name] = helper.make_tensor_type_proto(tensor.data_type, list(tensor.dims)).tensor_type
+    return types
+
+
+def fold_constants(model: onnx.ModelProto) -> list[str]:
+    """Replace every deterministic default-domain node whose inputs are all constant (initializers,
+    or Shape of a statically shaped tensor) by initializers holding its outputs, in place."""
+    infer_types(model)
+    graph = model.graph
+    opset = default_opset(model)
+    constants = {tensor.name: tensor for tensor in graph.initializer}
+    shapes = _static_shapes(model)
+    outputs = {o.name for o in graph.output}
+    kept, folded = [], 0
+    for node in graph.node:
+        values = _fold(node, constants, shapes, outputs, opset)
+        if values is None:
+            kept.append(node)
+            continue
+        for name, value in zip(node.output, values):
+            tensor = numpy_helper.from_array(np.asarray(value), name)
+            constants[name] = tensor
+            graph.initializer.append(tensor)
+        folded += 1
+    del graph.node[:]
+    graph.node.extend(kept)
+    removed = drop_unused_initializers(model)
+    infer_types(model)
+    return [f"folded {folded} constant node(s) into initializers"] * bool(folded) + removed
+
+
+def _fold(
+    node: onnx.NodeProto, constants: dict[str, onnx.TensorProto], shapes: dict[str, tuple[int, ...]],
+    outputs: set[str], opset: int,
+) -> list[np.ndarray] | None:
+    """The node's output values if it can be folded, else None."""
+    if node.domain not in DEFAULT_DOMAINS or node.op_type in NOT_FOLDED or outputs.intersection(node.output):
+        return None
+    if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute):
+        return None
+    if node.op_type == "Shape":
+        return _static_shape_of(node, shapes)
+    inputs = [name for name in node.input if name]
+    if not inputs or not all(name in constants for name in inputs):
+        return None
+    feeds = {name: numpy_helper.to_array(constants[name]) for name in inputs}
+    return ReferenceEvaluator(node, opsets={"": opset}).run(None, feeds)
+
+
+def _static_shape_of(node: onnx.NodeProto, shapes: dict[str, tuple[int, ...]]) -> list[np.ndarray] | None:
+    """Shape(x)[start:end] when x's shape is fully known."""
+    shape = shapes.get(node.input[0])
+    if shape is None:
+        return None
+    attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    start, end = attributes.get("start", 0), attributes.get("end", len(shape))
+    return [np.array(shape[start:end], np.int64)]
+
+
+def _static_shapes(model: onnx.ModelProto) -> dict[str, tuple[int, ...]]:
+    """Fully known shapes of the model's values."""
+    shapes = {}
+    for name, tensor_type in tensor_types(model).items():
+        if not tensor_type.HasField("shape"):
+            continue
+        dims = tensor_type.shape.dim
+        if all(d.HasField("dim_value") for d in dims):
+            shapes[name] = tuple(d.dim_value for d in dims)
+    return shapes
+
+
+def drop_unused_initializers(model: onnx.ModelProto) -> list[str]:
+    """Remove initializers that no node reads and that are not graph outputs, in place."""
+    graph = model.graph
+    used = {name for node in graph.node for name in node.input} | {o.name for o in graph.output}
+    dropped = keep_only(graph.initializer, lambda tensor: tensor.name in used)
+    return [f"removed {dropped} unused initializer(s)"] if dropped else []

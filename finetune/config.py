@@ -14,6 +14,7 @@ Schema (YAML keys are the dataclass field names; `preset:` is the one extra key)
     tensor_overrides: {"input.1": {...}}            # FormatChoice (or null) per tensor
     exclude_nodes: ["/head/.*"]                     # exact names or full-match regular expressions
     dual_quant: false
+    cross_layer_equalization: false  # rescale Conv pairs to equal channel ranges before quantizing
     weight_storage: float  # float | compact
     fast_finetune: null    # or a FastFinetune mapping
 
@@ -509,6 +510,7 @@ class QuantConfig(Section):
     tensor_overrides: dict[str, FormatChoice | None] = field(default_factory=dict)
     exclude_nodes: tuple[str, ...] = ()
     dual_quant: bool = False
+    cross_layer_equalization: bool = False
     weight_storage: Literal["float", "compact"] = "float"
     fast_finetune: FastFinetune | None = None
 

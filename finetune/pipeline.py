@@ -44,7 +44,7 @@ def quantize_and_finetune(
         finetune_model,  # lightning takes seconds to import: only when tuning
     )
 
-    float_model = model if config.weight_storage == "compact" else None
+    float_model = quantized.float_model if config.weight_storage == "compact" else None
     tuned, report = finetune_model(quantized.model, data, config.fast_finetune, float_model, output_dir, name)
     return PipelineResult(tuned, quantized.summary, report)
 

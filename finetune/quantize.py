@@ -20,6 +20,7 @@ from finetune.calibrate import CalibrationData, Observer, collect_statistics, ma
 from finetune.config import FormatChoice, QuantConfig, load_config
 from finetune.formats import FloatSpec, FormatSpec, IntSpec, MXSpec, float_codes, int_codes
 from finetune.onnx import attach_custom_ops
+from finetune.onnx.equalize import equalize_model
 from finetune.onnx.io import load_model
 from finetune.onnx.normalize import DEFAULT_DOMAINS, default_opset, normalize_model
 from finetune.onnx.qdq import CODE_DTYPES, STANDARD_QDQ_OPSET, make_qdq, uses_standard_ops
@@ -56,6 +57,7 @@ class QuantizeResult:
 
     model: onnx.ModelProto
     summary: dict[str, Any]
+    float_model: onnx.ModelProto  # the float graph the QDQ model was built from (normalised, equalised)
 
 
 def quantize_model(
@@ -67,6 +69,10 @@ def quantize_model(
     config = load_config(config)
     original = load_model(model)
     normalized, changes = normalize_model(original)
+    if config.cross_layer_equalization:
+        normalized, equalized = equalize_model(normalized)
+        changes += equalized
+    float_model = normalized
     uses = plan(normalized, config)
     normalized = _upgrade_for(normalized, uses, changes)
     qparams = calibrate(normalized, uses, data, providers)
@@ -74,7 +80,7 @@ def quantize_model(
     summary = _summary(original, quantized, uses, changes, time.perf_counter() - start)
     if config.fast_finetune is not None:
         logger.info("the config's fast_finetune section is not run here; finetune.pipeline.quantize_and_finetune runs it")
-    return QuantizeResult(quantized, summary)
+    return QuantizeResult(quantized, summary, float_model)
 
 
 # --- plan -----------------------------------------------------------------------------------------
@@ -410,7 +416,7 @@ def _format_label(spec: FormatSpec) -> str:
 
 
 def _summary(original: onnx.ModelProto, quantized: onnx.ModelProto, uses: list[Use], changes: list[str], seconds: float) -> dict[str, Any]:
-    """Tensors per format and role, model sizes and what normalisation changed."""
+    """Tensors per format and role, model sizes and what normalisation (and equalisation) changed."""
     distinct = {(u.tensor, u.spec): u for u in _with_producer_formats(uses)}.values()
     per_format = Counter((use.role, _format_label(use.spec)) for use in distinct)
     return {

@@ -70,7 +70,7 @@ QUANT_FORMATS: dict[str, str | None] = {
 TOP_MAPPED = (
     "quant_format", "calibrate_method", "activation_type", "weight_type", "op_types_to_quantize",
     "extra_op_types_to_quantize", "nodes_to_exclude", "per_channel", "include_fast_ft", "include_auto_mp",
-    "extra_options",
+    "include_cle", "extra_options",
 )
 TOP_NO_EFFECT = (
     "execution_providers", "specific_tensor_precision", "use_external_data_format", "debug_mode", "print_summary",
@@ -87,7 +87,7 @@ TOP_ACCEPTED_ONLY: dict[str, tuple[Any, ...]] = {
     **dict.fromkeys(
         (
             "reduce_range", "optimize_model", "use_dynamic_quant", "enable_npu_cnn", "enable_npu_transformer",
-            "enable_dpu", "convert_fp16_to_fp32", "convert_nchw_to_nhwc", "include_cle", "include_sq",
+            "enable_dpu", "convert_fp16_to_fp32", "convert_nchw_to_nhwc", "include_sq",
             "include_rotation", "crypto_mode",
         ),
         _OFF,
@@ -302,6 +302,7 @@ class _Translation:
             "tensor_overrides": {**self.mixed_precision_tensors(), **self.tensor_quant_overrides()},
             "exclude_nodes": self.exclude_nodes(),
             "dual_quant": self.dual_quant(),
+            "cross_layer_equalization": self.flag("include_cle", False),
             "weight_storage": self.weight_storage(),
             "fast_finetune": self.fast_finetune(),
         }

@@ -328,6 +328,7 @@ COMPLEX = {
     "tensor_overrides": {"input.1": {"format": "int", "dtype": "int16"}, "logits": None},
     "exclude_nodes": ["/head/.*"],
     "dual_quant": True,
+    "cross_layer_equalization": True,
     "weight_storage": "compact",
     "fast_finetune": {
         "algorithm": "adaquant",
@@ -519,6 +520,14 @@ def test_quark_fast_finetune_block() -> None:
     assert from_quark({"include_fast_ft": False, "extra_options": {"FastFinetune": fast}}).fast_finetune is None
 
 
+def test_quark_include_cle_turns_on_cross_layer_equalization() -> None:
+    assert from_quark({"include_cle": True}).cross_layer_equalization
+    assert not from_quark({"include_cle": False}).cross_layer_equalization
+    assert not from_quark({}).cross_layer_equalization
+    with pytest.raises(ConfigError, match=r"include_cle.*true or false"):
+        from_quark({"include_cle": "yes"})
+
+
 def test_quark_layer_wise_auto_mixprecision_and_dual_quant() -> None:
     options = {
         "quant_format": "ExtendedQuantFormat.QDQ",
@@ -578,7 +587,7 @@ def test_load_config_detects_quark_files_and_mappings(tmp_path: Path) -> None:
         ({"calibrate_method": "CalibrationMethod.Distribution"}, ["calibrate_method", "no equivalent"]),
         ({"calibrate_method": "MinMSE"}, ["ambiguous", "PowerOfTwoMethod.MinMSE"]),
         ({"quant_format": "QuantFormat.QOperator"}, ["quant_format", "no equivalent"]),
-        ({"include_cle": True}, ["include_cle", "no equivalent"]),
+        ({"include_sq": True}, ["include_sq", "no equivalent"]),
         ({"extra_options": {"SimplifyModel": True}}, ["extra_options.SimplifyModel", "no equivalent"]),
         ({"extra_options": {"Int32Bias": False}}, ["extra_options.Int32Bias", "no equivalent"]),
         (

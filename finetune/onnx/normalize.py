@@ -37,7 +37,7 @@ def normalize_model(model: onnx.ModelProto, min_opset: int = MIN_OPSET) -> tuple
         _bypass_initializer_identities,
         _drop_initializer_inputs,
         _name_nodes,
-        _infer_shapes,
+        infer_shapes,
     ]
     changes: list[str] = []
     for step in steps:
@@ -175,7 +175,7 @@ def _name_nodes(model: onnx.ModelProto) -> list[str]:
     return [f"named {renamed} node(s) that had no name or a duplicate one"] if renamed else []
 
 
-def _infer_shapes(model: onnx.ModelProto) -> list[str]:
+def infer_shapes(model: onnx.ModelProto) -> list[str]:
     """Run onnx shape inference with data propagation; failures are reported, not raised."""
     if model.ByteSize() > _PROTOBUF_LIMIT:
         return ["skipped shape inference: the model is larger than 2 GB"]

@@ -46,7 +46,9 @@ _INT8_TENSOR = {"format": "int", "dtype": "int8", "symmetric": True, "granularit
 PRESETS: dict[str, Any] = {
     "MX4": "MX4",
     "MXFP4": "MXFP4",
-    "INT4W_INT8A": {"activation": _INT8_TENSOR, "weight": {**_INT8_TENSOR, "dtype": "int4"}},
+    # per-tensor INT4 weights after cross-layer equalisation, which they need on EfficientNet-Lite0 (folded
+    # batch norms spread its channel ranges): 100 AdaRound iterations reached 63 % agreement with it, 31.5 % without
+    "INT4W_INT8A": {"activation": _INT8_TENSOR, "weight": {**_INT8_TENSOR, "dtype": "int4"}, "cross_layer_equalization": True},
     "XINT8": "XINT8",
 }
 INT_PRESETS = ("INT4W_INT8A", "XINT8")  # AdaRound; the block formats get AdaQuant
@@ -141,8 +143,9 @@ def run_case(model: str, preset: str, directory: Path, iterations: int, adaquant
     labels = evaluation.get("y")
     algorithm = "adaround" if preset in INT_PRESETS else "adaquant"
     unit = AUTO_UNIT[algorithm] if unit == "auto" else unit
-    config = FastFinetune(algorithm=algorithm, iterations=iterations, seed=0, lr=adaquant_lr if algorithm == "adaquant" else None,
-                          unit=unit)
+    adaquant = algorithm == "adaquant"  # and it trains biases: EfficientNet-Lite0 MX4, 100 it: 69.5 % agreement vs 65.5 %
+    config = FastFinetune(algorithm=algorithm, iterations=iterations, seed=0, lr=adaquant_lr if adaquant else None,
+                          unit=unit, update_bias=adaquant)
     start = time.perf_counter()
     quantized = quantize_model(float_path, load_config(PRESETS[preset]), calibration).model
     quantize_seconds = time.perf_counter() - start
@@ -158,6 +161,7 @@ def run_case(model: str, preset: str, directory: Path, iterations: int, adaquant
     loss = float_metric - before["metric"]
     return {
         "model": model, "preset": preset, "algorithm": algorithm, "unit": unit, "iterations_per_unit": iterations, "lr": config.lr,
+        "update_bias": config.update_bias,
         "metric": "accuracy %" if labels is not None else "top-1 agreement with float %",
         "float": float_metric, "before": before["metric"], "after": after["metric"],
         "recovered_fraction": round((after["metric"] - before["metric"]) / loss, 9) if loss >= 2 else None,  # 12/15 digits is 0.8

@@ -9,11 +9,13 @@ import pytest
 from onnx import numpy_helper
 
 from finetune.config import load_config
+from finetune.lift import lift_model
 from finetune.onnx.equalize import MAX_SWEEPS, equalize_model, find_pairs
 from finetune.onnx.normalize import normalize_model
 from finetune.pipeline import quantize_and_finetune
 from finetune.quantize import quantize_model
 
+from .lift_helpers import run_torch
 from .tools_models import make_model, mk, run
 
 X_SHAPE = [2, 4, 8, 8]
@@ -138,3 +140,12 @@ def test_compact_weights_take_the_equalised_float_model_as_reference() -> None:
         result = quantize_and_finetune(model, load_config({**config, "weight_storage": storage}), data)
         losses[storage] = [u["loss_before"] for u in result.report["units"]]
     np.testing.assert_allclose(losses["compact"], losses["float"], rtol=1e-5)
+
+
+def test_the_lifted_equalised_model_runs_like_onnxruntime() -> None:
+    """The per-channel Max/Min bounds lift to torch and compute what onnxruntime computes."""
+    data = [{"x": inputs(seed)} for seed in range(4)]
+    quantized = quantize_model(separable_cnn(), {"preset": "XINT8", "cross_layer_equalization": True}, data).model
+    assert {"Max", "Min"} <= {n.op_type for n in quantized.graph.node}
+    x = inputs(seed=9)
+    np.testing.assert_allclose(run_torch(lift_model(quantized), [x])[0], run(quantized, x, optimize=False), rtol=0, atol=1e-5)

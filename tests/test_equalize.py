@@ -74,9 +74,8 @@ def test_each_pair_ends_with_equal_channel_ranges() -> None:
     np.testing.assert_allclose(first, depthwise, rtol=1e-3)
     grouped = np.abs(w["w3"]).reshape(2, 3, 4).max(axis=1).reshape(8)  # input channel g * 4 + j of group g
     np.testing.assert_allclose(depthwise, grouped, rtol=1e-3)
-    original = weights(separable_cnn())
-    spread = lambda r: r.max() / r.min()  # noqa: E731
-    assert spread(first) < spread(np.abs(original["w1"]).max(axis=(1, 2, 3))) / 10
+    original = np.abs(weights(separable_cnn())["w1"]).max(axis=(1, 2, 3))
+    assert first.max() / first.min() < original.max() / original.min() / 10
 
 
 def test_the_clip_bounds_follow_each_channel() -> None:
@@ -123,8 +122,8 @@ def test_per_tensor_int4_weights_lose_far_less_after_equalisation() -> None:
     equalised = quantize_model(model, {**config, "cross_layer_equalization": True}, None)
     assert any("cross-layer equalisation" in c for c in equalised.summary["normalization"])
     assert [n.op_type for n in equalised.float_model.graph.node].count("Min") == 1
-    error = lambda result: float(np.square(run(result.model, x) - expected).mean())  # noqa: E731
-    assert error(equalised) < error(plain) / 4
+    errors = [float(np.square(run(result.model, x) - expected).mean()) for result in (equalised, plain)]
+    assert errors[0] < errors[1] / 4
 
 
 def test_compact_weights_take_the_equalised_float_model_as_reference() -> None:

@@ -8,12 +8,13 @@ import onnx
 import pytest
 from onnx import numpy_helper
 
-from finetune.config import load_config
+from finetune.config import FastFinetune, load_config
 from finetune.lift import lift_model
 from finetune.onnx.equalize import MAX_SWEEPS, equalize_model, find_pairs
 from finetune.onnx.normalize import normalize_model
 from finetune.pipeline import quantize_and_finetune
 from finetune.quantize import quantize_model
+from finetune.recon import finetune_model
 
 from .lift_helpers import run_torch
 from .tools_models import make_model, mk, run
@@ -148,3 +149,16 @@ def test_the_lifted_equalised_model_runs_like_onnxruntime() -> None:
     assert {"Max", "Min"} <= {n.op_type for n in quantized.graph.node}
     x = inputs(seed=9)
     np.testing.assert_allclose(run_torch(lift_model(quantized), [x])[0], run(quantized, x, optimize=False), rtol=0, atol=1e-5)
+
+
+def test_a_float_model_that_was_not_quantized_into_the_codes_is_refused() -> None:
+    """Weights stored as codes of the equalised model, with the original float model given as the
+    reference: its targets belong to another model, and finetune says so instead of tuning towards them."""
+    model = separable_cnn()
+    data = [{"x": inputs(seed)} for seed in range(4)]
+    config = {"weight": INT4_TENSOR, "weight_storage": "compact", "cross_layer_equalization": True}
+    result = quantize_model(model, config, data)
+    with pytest.raises(ValueError, match=r"conv1.*does not quantize to the codes.*QuantizeResult.float_model"):
+        finetune_model(result.model, data, FastFinetune(iterations=5), float_model=model)
+    _, report = finetune_model(result.model, data, FastFinetune(iterations=5), float_model=result.float_model)
+    assert report["float_reference"] == "float model"

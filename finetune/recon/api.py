@@ -29,9 +29,11 @@ from .loop import Tuner, UnitResult
 from .partition import cut
 from .report import write_report
 from .stream import QuantizedStream, cache_inputs, capture_float, float_input_key, float_target_key, quantizers_disabled
-from .units import Unit, constant_nodes, find_units, parameter_behind
+from .units import Layer, Unit, constant_nodes, find_units, parameter_behind
 
 logger = logging.getLogger(__name__)
+
+CODE_MISMATCH = 0.05  # share of a weight's codes that may differ from the float model's (rounding ties, other tools)
 
 
 def finetune_model(
@@ -126,10 +128,26 @@ def _float_weights(module: LiftedModule, reference: LiftedModule, units: list[Un
         name = parameter_behind(reference, node.args[index] if index < len(node.args) else None, constant)
         value = None if name is None else reference.get_parameter(name).detach()
         if value is not None and value.shape == module.get_parameter(layer.weight).shape:
+            _check_same_codes(module, layer, value)
             starts[layer.weight] = value
     if starts:
         logger.info("%d unit(s) stored as codes start from the float model's weights", len(starts))
     return starts
+
+
+def _check_same_codes(module: LiftedModule, layer: Layer, value: torch.Tensor) -> None:
+    """Refuse a float model whose weight does not quantize to the stored codes: its targets would
+    belong to another model (the usual cause: the QDQ model was equalised before quantizing)."""
+    if layer.weight_quantizer is None:
+        return
+    quantizer = module.get_submodule(layer.weight_quantizer)
+    with torch.no_grad():
+        stored = module.get_parameter(layer.weight)
+        differ = float((quantizer(value.to(stored.device)) != quantizer(stored)).float().mean())
+    if differ > CODE_MISMATCH:
+        raise ValueError(f"the float model's weight of {layer.name} does not quantize to the codes the quantized model stores "
+                         f"({differ:.0%} of them differ): pass the float model it was quantized from (for a model quantized "
+                         "with cross_layer_equalization, the equalised one: QuantizeResult.float_model)")
 
 
 @contextlib.contextmanager

@@ -183,14 +183,18 @@ def _rescale_clips(graph: onnx.GraphProto, clip_scales: dict[str, np.ndarray]) -
     """Replace each Clip between equalised Convs with Max(lo / s) and Min(hi / s) per channel
     (a missing bound is left out); returns how many were replaced."""
     initializers = {t.name: t for t in graph.initializer}
-    replaced = {name for node in graph.node if node.name in clip_scales for name in node.input[1:]}
+    old_bounds: set[str] = set()
     nodes: list[onnx.NodeProto] = []
+    replaced = 0
     for node in graph.node:
         scale = clip_scales.get(node.name)
-        if scale is None:
+        bounds = [] if scale is None else [(op, node.input[i]) for op, i in (("Max", 1), ("Min", 2))
+                                           if len(node.input) > i and node.input[i]]
+        if not bounds:  # not a scaled Clip, or one without bounds, which passes every value anyway
             nodes.append(node)
             continue
-        bounds = [(op, node.input[i]) for op, i in (("Max", 1), ("Min", 2)) if len(node.input) > i and node.input[i]]
+        old_bounds.update(name for _, name in bounds)
+        replaced += 1
         value = node.input[0]
         for k, (op, name) in enumerate(bounds):
             bound = f"{node.name}/{op.lower()}_per_channel"
@@ -199,10 +203,8 @@ def _rescale_clips(graph: onnx.GraphProto, clip_scales: dict[str, np.ndarray]) -
             output = node.output[0] if k == len(bounds) - 1 else f"{node.output[0]}/{op.lower()}"
             nodes.append(helper.make_node(op, [value, bound], [output], name=f"{node.name}/{op}"))
             value = output
-        if not bounds:
-            nodes.append(node)
     del graph.node[:]
     graph.node.extend(nodes)
     used = {name for node in nodes for name in node.input}
-    keep_only(graph.initializer, lambda tensor: tensor.name not in replaced or tensor.name in used)
-    return len(clip_scales)
+    keep_only(graph.initializer, lambda tensor: tensor.name not in old_bounds or tensor.name in used)
+    return replaced

@@ -17,12 +17,14 @@ from finetune.quantize import format_summary
 from finetune.tools import bf16, evaluate, infer
 from finetune.tools.command import run_command
 
+logger = logging.getLogger(__name__)
+
 
 def attach_ops(args: argparse.Namespace) -> None:
     """Add function bodies for com.finetune / com.amd.quark nodes so stock onnxruntime runs them."""
     model = load_model(args.input)
     save_model_atomic(attach_custom_ops(model), args.output)
-    logging.info("wrote %s", args.output)
+    logger.info("wrote %s", args.output)
 
 
 def quantize(args: argparse.Namespace) -> None:
@@ -49,7 +51,7 @@ def quantize(args: argparse.Namespace) -> None:
         from finetune.recon.report import format_report  # lightning takes seconds to import: only after tuning
 
         print(format_report(result.report))
-    logging.info("wrote %s, %s and %s", args.output, summary_path, _config_path(args.output))
+    logger.info("wrote %s, %s and %s", args.output, summary_path, _config_path(args.output))
 
 
 def tune(args: argparse.Namespace) -> None:
@@ -59,7 +61,7 @@ def tune(args: argparse.Namespace) -> None:
 
     config = load_config(args.config) if args.config else QuantConfig()
     if config.fast_finetune is None:
-        logging.info("no fast_finetune section in the config: starting from the defaults (AdaRound)")
+        logger.info("no fast_finetune section in the config: starting from the defaults (AdaRound)")
         config = with_finetune(config, {"algorithm": "adaround"})
     config = with_finetune(config, _finetune_overrides(args, config))
     data = CalibrationData(args.data, load_model(args.model), limit=config.fast_finetune.data_size)
@@ -68,7 +70,7 @@ def tune(args: argparse.Namespace) -> None:
     save_model_atomic(tuned, args.output)
     save_run_config(config, _config_path(args.output))
     print(format_report(report))
-    logging.info("wrote %s and %s", args.output, _config_path(args.output))
+    logger.info("wrote %s and %s", args.output, _config_path(args.output))
 
 
 def _finetune_overrides(args: argparse.Namespace, config: QuantConfig) -> dict:

@@ -9,7 +9,8 @@ import json
 import os
 import platform
 import time
-from typing import Callable
+from collections.abc import Callable
+from functools import partial
 
 import numpy as np
 import onnx
@@ -18,8 +19,23 @@ import torch
 from onnx import TensorProto, helper
 
 from finetune.formats import (
-    BF16, BFP16, FP8_E4M3FN, FP8_E5M2, FP16, MX4, MX6, MX9, MXFP4, MXFP6_E2M3, MXFP6_E3M2, MXFP8_E4M3,
-    MXFP8_E5M2, MXINT8, FormatSpec, IntSpec, quantize_dequantize,
+    BF16,
+    BFP16,
+    FP8_E4M3FN,
+    FP8_E5M2,
+    FP16,
+    MX4,
+    MX6,
+    MX9,
+    MXFP4,
+    MXFP6_E2M3,
+    MXFP6_E3M2,
+    MXFP8_E4M3,
+    MXFP8_E5M2,
+    MXINT8,
+    FormatSpec,
+    IntSpec,
+    quantize_dequantize,
 )
 from finetune.onnx import attach_custom_ops
 from finetune.onnx.qdq import STANDARD_QDQ_OPSET, make_qdq
@@ -84,11 +100,9 @@ def run(shape: tuple[int, ...], repeats: int, names: list[str] | None) -> dict:
             continue
         clone_times.append(best_time(x.clone, repeats))
         spec, scale, zero_point = case
-        torch_s = best_time(lambda: quantize_dequantize(
-            x, spec, None if scale is None else torch.from_numpy(scale),
-            None if zero_point is None else torch.from_numpy(zero_point)), repeats)
-        session = onnx_session(case, shape)
-        onnx_s = best_time(lambda: session.run(None, {"x": x_np}), repeats)
+        torch_s = best_time(partial(quantize_dequantize, x, spec, None if scale is None else torch.from_numpy(scale),
+                                    None if zero_point is None else torch.from_numpy(zero_point)), repeats)
+        onnx_s = best_time(partial(onnx_session(case, shape).run, None, {"x": x_np}), repeats)
         rows.append({"format": name, "torch_s": torch_s, "onnxruntime_s": onnx_s})
     clone_s = min(clone_times)
     for row in rows:

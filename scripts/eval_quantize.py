@@ -14,8 +14,8 @@ import json
 import logging
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import onnxruntime as ort
@@ -24,9 +24,17 @@ import torch
 from finetune.config import available_presets
 from finetune.quantize import quantize_model
 from finetune.zoo import (
-    digits_split, efficientnet_lite0, export_onnx, magika_config, magika_onnx_path, magika_samples, photo_crops,
+    digits_split,
+    efficientnet_lite0,
+    export_onnx,
+    magika_config,
+    magika_onnx_path,
+    magika_samples,
+    photo_crops,
     train_digits_cnn,
 )
+
+logger = logging.getLogger(__name__)
 
 Metric = Callable[[np.ndarray], float]
 
@@ -82,7 +90,7 @@ def evaluate(models: list[str], presets: list[str]) -> list[dict]:
                 rows.append({"model": name, "preset": preset, "float_metric": round(float_metric, 4),
                              "quantized_metric": round(metric(session_outputs(quantized, feeds)), 4),
                              "quantize_seconds": round(seconds, 2)})
-                logging.info("%s", rows[-1])
+                logger.info("%s", rows[-1])
     return rows
 
 

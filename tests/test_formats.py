@@ -6,7 +6,6 @@ from __future__ import annotations
 import math
 
 import numpy as np
-import onnx
 import onnxruntime as ort
 import pytest
 import torch

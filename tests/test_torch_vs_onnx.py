@@ -4,10 +4,10 @@ shapes, axes, attributes and scales, beyond the fixed reference vectors."""
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-import onnx
 from onnx import TensorProto, helper
 
 from finetune.formats import MX_ELEMENTS, BFPSpec, FloatSpec, FormatSpec, IntSpec, MXSpec, quantize_dequantize

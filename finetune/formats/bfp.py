@@ -10,9 +10,9 @@ import torch
 from .bits import (
     EXPONENT_BIAS,
     EXPONENT_FIELD_INF_NAN,
+    F32_MIN_NORMAL,
     ROUNDING_MODES,
     compute_in_float32,
-    F32_MIN_NORMAL,
     exponent_field,
     rounder,
     scale_by_pow2,

@@ -3,7 +3,7 @@ rounding modes and straight-through gradients."""
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

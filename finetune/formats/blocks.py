@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import math
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
 
 from .bits import EXPONENT_FIELD_INF_NAN, exponent_field
-
 
 BlockFn = Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
 

@@ -429,7 +429,7 @@ def _check(node: onnx.NodeProto, name: str, value: Any, allowed: Any, text: str 
         raise ValueError(f"{_describe(node)}: {name}={value!r} is invalid; allowed: {text or sorted(allowed)}")
 
 
-def _format_spec(node: onnx.NodeProto, spec_type: type[BFPSpec] | type[MXSpec], defaults: Mapping[str, Any]) -> Any:
+def _format_spec(node: onnx.NodeProto, spec_type: type[BFPSpec | MXSpec], defaults: Mapping[str, Any]) -> Any:
     """The node's attributes as a validated format spec; invalid values raise ValueError naming the node."""
     attributes = _attributes(node, defaults)
     attributes.pop("use_compiler_version_cpu_kernel", None)

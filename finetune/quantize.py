@@ -21,6 +21,7 @@ from finetune.config import FormatChoice, QuantConfig, load_config
 from finetune.formats import FloatSpec, FormatSpec, IntSpec, MXSpec, float_codes, int_codes
 from finetune.onnx import attach_custom_ops
 from finetune.onnx.equalize import equalize_model
+from finetune.onnx.fold import fold_constants
 from finetune.onnx.io import load_model
 from finetune.onnx.normalize import DEFAULT_DOMAINS, default_opset, normalize_model
 from finetune.onnx.qdq import CODE_DTYPES, STANDARD_QDQ_OPSET, make_qdq, uses_standard_ops
@@ -69,6 +70,9 @@ def quantize_model(
     config = load_config(config)
     original = load_model(model)
     normalized, changes = normalize_model(original)
+    for change in fold_constants(normalized):  # a weight computed from constants (Transpose(W)) becomes one to quantize and tune
+        logger.info(change)
+        changes.append(change)
     if config.cross_layer_equalization:
         normalized, equalized = equalize_model(normalized)
         changes += equalized

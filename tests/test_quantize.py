@@ -173,6 +173,28 @@ def test_matmul_blocks_run_along_the_reduction_axis(tmp_path: Path) -> None:
     assert axes == {"x": 2, next(t.name for t in onnx.load(path).graph.initializer): 0}
 
 
+def test_weight_computed_from_a_constant_is_quantized_and_tuned_as_a_weight() -> None:
+    """TorchScript export without constant folding writes a Linear as MatMul(x, Transpose(W)); the
+    quantizer folds the Transpose, so the weight gets its per-channel format (not an activation's
+    calibrated per-tensor one) and the lifted model can tune it."""
+    weight = np.random.default_rng(0).standard_normal((16, 8)).astype(np.float32)
+    graph = onnx.helper.make_graph(
+        [onnx.helper.make_node("Transpose", ["W"], ["Wt"], perm=[1, 0]), onnx.helper.make_node("MatMul", ["x", "Wt"], ["y"])],
+        "linear", [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [4, 8])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [4, 16])], [onnx.numpy_helper.from_array(weight, "W")])
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)], ir_version=8)
+    calibration = [{"x": np.random.default_rng(i).standard_normal((4, 8)).astype(np.float32)} for i in range(4)]
+    result = quantize_model(model, "A8W8", calibration)
+    assert "folded 1 constant node(s) into initializers" in result.summary["normalization"]
+    initializers = {t.name: onnx.numpy_helper.to_array(t) for t in result.model.graph.initializer}
+    weight_quantizer = next(n for n in result.model.graph.node if n.op_type == "QuantizeLinear" and n.input[0] != "x")
+    assert weight_quantizer.input[0] in initializers
+    assert initializers[weight_quantizer.input[1]].shape == (16,)  # one scale per output channel
+    assert list(lift_model(result.model).finetune_params) == [f"initializers.{weight_quantizer.input[0]}"]
+    x = calibration[0]["x"]
+    np.testing.assert_allclose(run(result.model, x), x @ weight.T, atol=0.1)
+
+
 def test_cli_quantize_writes_model_and_summary(digits: dict, tmp_path: Path) -> None:
     data = tmp_path / "calib"
     data.mkdir()

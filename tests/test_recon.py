@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import onnx
@@ -265,6 +266,20 @@ def test_reruns_are_byte_identical_and_spill_to_disk(digits: dict, tmp_path: Pat
     assert report["cache"]["spilled_arrays"] == 0 and report["cache"]["peak_bytes_in_memory"] > 0
     assert spill_report["cache"]["spilled_arrays"] > 0 and spill_report["cache"]["peak_bytes_in_memory"] == 0
     assert spill_report["cache"]["peak_bytes_on_disk"] > 0
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_spill_the_disk_cannot_hold_is_refused(digits: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With too little free disk the run stops with an error that names the value, the directory and
+    what to change (a memory map written past a full disk would kill the process instead), and the
+    spill directory is removed."""
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    monkeypatch.setattr("finetune.recon.cache.shutil.disk_usage", lambda path: SimpleNamespace(free=2**29))
+    quantized = quantize_model(digits["path"], W4A8, digits["small"]).model
+    refusal = (r"cannot spill input:x \(\d+ bytes\) to .*finetune-activations-\w+: 512.0 MiB free there, 0 bytes already spilled; "
+               r"lower fast_finetune.data_size, raise cache_budget_bytes .* or point TMPDIR at a larger disk")
+    with pytest.raises(OSError, match=refusal):
+        finetune_model(quantized, digits["small"], FastFinetune(iterations=1, cache_budget_bytes=1))
     assert list(tmp_path.iterdir()) == []
 
 

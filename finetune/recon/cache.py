@@ -3,6 +3,7 @@ beyond it in numpy memory maps in a temporary directory, removed when released."
 
 from __future__ import annotations
 
+import errno
 import logging
 import shutil
 import tempfile
@@ -13,6 +14,8 @@ import numpy as np
 import torch
 
 logger = logging.getLogger(__name__)
+
+DISK_RESERVE = 2**30  # bytes a spill leaves free for the output model and everything else on the disk
 
 
 class ActivationCache:
@@ -55,7 +58,7 @@ class ActivationCache:
             shutil.rmtree(self._directory, ignore_errors=True)
             self._directory = None
 
-    def store(self, array: np.ndarray) -> np.ndarray:
+    def store(self, array: np.ndarray, name: str) -> np.ndarray:
         """The array kept in memory if it fits the budget, else written to a memory map."""
         if self.in_memory + array.nbytes <= self.budget:
             self.in_memory += array.nbytes
@@ -64,6 +67,7 @@ class ActivationCache:
         if self._directory is None:
             self._directory = Path(tempfile.mkdtemp(prefix="finetune-activations-"))
             logger.info("activation cache over its budget of %d bytes: spilling to %s", self.budget, self._directory)
+        self._check_disk(array.nbytes, name)
         self._files += 1
         mapped = np.lib.format.open_memmap(self._directory / f"{self._files:06d}.npy", "w+", array.dtype, array.shape)
         mapped[...] = array
@@ -72,6 +76,15 @@ class ActivationCache:
         self.peak_on_disk = max(self.peak_on_disk, self.on_disk)
         self.spilled += 1
         return mapped
+
+    def _check_disk(self, nbytes: int, name: str) -> None:
+        """Refuse a spill the disk cannot hold: a memory map written past a full disk kills the
+        process (SIGBUS) instead of raising."""
+        free = shutil.disk_usage(self._directory).free
+        if nbytes + DISK_RESERVE > free:
+            raise OSError(errno.ENOSPC, f"the activation cache cannot spill {name} ({_size(nbytes)}) to {self._directory}: "
+                          f"{_size(free)} free there, {_size(self.on_disk)} already spilled; lower "
+                          "fast_finetune.data_size, raise cache_budget_bytes if memory allows, or point TMPDIR at a larger disk")
 
     def drop(self, array: np.ndarray) -> None:
         """Account for a stored array going away, deleting its file if it was spilled."""
@@ -82,6 +95,11 @@ class ActivationCache:
             path.unlink(missing_ok=True)
         else:
             self.in_memory -= array.nbytes
+
+
+def _size(nbytes: int) -> str:
+    """A byte count as people read it."""
+    return f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 else f"{nbytes} bytes"
 
 
 class CachedValue:
@@ -97,7 +115,7 @@ class CachedValue:
     def append(self, value: Any) -> None:
         """Add the next chunk's value."""
         if isinstance(value, torch.Tensor):
-            value = self.cache.store(value.detach().cpu().numpy())
+            value = self.cache.store(value.detach().cpu().numpy(), self.name)
         self.chunks.append(value)
         self._offsets = None
 

@@ -19,7 +19,6 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from .fold import fold_constants
 from .normalize import DEFAULT_DOMAINS, infer_shapes, keep_only
 
 logger = logging.getLogger(__name__)
@@ -40,11 +39,12 @@ class Pair:
 
 
 def equalize_model(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[str]]:
-    """An equalised copy of a normalised float `model` (weights as initializers, named nodes,
-    inferred shapes) and what changed (also logged); the input is never modified."""
+    """An equalised copy of a normalised, constant-folded float `model` (weights as initializers,
+    named nodes, inferred shapes, Pad widths as initializers: a computed one keeps its pair apart)
+    and what changed (also logged); the input is never modified."""
     result = onnx.ModelProto()
     result.CopyFrom(model)
-    changes = [*fold_constants(result), *_equalize(result)]  # folding makes computed Pad widths constants
+    changes = _equalize(result)
     for change in changes:
         logger.info(change)
     return result, changes

@@ -35,7 +35,14 @@ from finetune.formats import (
     mx_quantize_dequantize,
     quantize_dequantize,
 )
-from finetune.formats.bits import exponent_field, round_half_away_from_zero, round_half_even, round_half_up, scale_by_pow2
+from finetune.formats.bits import (
+    exponent_field,
+    quantize_scaled,
+    round_half_away_from_zero,
+    round_half_even,
+    round_half_up,
+    scale_by_pow2,
+)
 
 from .vectors import assert_same_values
 
@@ -69,6 +76,15 @@ def test_scale_by_pow2_is_exact_beyond_the_normal_range_of_the_factor() -> None:
     x = torch.tensor([F32_SUBNORMAL, 3 * F32_SUBNORMAL, 1.5])
     up = scale_by_pow2(x, torch.tensor([149, 148, -130]))
     assert up.tolist() == [1.0, 1.5, 1.5 * 2.0**-130]
+
+
+def test_quantize_scaled_matches_two_exact_scalings_inside_and_beyond_the_shared_factor_range() -> None:
+    x = torch.tensor([F32_SUBNORMAL, 3 * F32_SUBNORMAL, 1.5, -2.5e-38, 7.0, 2.0**-120])
+    for k in ([-20, -3, 5, -126, 1, 126], [-149, -148, 5, -130, 2, 127]):  # one factor for both ways, then split
+        k = torch.tensor(k)
+        y, scaled = quantize_scaled(x, k, round_half_even)
+        assert torch.equal(scaled, scale_by_pow2(x, -k))
+        assert torch.equal(y, scale_by_pow2(round_half_even(scale_by_pow2(x, -k)), k))
 
 
 # --- notable values, both directions ----------------------------------------------------------

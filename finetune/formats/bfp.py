@@ -14,8 +14,8 @@ from .bits import (
     ROUNDING_MODES,
     compute_in_float32,
     exponent_field,
+    quantize_scaled,
     rounder,
-    scale_by_pow2,
     straight_through,
 )
 from .blocks import map_blocks, max_finite_exponent_field
@@ -89,11 +89,11 @@ def _bfp_float32(x: torch.Tensor, spec: BFPSpec) -> torch.Tensor:
         x = straight_through(x, x.detach().to(torch.bfloat16).float(), None)
     if x.numel() <= 1:
         return x
-    (y,) = _bfp_map(x, spec, with_mask=False)
-    return straight_through(x, y, lambda: _bfp_map(x, spec, with_mask=True)[1])
+    y, passes = _bfp_map(x, spec, with_mask=x.requires_grad)
+    return straight_through(x, y, passes)
 
 
-def _bfp_map(x: torch.Tensor, spec: BFPSpec, with_mask: bool) -> tuple[torch.Tensor, ...]:
+def _bfp_map(x: torch.Tensor, spec: BFPSpec, with_mask: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The quantized values of x, and with `with_mask` also where no clamping happened."""
     method = _to_bfp if spec.bfp_method == "to_bfp" else _to_bfp_prime
     max_code = float(2**spec.mantissa_bits - 1)
@@ -103,7 +103,8 @@ def _bfp_map(x: torch.Tensor, spec: BFPSpec, with_mask: bool) -> tuple[torch.Ten
         return (y, (scaled.abs() <= max_code).reshape(y.shape)) if with_mask else (y,)
 
     with torch.no_grad():
-        return map_blocks(x.detach(), spec.axis, spec.block_size, per_block)
+        y, *passes = map_blocks(x.detach(), spec.axis, spec.block_size, per_block)
+    return y, passes[0] if with_mask else None
 
 
 def _round_codes(scaled: torch.Tensor, spec: BFPSpec, max_code: float) -> torch.Tensor:
@@ -116,8 +117,7 @@ def _to_bfp(blocks: torch.Tensor, spec: BFPSpec, max_code: float) -> tuple[torch
     Returns the result and the scaled values (for the gradient mask)."""
     shared, finite = max_finite_exponent_field(blocks, dim=2)
     scale_exp = shared - EXPONENT_BIAS - (spec.mantissa_bits - 1)
-    scaled = scale_by_pow2(blocks, -scale_exp)
-    y = scale_by_pow2(_round_codes(scaled, spec, max_code), scale_exp)
+    y, scaled = quantize_scaled(blocks, scale_exp, lambda v: _round_codes(v, spec, max_code))
     if finite is not None:
         y = torch.where(finite, y, blocks)
     return y, scaled
@@ -133,9 +133,8 @@ def _to_bfp_prime(blocks: torch.Tensor, spec: BFPSpec, max_code: float) -> tuple
     shared = sub_max.amax(dim=2, keepdim=True)
     max_shift = spec.max_sub_block_shift
     shift = torch.clamp(shared - sub_max, max=max_shift)
-    scale_exp = shared - EXPONENT_BIAS - shift + 1 - spec.mantissa_bits
-    scaled = scale_by_pow2(sub, -scale_exp)
-    y = scale_by_pow2(_round_codes(scaled, spec, max_code), scale_exp)
+    scale_exp = (shared + (1 - EXPONENT_BIAS - spec.mantissa_bits)) - shift
+    y, scaled = quantize_scaled(sub, scale_exp, lambda v: _round_codes(v, spec, max_code))
     if _subnormals_may_round_to_nonzero(sub_max_abs, shared, spec.mantissa_bits + max_shift):
         y = y * (sub.abs() >= F32_MIN_NORMAL)
     has_nan_or_inf = shared == EXPONENT_FIELD_INF_NAN

@@ -65,7 +65,7 @@ def _float_float32(x: torch.Tensor, spec: FloatSpec, scale: torch.Tensor | float
         v = (x.detach() / s).add_(zp)
         inside = ~(v.abs() > spec.max_value) if x.requires_grad else None
         y = _saturating_cast(v, spec).to(torch.float32).sub_(zp).mul_(s)
-    return straight_through(x, y, lambda: inside)
+    return straight_through(x, y, inside)
 
 
 def float_codes(x: torch.Tensor, spec: FloatSpec, scale: torch.Tensor | float = 1.0, zero_point: torch.Tensor | float = 0.0) -> torch.Tensor:

@@ -82,7 +82,7 @@ def _int_float32(
         codes = round_half_even(x / s).to(code_dtype).add_(zp)
         inside = (codes >= spec.qmin) & (codes <= spec.qmax) if x.requires_grad else None
         y = codes.clamp_(spec.qmin, spec.qmax).sub_(zp).to(torch.float32).mul_(s)
-    return straight_through(x, y, lambda: inside)
+    return straight_through(x, y, inside)
 
 
 def int_codes(

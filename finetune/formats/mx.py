@@ -12,9 +12,9 @@ from .bits import (
     ROUNDING_MODES,
     compute_in_float32,
     power_of_two_below,
+    quantize_scaled,
     round_half_even,
     rounder,
-    scale_by_pow2,
     straight_through,
 )
 from .blocks import map_blocks, max_finite_exponent_field
@@ -93,25 +93,25 @@ def mx_quantize_dequantize(x: torch.Tensor, spec: MXSpec) -> torch.Tensor:
 def _mx_float32(x: torch.Tensor, spec: MXSpec) -> torch.Tensor:
     if x.numel() <= 1:
         return x
-    (y,) = _mx_map(x, spec, with_mask=False)
-    return straight_through(x, y, lambda: _mx_map(x, spec, with_mask=True)[1])
+    y, passes = _mx_map(x, spec, with_mask=x.requires_grad)
+    return straight_through(x, y, passes)
 
 
-def _mx_map(x: torch.Tensor, spec: MXSpec, with_mask: bool) -> tuple[torch.Tensor, ...]:
+def _mx_map(x: torch.Tensor, spec: MXSpec, with_mask: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The quantized values of x, and with `with_mask` also where no element saturated."""
     max_value = spec.element.max_value
 
     def per_block(blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
         shared, finite = max_finite_exponent_field(blocks, dim=2)
         shared = shared - EXPONENT_BIAS - spec.element.emax
-        scaled = scale_by_pow2(blocks, -shared)
-        y = scale_by_pow2(_quantize_element(scaled, spec), shared)
+        y, scaled = quantize_scaled(blocks, shared, lambda v: _quantize_element(v, spec))
         if finite is not None:
             y = torch.where(finite, y, blocks)
         return (y, ~(scaled.abs() > max_value)) if with_mask else (y,)
 
     with torch.no_grad():
-        return map_blocks(x.detach(), spec.axis, spec.block_size, per_block)
+        y, *passes = map_blocks(x.detach(), spec.axis, spec.block_size, per_block)
+    return y, passes[0] if with_mask else None
 
 
 def _quantize_element(v: torch.Tensor, spec: MXSpec) -> torch.Tensor:

@@ -211,8 +211,7 @@ class Tuner:
 class Batches:
     """Random training batches of a unit, reproducible from the seed and the unit index: rows
     drawn without replacement, the input mixed per element from the quantized (probability
-    drop_ratio, in steps of 1/256) and float inputs, QDrop-style. The mask comes from random
-    bytes, four times cheaper than float draws on the large inputs of image models.
+    drop_ratio, in steps of 1/256) and float inputs, QDrop-style.
 
     Rows come from the chunks shaped like the first beyond the leading axis: a value laid out
     sequence-first, (tokens, batch, ...), has a smaller second axis in a last, partial batch, and
@@ -230,23 +229,25 @@ class Batches:
         rows = np.sort(self.rows[self.generator.permutation(len(self.rows))[: self.size]])
         x = self.inputs.gather(rows)
         if self.threshold < 256:
-            noise = np.frombuffer(self.generator.bytes(x.numel()), dtype=np.uint8).reshape(x.shape)
-            x = torch.where(torch.from_numpy(noise < self.threshold), x, self.float_inputs.gather(rows))
+            keep = random_bytes(self.generator, x.shape) < self.threshold
+            x = torch.where(torch.from_numpy(keep), x, self.float_inputs.gather(rows))
         return x.to(device), self.targets.gather(rows).to(device)
 
 
 @contextlib.contextmanager
 def _dropped_quantization(train: fx.GraphModule, config: FastFinetune, k: int) -> Iterator[None]:
     """QDrop inside a block while it trains: each activation quantizer keeps its quantized value
-    per element with probability drop_ratio and passes the float value otherwise (seeded by the
-    unit index, so reruns repeat). Weight quantizers, which read constants, are left alone."""
+    per element with probability drop_ratio (in steps of 1/256) and passes the float value
+    otherwise (seeded by the unit index, so reruns repeat). Weight quantizers, which read
+    constants, are left alone."""
     constant = constant_nodes(train.graph)
     quantizers = [train.get_submodule(n.target) for n in train.graph.nodes
                   if n.op == "call_module" and n not in constant and isinstance(train.get_submodule(n.target), FakeQuantize)]
-    generator = torch.Generator().manual_seed(config.seed * 1_000_003 + k)
+    generator = np.random.default_rng([config.seed, k, 1])
+    threshold = round(config.drop_ratio * 256)
 
     def mix(_module: torch.nn.Module, args: tuple[torch.Tensor, ...], quantized: torch.Tensor) -> torch.Tensor:
-        keep = torch.rand(quantized.shape, generator=generator) < config.drop_ratio
+        keep = torch.from_numpy(random_bytes(generator, quantized.shape) < threshold)
         return torch.where(keep.to(quantized.device), quantized, args[0])
 
     hooks = [quantizer.register_forward_hook(mix) for quantizer in quantizers] if config.drop_ratio < 1 else []
@@ -255,6 +256,12 @@ def _dropped_quantization(train: fx.GraphModule, config: FastFinetune, k: int) -
     finally:
         for hook in hooks:
             hook.remove()
+
+
+def random_bytes(generator: np.random.Generator, shape: torch.Size) -> np.ndarray:
+    """Uniform random bytes in `shape`: a QDrop mask compares them with drop_ratio * 256, four
+    times cheaper than float draws on the large activations of image models."""
+    return np.frombuffer(generator.bytes(math.prod(shape)), dtype=np.uint8).reshape(shape)
 
 
 def _rows_shaped_like_the_first(*values: CachedValue) -> np.ndarray:

@@ -154,6 +154,26 @@ def test_activation_caching_is_linear_in_depth(digits: dict, monkeypatch: pytest
             assert count == 2 * chunks, name
 
 
+def test_cached_activations_do_not_grow_with_depth(tmp_path: Path) -> None:
+    """The float reference advances with the units, so the cache holds five activations at most (a
+    unit's float input, target and quantized input, the next unit's float input, and the float
+    value later ops read), not every unit's: an MLP three times deeper peaks at the same bytes
+    (capturing every unit up front peaked at 26 and 74 activations here)."""
+    feeds = [{"x": np.random.default_rng(i).standard_normal((32, 64), np.float32)} for i in range(4)]
+    peaks = []
+    for depth in (12, 36):
+        torch.manual_seed(0)
+        mlp = nn.Sequential(*[layer for _ in range(depth) for layer in (nn.Linear(64, 64), nn.ReLU())])
+        path = tmp_path / f"mlp{depth}.onnx"
+        torch.onnx.export(mlp, (torch.zeros(1, 64),), str(path), opset_version=17, input_names=["x"],
+                          dynamic_axes={"x": {0: "n"}}, dynamo=False)
+        _, report = finetune_model(quantize_model(path, "XINT8", feeds).model, feeds, FastFinetune(iterations=1))
+        assert len(report["units"]) == depth
+        peaks.append(report["cache"]["peak_bytes_in_memory"])
+    value_bytes = 4 * 32 * 64 * 4  # one activation over the calibration set
+    assert peaks == [5 * value_bytes] * 2
+
+
 # --- algorithms -----------------------------------------------------------------------------------
 
 

@@ -28,7 +28,7 @@ from .device import resolve_device
 from .loop import Tuner, UnitResult
 from .partition import cut
 from .report import write_report
-from .stream import QuantizedStream, cache_inputs, capture_float, float_input_key, float_target_key, quantizers_disabled
+from .stream import FloatStream, QuantizedStream, cache_inputs
 from .units import Layer, Unit, constant_nodes, find_units, parameter_behind
 
 logger = logging.getLogger(__name__)
@@ -85,33 +85,30 @@ def _reference(module: LiftedModule, float_model: str | Path | onnx.ModelProto |
 
 def _run(module: LiftedModule, reference: LiftedModule, units: list[Unit], original: onnx.ModelProto, data: Any,
          config: FastFinetune, device: torch.device, cache: ActivationCache, log_dir: Path | None) -> tuple[list[UnitResult], dict[str, float]]:
-    """Cache the inputs and float activations, then tune unit after unit on the quantized stream."""
+    """Cache the inputs, then tune unit after unit, advancing the float and the quantized stream to each."""
     feeds = CalibrationData(data, original, limit=config.data_size)
     inputs = cache_inputs(feeds, [info.name for info in feeds.inputs], cache)
     samples = inputs[0].rows
     module.to(device)
     reference.to(device)
-    start = time.perf_counter()
-    with quantizers_disabled(module) if reference is module else contextlib.nullcontext():
-        capture_float(reference, units, inputs, cache, device)
-    float_seconds = time.perf_counter() - start
     starts = _float_weights(module, reference, units) if reference is not module else {}
     plan = cut(module, units)
     placeholders = [n.name for n in module.graph.nodes if n.op == "placeholder"]
+    floats = FloatStream(reference, units, inputs, cache, device, quantizers_off=reference is module)
     stream = QuantizedStream(plan, placeholders, inputs, cache, device)
     tuner = Tuner(config, device, len(units), log_dir)
     results = []
     try:
         for k, unit in enumerate(units):
+            float_inputs, targets = floats.advance(k)
             unit_inputs = stream.before(k, unit)
-            float_inputs, targets = cache.value(float_input_key(unit)), cache.value(float_target_key(unit))
             results.append(tuner.tune(k, unit, module, plan.train[k], unit_inputs, float_inputs, targets, starts))
             cache.release(float_inputs.name)
             cache.release(targets.name)
             stream.after(k)
     finally:
         tuner.close()
-    return results, {"float_pass_seconds": float_seconds, "quantized_stream_seconds": stream.seconds, "samples": samples}
+    return results, {"float_pass_seconds": floats.seconds, "quantized_stream_seconds": stream.seconds, "samples": samples}
 
 
 def _float_weights(module: LiftedModule, reference: LiftedModule, units: list[Unit]) -> dict[str, torch.Tensor]:

@@ -45,15 +45,21 @@ class ActivationCache:
         return self.values[name]
 
     def release(self, name: str) -> None:
-        """Forget a value, freeing its memory and deleting its files."""
-        value = self.values.pop(name, None)
-        if value is not None:
+        """Drop one holder of a value; the last one out (or anyone, when none holds it) frees its
+        memory and deletes its files."""
+        value = self.values.get(name)
+        if value is None:
+            return
+        value.holders -= 1
+        if value.holders <= 0:
+            del self.values[name]
             value.clear()
 
     def close(self) -> None:
-        """Release everything and remove the spill directory."""
-        for name in list(self.values):
-            self.release(name)
+        """Free everything and remove the spill directory."""
+        for value in self.values.values():
+            value.clear()
+        self.values = {}
         if self._directory is not None:
             shutil.rmtree(self._directory, ignore_errors=True)
             self._directory = None
@@ -110,6 +116,7 @@ class CachedValue:
         self.cache = cache
         self.name = name
         self.chunks: list[Any] = []
+        self.holders = 0  # readers sharing the value (the streams, for the model inputs); see ActivationCache.release
         self._offsets: np.ndarray | None = None
 
     def append(self, value: Any) -> None:

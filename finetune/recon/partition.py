@@ -41,7 +41,7 @@ def cut(module: LiftedModule, units: list[Unit]) -> Plan:
     graph = module.graph
     nodes = {n.name: n for n in graph.nodes}
     constant = constant_nodes(graph)
-    steps = _assign_steps(graph, units, constant, _needed(units, nodes, constant))
+    steps = _assign_steps(graph, units, constant, _needed([nodes[name] for unit in units for name in unit.nodes], constant))
     members: list[list[fx.Node]] = [[] for _ in range(2 * len(units))]
     for node, step in steps.items():
         members[step].append(node)
@@ -52,10 +52,28 @@ def cut(module: LiftedModule, units: list[Unit]) -> Plan:
     return Plan(tuple(segments[0::2]), tuple(segments[1::2]), train, last_use)
 
 
-def _needed(units: list[Unit], nodes: dict[str, fx.Node], constant: set[fx.Node]) -> set[fx.Node]:
-    """The non-constant nodes units depend on, and the units' own nodes."""
+def cut_before(module: LiftedModule, wanted: list[list[fx.Node]]) -> tuple[tuple[Segment, ...], dict[str, int]]:
+    """Segments of `module` in order: segment k computes the nodes wanted[k] (and what they depend
+    on) that no earlier segment computed, and returns what later segments read. Also the last
+    segment reading each value. Ops nothing wanted depends on are dropped."""
+    constant = constant_nodes(module.graph)
+    steps: dict[fx.Node, int] = {}
+    for k, nodes in enumerate(wanted):
+        for node in _needed(nodes, constant):
+            steps.setdefault(node, k)
+    members: list[list[fx.Node]] = [[] for _ in wanted]
+    for node in module.graph.nodes:
+        if node in steps:
+            members[steps[node]].append(node)
+    readers = _readers(steps, constant)
+    segments = tuple(_segment(module, members[k], _outputs(members[k], readers, k), constant) for k in range(len(wanted)))
+    return segments, {name: max(uses) for name, uses in readers.items()}
+
+
+def _needed(nodes: list[fx.Node], constant: set[fx.Node]) -> set[fx.Node]:
+    """The given nodes and the non-constant nodes they depend on (graph inputs excluded)."""
     needed: set[fx.Node] = set()
-    stack = [nodes[name] for unit in units for name in unit.nodes]
+    stack = list(nodes)
     while stack:
         node = stack.pop()
         if node in needed or node in constant or node.op == "placeholder":

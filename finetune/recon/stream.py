@@ -1,5 +1,6 @@
-"""Activations for reconstruction: the float inputs and targets of every unit from one pass of
-the float reference (forward hooks), and the quantized stream pushed through each segment once."""
+"""Activations for reconstruction: the float inputs and targets of each unit from one pass of the
+float reference and the quantized values from one pass of the quantized model, each pushed
+through the graph a segment at a time, so only what is still needed stays cached."""
 
 from __future__ import annotations
 
@@ -10,13 +11,13 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch import nn
+from torch import fx, nn
 from torch.utils.hooks import RemovableHandle
 
 from finetune.lift import FakeQuantize, LiftedModule
 
 from .cache import ActivationCache, CachedValue
-from .partition import Plan, Segment
+from .partition import Plan, Segment, cut_before
 from .units import Unit
 
 
@@ -44,25 +45,6 @@ def float_target_key(unit: Unit) -> str:
     return f"float_target:{unit.name}"
 
 
-def capture_float(reference: LiftedModule, units: list[Unit], inputs: list[CachedValue], cache: ActivationCache,
-                  device: torch.device) -> None:
-    """One pass of `reference` over the cached model inputs, storing each unit's float input (a
-    layer's activation argument, a block's entry value) and float target (its last float op's output)."""
-    hooks = []
-    for unit in units:
-        source, target = _submodule(reference, unit.source), _submodule(reference, unit.target_module)
-        inputs_of, targets_of = cache.value(float_input_key(unit)), cache.value(float_target_key(unit))
-        hooks.append(record_unit_input(source, unit, inputs_of.append))
-        hooks.append(target.register_forward_hook(lambda _m, _args, out, v=targets_of: v.append(out)))
-    try:
-        with torch.no_grad():
-            for chunk in range(len(inputs[0].chunks)):
-                reference(*(value.tensor(chunk, device) for value in inputs))
-    finally:
-        for hook in hooks:
-            hook.remove()
-
-
 def record_unit_input(source: nn.Module, unit: Unit, record: Callable[[Any], None]) -> RemovableHandle:
     """Hook `source` (the module `unit.source` names) so each call hands `record` the unit's input:
     the module's argument `unit.source_argument`, or its output when that is None."""
@@ -82,16 +64,43 @@ def _submodule(module: nn.Module, name: str) -> nn.Module:
         ) from None
 
 
-class QuantizedStream:
+class _Stream:
+    """Values of a lifted graph over the calibration set, computed segment by segment, chunk by
+    chunk; a value stays cached until the last segment reading it has run."""
+
+    def __init__(self, placeholders: list[str], inputs: list[CachedValue], cache: ActivationCache, device: torch.device,
+                 last_use: dict[str, int], prefix: str) -> None:
+        self.cache, self.device, self.last_use, self.prefix = cache, device, last_use, prefix
+        self.env: dict[str, CachedValue] = dict(zip(placeholders, inputs))
+        for value in inputs:
+            value.holders += 1
+        self.chunks = len(inputs[0].chunks)
+        self.seconds = 0.0  # spent running segments
+
+    def _run(self, segment: Segment, step: int) -> None:
+        """Run a segment chunk by chunk, storing its outputs and releasing dead values."""
+        start = time.perf_counter()
+        outputs = [self.cache.value(f"{self.prefix}:{name}") for name in segment.outputs]
+        with torch.no_grad():
+            for chunk in range(self.chunks):
+                results = segment.module(*(self.env[name].tensor(chunk, self.device) for name in segment.inputs))
+                for value, result in zip(outputs, results):
+                    value.append(result)
+        self.env.update(zip(segment.outputs, outputs))
+        for name in [n for n in self.env if self.last_use.get(n, -1) <= step]:
+            value = self.env.pop(name)
+            self.cache.release(value.name)
+        self.seconds += time.perf_counter() - start
+
+
+class QuantizedStream(_Stream):
     """The quantized model's values over the calibration set, advanced one segment at a time:
     `before(k)` runs gap k and returns unit k's input; `after(k)` runs the tuned unit k."""
 
     def __init__(self, plan: Plan, placeholders: list[str], inputs: list[CachedValue], cache: ActivationCache,
                  device: torch.device) -> None:
-        self.plan, self.cache, self.device = plan, cache, device
-        self.env: dict[str, CachedValue] = dict(zip(placeholders, inputs))
-        self.chunks = len(inputs[0].chunks)
-        self.seconds = 0.0  # spent running segments
+        super().__init__(placeholders, inputs, cache, device, plan.last_use, "stream")
+        self.plan = plan
 
     def before(self, k: int, unit: Unit) -> CachedValue:
         """Unit k's quantized input, after running gap segment k."""
@@ -102,20 +111,62 @@ class QuantizedStream:
         """Push the (tuned) unit k through, freeing values nothing later reads."""
         self._run(self.plan.units[k], 2 * k + 1)
 
-    def _run(self, segment: Segment, step: int) -> None:
-        """Run a segment chunk by chunk, storing its outputs and releasing dead values."""
-        start = time.perf_counter()
-        outputs = [self.cache.value(f"stream:{name}") for name in segment.outputs]
-        with torch.no_grad():
+
+class FloatStream(_Stream):
+    """The float reference's values over the calibration set, advanced one unit at a time:
+    `advance(k)` runs every op that unit k's float input and target need and no earlier unit did,
+    and hooks cache those two values. Only what later units read stays cached, so the float side
+    holds about one unit's activations at a time rather than every unit's (layer units over
+    EfficientNet-Lite0 with 1024 crops had spilled 47 GB when all were captured up front).
+
+    With the quantized module itself as the reference, `quantizers_off` runs its segments with
+    the quantizers disabled; each runs before its unit is tuned, so it sees the original weights."""
+
+    def __init__(self, reference: LiftedModule, units: list[Unit], inputs: list[CachedValue], cache: ActivationCache,
+                 device: torch.device, quantizers_off: bool) -> None:
+        placeholders = [n.name for n in reference.graph.nodes if n.op == "placeholder"]
+        self.segments, last_use = cut_before(reference, [_float_nodes(reference, unit) for unit in units])
+        super().__init__(placeholders, inputs, cache, device, last_use, "float")
+        self.reference, self.units, self.inputs, self.quantizers_off = reference, units, inputs, quantizers_off
+
+    def advance(self, k: int) -> tuple[CachedValue, CachedValue]:
+        """Unit k's float inputs and targets, computing what they need. Hooks record the values of
+        units k and later that this segment computes; they are removed after it, since the
+        quantized module (when it is the reference) runs the same submodules."""
+        unit = self.units[k]
+        float_inputs = self.cache.value(float_input_key(unit))
+        if not unit.source:
             for chunk in range(self.chunks):
-                results = segment.module(*(self.env[name].tensor(chunk, self.device) for name in segment.inputs))
-                for value, result in zip(outputs, results):
-                    value.append(result)
-        self.env.update(zip(segment.outputs, outputs))
-        for name in [n for n in self.env if self.plan.last_use.get(n, -1) <= step]:
-            value = self.env.pop(name)
-            self.cache.release(value.name)
-        self.seconds += time.perf_counter() - start
+                float_inputs.append(self.inputs[unit.source_argument or 0].tensor(chunk, self.device))
+        hooks = [hook for later in self.units[k:] for hook in self._hooks(later)]
+        try:
+            with quantizers_disabled(self.reference) if self.quantizers_off else contextlib.nullcontext():
+                self._run(self.segments[k], k)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        targets = self.cache.value(float_target_key(unit))
+        for value in (float_inputs, targets):
+            if len(value.chunks) != self.chunks:
+                raise ValueError(f"the float model computed {value.name} {len(value.chunks)} times over {self.chunks} "
+                                 "calibration batches: a module it names runs more or less than once per batch")
+        return float_inputs, targets
+
+    def _hooks(self, unit: Unit) -> list[RemovableHandle]:
+        """Hooks caching the float input (unless it is a model input) and the float target of a unit."""
+        targets = self.cache.value(float_target_key(unit))
+        hooks = [_submodule(self.reference, unit.target_module).register_forward_hook(lambda _m, _a, out: targets.append(out))]
+        if unit.source:
+            hooks.append(record_unit_input(_submodule(self.reference, unit.source), unit, self.cache.value(float_input_key(unit)).append))
+        return hooks
+
+
+def _float_nodes(reference: LiftedModule, unit: Unit) -> list[fx.Node]:
+    """The reference's nodes calling the modules that unit's float input and target come from."""
+    names = [name for name in (unit.source, unit.target_module) if name]
+    for name in names:
+        _submodule(reference, name)
+    return [n for n in reference.graph.nodes if n.op == "call_module" and n.target in names]
 
 
 def cache_inputs(feeds: Any, names: list[str], cache: ActivationCache) -> list[CachedValue]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 import sys
 from pathlib import Path
 
@@ -172,7 +173,17 @@ def _add_finetune_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_command(build_parser(), argv)
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        return run_command(build_parser(), argv)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _exit_on_sigterm(signum: int, _frame: object) -> None:
+    """SIGTERM (kill, a job scheduler's time limit) as SystemExit, so cleanup runs on the way out:
+    the activation cache's spill files (tens of GB on image models) are removed, not left behind."""
+    raise SystemExit(128 + signum)
 
 
 if __name__ == "__main__":

@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -123,6 +126,25 @@ def test_cli_errors_name_the_problem(digits: dict, tmp_path: Path, cli: Callable
     device = cli("quantize", str(digits["path"]), "--config", "XINT8", "--data", str(digits["data"]), "--finetune", "adaround",
                  "--device", "hip:0", "-o", str(tmp_path / "d.onnx"))
     assert device.returncode == 2 and "'hip:0' is not available" in device.stderr
+
+
+@pytest.mark.slow
+def test_a_terminated_run_removes_its_spilled_activations(digits: dict, tmp_path: Path) -> None:
+    """SIGTERM while tuning (a scheduler's time limit): the process exits with 128 + 15 and leaves
+    neither spill files nor a partial output behind."""
+    config, out, spill_root = tmp_path / "long.yaml", tmp_path / "out.onnx", tmp_path / "tmp"
+    config.write_text("preset: XINT8\nfast_finetune: {iterations: 1000000, cache_budget_bytes: 1}\n")
+    spill_root.mkdir()
+    process = subprocess.Popen([sys.executable, "-m", "finetune.cli", "quantize", str(digits["path"]), "--config", str(config),
+                                "--data", str(digits["data"]), "-o", str(out)],
+                               env={**os.environ, "TMPDIR": str(spill_root)}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while not list(spill_root.glob("finetune-activations-*/*.npy")) and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert process.poll() is None, process.stderr.read().decode()[-2000:]
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=60) == 128 + signal.SIGTERM
+    assert list(spill_root.glob("finetune-activations-*")) == [] and not out.exists()
 
 
 class _Reader(CalibrationDataReader):

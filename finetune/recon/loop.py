@@ -259,8 +259,8 @@ def _dropped_quantization(train: fx.GraphModule, config: FastFinetune, k: int) -
 
 
 def random_bytes(generator: np.random.Generator, shape: torch.Size) -> np.ndarray:
-    """Uniform random bytes in `shape`: a QDrop mask compares them with drop_ratio * 256, four
-    times cheaper than float draws on the large activations of image models."""
+    """Uniform random bytes in `shape`: a QDrop mask compares them with drop_ratio * 256, at half
+    the cost of float draws (9 against 18 ms for a 16x32x112x112 activation)."""
     return np.frombuffer(generator.bytes(math.prod(shape)), dtype=np.uint8).reshape(shape)
 
 

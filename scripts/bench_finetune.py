@@ -176,7 +176,9 @@ def run_case(model: str, preset: str, directory: Path, iterations: int, adaquant
         "finetune_seconds_if_inputs_came_from_ort_reruns": training + rerun + report["float_pass_seconds"],
         "per_unit_iteration_with_ort_reruns": (training + rerun) / max(1, report["iterations"]),
         "per_unit_iteration_ours": (training + ours) / max(1, report["iterations"]),
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "activation_cache_peak_mb_in_memory": report["cache"]["peak_bytes_in_memory"] / 2**20,
+        "activation_cache_peak_mb_on_disk": report["cache"]["peak_bytes_on_disk"] / 2**20,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # counts spilled pages read back, too
         "threads": torch.get_num_threads(),
     }
 

@@ -39,14 +39,20 @@ def pow2(k: torch.Tensor) -> torch.Tensor:
     return ((k.to(torch.int32) + EXPONENT_BIAS) << MANTISSA_BITS).view(torch.float32)
 
 
+def _within(k: torch.Tensor, low: int, high: int) -> bool:
+    """Whether every exponent in k lies in [low, high] (one pass for both ends); False when empty."""
+    if not k.numel():
+        return False
+    least, most = torch.aminmax(k)
+    return low <= int(least) and int(most) <= high
+
+
 def scale_by_pow2(x: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """x * 2**k exactly (up to the final rounding of the result), even where 2**k alone is not a
     normal float32: then the shift is split in two halves, each a normal power of two. k is
     usually per block, so the range check is cheap."""
-    if k.numel():
-        low, high = torch.aminmax(k)
-        if MIN_NORMAL_EXPONENT <= int(low) and int(high) <= MAX_EXPONENT:
-            return x * pow2(k)
+    if _within(k, MIN_NORMAL_EXPONENT, MAX_EXPONENT):
+        return x * pow2(k)
     half = torch.div(k, 2, rounding_mode="floor")
     return x * pow2(half) * pow2(k - half)
 
@@ -55,12 +61,10 @@ def quantize_scaled(x: torch.Tensor, k: torch.Tensor, quantize: RoundFn) -> tupl
     """(quantize(x * 2**-k) * 2**k, x * 2**-k), each product exact up to its final rounding: the
     block formats' scale-round-unscale. When 2**k and 2**-k are both normal (nearly always), one
     power of two serves both ways, since x / 2**k rounds exactly like x * 2**-k."""
-    if k.numel():
-        low, high = torch.aminmax(k)
-        if MIN_NORMAL_EXPONENT <= int(low) and int(high) <= -MIN_NORMAL_EXPONENT:
-            factor = pow2(k)
-            scaled = x / factor
-            return quantize(scaled).mul_(factor), scaled
+    if _within(k, MIN_NORMAL_EXPONENT, -MIN_NORMAL_EXPONENT):
+        factor = pow2(k)
+        scaled = x / factor
+        return quantize(scaled).mul_(factor), scaled
     scaled = scale_by_pow2(x, -k)
     return scale_by_pow2(quantize(scaled), k), scaled
 

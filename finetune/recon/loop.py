@@ -221,7 +221,7 @@ class Batches:
         self.inputs, self.float_inputs, self.targets = inputs, float_inputs, targets
         self.rows = _rows_shaped_like_the_first(inputs, targets)
         self.size = min(config.batch_size, len(self.rows))
-        self.threshold = round(config.drop_ratio * 256)
+        self.threshold = qdrop_threshold(config.drop_ratio)
         self.generator = np.random.default_rng([config.seed, k])
 
     def next(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -229,8 +229,7 @@ class Batches:
         rows = np.sort(self.rows[self.generator.permutation(len(self.rows))[: self.size]])
         x = self.inputs.gather(rows)
         if self.threshold < 256:
-            keep = random_bytes(self.generator, x.shape) < self.threshold
-            x = torch.where(torch.from_numpy(keep), x, self.float_inputs.gather(rows))
+            x = mix_quantized(self.generator, self.threshold, x, self.float_inputs.gather(rows))
         return x.to(device), self.targets.gather(rows).to(device)
 
 
@@ -244,11 +243,10 @@ def _dropped_quantization(train: fx.GraphModule, config: FastFinetune, k: int) -
     quantizers = [train.get_submodule(n.target) for n in train.graph.nodes
                   if n.op == "call_module" and n not in constant and isinstance(train.get_submodule(n.target), FakeQuantize)]
     generator = np.random.default_rng([config.seed, k, 1])
-    threshold = round(config.drop_ratio * 256)
+    threshold = qdrop_threshold(config.drop_ratio)
 
     def mix(_module: torch.nn.Module, args: tuple[torch.Tensor, ...], quantized: torch.Tensor) -> torch.Tensor:
-        keep = torch.from_numpy(random_bytes(generator, quantized.shape) < threshold)
-        return torch.where(keep.to(quantized.device), quantized, args[0])
+        return mix_quantized(generator, threshold, quantized, args[0])
 
     hooks = [quantizer.register_forward_hook(mix) for quantizer in quantizers] if config.drop_ratio < 1 else []
     try:
@@ -258,10 +256,17 @@ def _dropped_quantization(train: fx.GraphModule, config: FastFinetune, k: int) -
             hook.remove()
 
 
-def random_bytes(generator: np.random.Generator, shape: torch.Size) -> np.ndarray:
-    """Uniform random bytes in `shape`: a QDrop mask compares them with drop_ratio * 256, at half
-    the cost of float draws (9 against 18 ms for a 16x32x112x112 activation)."""
-    return np.frombuffer(generator.bytes(math.prod(shape)), dtype=np.uint8).reshape(shape)
+def qdrop_threshold(drop_ratio: float) -> int:
+    """The byte value below which a random byte keeps the quantized value (256: always)."""
+    return round(drop_ratio * 256)
+
+
+def mix_quantized(generator: np.random.Generator, threshold: int, quantized: torch.Tensor, float_value: torch.Tensor) -> torch.Tensor:
+    """QDrop: per element the quantized value where a random byte is below `threshold`, else the
+    float value. Random bytes cost half as much as float draws (9 against 18 ms for a
+    16x32x112x112 activation)."""
+    noise = np.frombuffer(generator.bytes(quantized.numel()), dtype=np.uint8).reshape(quantized.shape)
+    return torch.where(torch.from_numpy(noise < threshold).to(quantized.device), quantized, float_value)
 
 
 def _rows_shaped_like_the_first(*values: CachedValue) -> np.ndarray:

@@ -131,14 +131,15 @@ class FloatStream(_Stream):
 
     def advance(self, k: int) -> tuple[CachedValue, CachedValue]:
         """Unit k's float inputs and targets, computing what they need. Hooks record the values of
-        units k and later that this segment computes; they are removed after it, since the
+        units k and later whose modules this segment calls; they are removed after it, since the
         quantized module (when it is the reference) runs the same submodules."""
         unit = self.units[k]
         float_inputs = self.cache.value(float_input_key(unit))
         if not unit.source:
             for chunk in range(self.chunks):
                 float_inputs.append(self.inputs[unit.source_argument or 0].tensor(chunk, self.device))
-        hooks = [hook for later in self.units[k:] for hook in self._hooks(later)]
+        called = {n.target for n in self.segments[k].module.graph.nodes if n.op == "call_module"}
+        hooks = [hook for later in self.units[k:] if {later.source, later.target_module} & called for hook in self._hooks(later)]
         try:
             with quantizers_disabled(self.reference) if self.quantizers_off else contextlib.nullcontext():
                 self._run(self.segments[k], k)

@@ -326,6 +326,52 @@ def test_compact_weights_with_the_float_model_as_reference(digits: dict) -> None
     assert not np.array_equal(run(tuned, digits["x"]), run(quantized, digits["x"]))
 
 
+def transposed_weights_model() -> onnx.ModelProto:
+    """A QDQ model of two MatMuls as some exporters write them: y = relu(x @ Transpose(W1)) @ Transpose(DQ(codes)).
+    The first weight is transposed ahead of its quantizers, the second after its dequantization."""
+    rng = np.random.default_rng(0)
+    h = onnx.helper
+    weights = rng.standard_normal((8, 16)).astype(np.float32)
+    codes = rng.integers(-127, 128, (4, 8), dtype=np.int8)
+    inits = [onnx.numpy_helper.from_array(a, n) for a, n in [
+        (weights, "w1"), (np.float32(0.05), "sx"), (np.float32(0.02), "sw"), (np.int8(0), "zero"), (codes, "codes"),
+        (np.float32(0.01), "sc"), (np.float32(0.04), "sh")]]
+    nodes = [
+        h.make_node("QuantizeLinear", ["x", "sx", "zero"], ["xq"]), h.make_node("DequantizeLinear", ["xq", "sx", "zero"], ["xd"]),
+        h.make_node("Transpose", ["w1"], ["w1t"], perm=[1, 0], name="transpose_w1"),
+        h.make_node("QuantizeLinear", ["w1t", "sw", "zero"], ["w1q"]), h.make_node("DequantizeLinear", ["w1q", "sw", "zero"], ["w1d"]),
+        h.make_node("MatMul", ["xd", "w1d"], ["m1"], name="first"), h.make_node("Relu", ["m1"], ["r1"]),
+        h.make_node("QuantizeLinear", ["r1", "sh", "zero"], ["rq"]), h.make_node("DequantizeLinear", ["rq", "sh", "zero"], ["rd"]),
+        h.make_node("DequantizeLinear", ["codes", "sc", "zero"], ["w2"]),
+        h.make_node("Transpose", ["w2"], ["w2t"], perm=[1, 0], name="transpose_w2"),
+        h.make_node("MatMul", ["rd", "w2t"], ["y"], name="second"),
+    ]
+    graph = h.make_graph(nodes, "transposed", [h.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["n", 16])],
+                         [h.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["n", 4])], inits)
+    return h.make_model(graph, opset_imports=[h.make_opsetid("", 17)], ir_version=8)
+
+
+def test_a_weight_transposed_ahead_of_its_quantizers_is_folded_and_tuned(caplog: pytest.LogCaptureFixture) -> None:
+    """Transpose(W) before the quantizers is folded into one initializer, which is tuned and written
+    back; a weight transposed after its dequantization cannot be trained and the log says so. The
+    input model is left as it was."""
+    model = transposed_weights_model()
+    given = model.SerializeToString()
+    x = np.random.default_rng(1).standard_normal((64, 16)).astype(np.float32)
+    with caplog.at_level("INFO"):
+        tuned, report = finetune_model(model, [{"x": x[i : i + 16]} for i in range(0, 64, 16)],
+                                       FastFinetune(algorithm="adaquant", iterations=30, unit="layer"))
+    assert model.SerializeToString() == given
+    assert [(u["name"], u["status"]) for u in report["units"]] == [("first", "kept")]
+    assert report["units"][0]["loss_after"] < report["units"][0]["loss_before"]
+    assert "second is not tuned: ops other than quantize/dequantize compute its weight" in caplog.text
+    assert "weights computed from constants: folded 1 constant node(s) into initializers" in caplog.text
+    assert [n.name for n in tuned.graph.node if n.op_type == "Transpose"] == ["transpose_w2"]
+    folded = next(t for t in tuned.graph.initializer if t.name == "w1t")
+    assert folded.dims == [16, 8] and not np.array_equal(onnx.numpy_helper.to_array(folded), initializers(model)["w1"].T)
+    assert not np.array_equal(run(tuned, x), run(model, x))
+
+
 def test_devices() -> None:
     assert resolve_device("cpu") == torch.device("cpu")
     for name in ("cuda", "cuda:3", "hip:0"):

@@ -4,6 +4,7 @@ dequantization)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import ml_dtypes
@@ -109,11 +110,50 @@ def trainable_initializers(graph: onnx.GraphProto) -> set[str]:
     return found
 
 
+def computed_weights(graph: onnx.GraphProto, foldable: Callable[[onnx.NodeProto], bool]) -> set[str]:
+    """Outputs of the nodes that compute a layer's weight or bias from initializers alone, ahead of
+    its quantizers (Transpose(W), as some exporters write it), when `foldable` accepts them all:
+    folded into an initializer, such a weight becomes trainable."""
+    producers = {output: node for node in graph.node for output in node.output}
+    initializers = {t.name for t in graph.initializer}
+    found: set[str] = set()
+    for node in graph.node:
+        if node.domain not in DEFAULT_DOMAINS:
+            continue
+        for index in WEIGHT_INPUTS.get(node.op_type, ()):
+            if index < len(node.input):
+                found |= _constant_producers(_behind_quantizers(node.input[index], producers), producers, initializers, foldable)
+    return found
+
+
+def _constant_producers(value: str, producers: dict[str, onnx.NodeProto], initializers: set[str],
+                        foldable: Callable[[onnx.NodeProto], bool]) -> set[str]:
+    """Outputs of the nodes computing `value` from initializers, or none when a graph input, a
+    node `foldable` refuses or nothing at all (an initializer) is behind it."""
+    outputs: set[str] = set()
+    stack = [value]
+    while stack:
+        current = stack.pop()
+        if current in initializers or current in outputs or not current:
+            continue
+        producer = producers.get(current)
+        if producer is None or not foldable(producer):
+            return set()
+        outputs.update(producer.output)
+        stack.extend(producer.input)
+    return outputs
+
+
+def _behind_quantizers(value: str, producers: dict[str, onnx.NodeProto]) -> str:
+    """The value that reaches `value` through quantize/dequantize nodes."""
+    producer = producers.get(value)
+    while producer is not None and is_quantizer(producer.domain, producer.op_type):
+        value = producer.input[0]
+        producer = producers.get(value)
+    return value
+
+
 def _through_quantizers(value: str, producers: dict[str, onnx.NodeProto], initializers: set[str]) -> str | None:
     """The initializer a value comes from through quantize/dequantize nodes, or None."""
-    while value not in initializers:
-        producer = producers.get(value)
-        if producer is None or not is_quantizer(producer.domain, producer.op_type):
-            return None
-        value = producer.input[0]
-    return value
+    value = _behind_quantizers(value, producers)
+    return value if value in initializers else None

@@ -3,6 +3,8 @@ shape and type lookups it needs; the quantizer's equalisation and the conversion
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper, shape_inference
@@ -36,9 +38,10 @@ def tensor_types(model: onnx.ModelProto) -> dict[str, onnx.TypeProto.Tensor]:
     return types
 
 
-def fold_constants(model: onnx.ModelProto) -> list[str]:
+def fold_constants(model: onnx.ModelProto, only: Collection[str] | None = None) -> list[str]:
     """Replace every deterministic default-domain node whose inputs are all constant (initializers,
-    or Shape of a statically shaped tensor) by initializers holding its outputs, in place."""
+    or Shape of a statically shaped tensor) by initializers holding its outputs, in place; with
+    `only`, just the nodes whose first output is named there."""
     infer_types(model)
     graph = model.graph
     opset = default_opset(model)
@@ -47,7 +50,7 @@ def fold_constants(model: onnx.ModelProto) -> list[str]:
     outputs = {o.name for o in graph.output}
     kept, folded = [], 0
     for node in graph.node:
-        values = _fold(node, constants, shapes, outputs, opset)
+        values = _fold(node, constants, shapes, outputs, opset) if only is None or set(node.output) & set(only) else None
         if values is None:
             kept.append(node)
             continue
@@ -63,14 +66,19 @@ def fold_constants(model: onnx.ModelProto) -> list[str]:
     return [f"folded {folded} constant node(s) into initializers"] * bool(folded) + removed
 
 
+def foldable(node: onnx.NodeProto) -> bool:
+    """Whether the node is of a kind folding may replace: deterministic, default domain, no subgraphs."""
+    if node.domain not in DEFAULT_DOMAINS or node.op_type in NOT_FOLDED:
+        return False
+    return not any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute)
+
+
 def _fold(
     node: onnx.NodeProto, constants: dict[str, onnx.TensorProto], shapes: dict[str, tuple[int, ...]],
     outputs: set[str], opset: int,
 ) -> list[np.ndarray] | None:
     """The node's output values if it can be folded, else None."""
-    if node.domain not in DEFAULT_DOMAINS or node.op_type in NOT_FOLDED or outputs.intersection(node.output):
-        return None
-    if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute):
+    if not foldable(node) or outputs.intersection(node.output):
         return None
     if node.op_type == "Shape":
         return _static_shape_of(node, shapes)

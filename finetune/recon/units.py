@@ -108,6 +108,10 @@ def _layer_unit(
         return None
     weight = parameter_behind(module, node.args[weight_index], constant)
     if weight is None:
+        if node.args[weight_index] in constant:
+            logger.warning("%s is not tuned: ops other than quantize/dequantize compute its weight from the initializer "
+                           "(a Transpose after a DequantizeLinear, say), so no initializer holds the weight to train",
+                           node.target)
         return None
     if len(module.finetune_params[weight].consumers) > 1:
         logger.warning("%s is not tuned: its weight is shared with %s", node.target, module.finetune_params[weight].consumers)

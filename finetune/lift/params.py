@@ -101,8 +101,8 @@ def trainable_initializers(graph: onnx.GraphProto) -> set[str]:
         if node.domain not in DEFAULT_DOMAINS:
             continue
         for index in WEIGHT_INPUTS.get(node.op_type, ()):
-            name = _through_quantizers(node.input[index], producers, initializers) if index < len(node.input) else None
-            if name is not None:
+            name = _behind_quantizers(node.input[index], producers) if index < len(node.input) else None
+            if name in initializers:
                 found.add(name)
         after = readers.get(node.output[0], []) if node.op_type == "MatMul" else []
         if len(after) == 1 and after[0].op_type == "Add" and after[0].domain in DEFAULT_DOMAINS:
@@ -151,9 +151,3 @@ def _behind_quantizers(value: str, producers: dict[str, onnx.NodeProto]) -> str:
         value = producer.input[0]
         producer = producers.get(value)
     return value
-
-
-def _through_quantizers(value: str, producers: dict[str, onnx.NodeProto], initializers: set[str]) -> str | None:
-    """The initializer a value comes from through quantize/dequantize nodes, or None."""
-    value = _behind_quantizers(value, producers)
-    return value if value in initializers else None

@@ -41,16 +41,17 @@ def tensor_types(model: onnx.ModelProto) -> dict[str, onnx.TypeProto.Tensor]:
 def fold_constants(model: onnx.ModelProto, only: Collection[str] | None = None) -> list[str]:
     """Replace every deterministic default-domain node whose inputs are all constant (initializers,
     or Shape of a statically shaped tensor) by initializers holding its outputs, in place; with
-    `only`, just the nodes whose first output is named there."""
+    `only`, just the nodes with an output named there."""
     infer_types(model)
     graph = model.graph
     opset = default_opset(model)
     constants = {tensor.name: tensor for tensor in graph.initializer}
     shapes = _static_shapes(model)
     outputs = {o.name for o in graph.output}
+    chosen = None if only is None else set(only)
     kept, folded = [], 0
     for node in graph.node:
-        values = _fold(node, constants, shapes, outputs, opset) if only is None or set(node.output) & set(only) else None
+        values = _fold(node, constants, shapes, outputs, opset) if chosen is None or chosen.intersection(node.output) else None
         if values is None:
             kept.append(node)
             continue

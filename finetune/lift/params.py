@@ -4,7 +4,7 @@ dequantization)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import ml_dtypes
@@ -96,15 +96,9 @@ def trainable_initializers(graph: onnx.GraphProto) -> set[str]:
             readers.setdefault(value, []).append(node)
     vectors = {t.name for t in graph.initializer if len(t.dims) == 1}
     initializers = {t.name for t in graph.initializer}
-    found = set()
+    found = {source for source in _weight_sources(graph, producers) if source in initializers}
     for node in graph.node:
-        if node.domain not in DEFAULT_DOMAINS:
-            continue
-        for index in WEIGHT_INPUTS.get(node.op_type, ()):
-            name = _behind_quantizers(node.input[index], producers) if index < len(node.input) else None
-            if name in initializers:
-                found.add(name)
-        after = readers.get(node.output[0], []) if node.op_type == "MatMul" else []
+        after = readers.get(node.output[0], []) if node.op_type == "MatMul" and node.domain in DEFAULT_DOMAINS else []
         if len(after) == 1 and after[0].op_type == "Add" and after[0].domain in DEFAULT_DOMAINS:
             found.update(value for value in after[0].input if value in vectors)
     return found
@@ -117,13 +111,19 @@ def computed_weights(graph: onnx.GraphProto, foldable: Callable[[onnx.NodeProto]
     producers = {output: node for node in graph.node for output in node.output}
     initializers = {t.name for t in graph.initializer}
     found: set[str] = set()
-    for node in graph.node:
-        if node.domain not in DEFAULT_DOMAINS:
-            continue
-        for index in WEIGHT_INPUTS.get(node.op_type, ()):
-            if index < len(node.input):
-                found |= _constant_producers(_behind_quantizers(node.input[index], producers), producers, initializers, foldable)
+    for source in _weight_sources(graph, producers):
+        found |= _constant_producers(source, producers, initializers, foldable)
     return found
+
+
+def _weight_sources(graph: onnx.GraphProto, producers: dict[str, onnx.NodeProto]) -> Iterator[str]:
+    """The value behind the quantizers of each weight or bias input of a Conv, ConvTranspose, Gemm
+    or MatMul."""
+    for node in graph.node:
+        if node.domain in DEFAULT_DOMAINS:
+            for index in WEIGHT_INPUTS.get(node.op_type, ()):
+                if index < len(node.input):
+                    yield _behind_quantizers(node.input[index], producers)
 
 
 def _constant_producers(value: str, producers: dict[str, onnx.NodeProto], initializers: set[str],

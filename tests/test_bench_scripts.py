@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
@@ -24,6 +26,20 @@ def test_bench_formats_reports_every_format_as_json() -> None:
             "MXFP4", "BF16", "FP16", "FP8_E4M3FN", "INT8 per channel", "INT4 block 32", "INT32 per tensor"} <= set(names)
     for row in report["formats"]:
         assert row["torch_s"] > 0 and row["onnxruntime_s"] > 0 and row["torch_vs_clone"] > 0
+
+
+def test_bench_finetune_change_error_is_that_of_paired_differences() -> None:
+    spec = importlib.util.spec_from_file_location("bench_finetune", SCRIPTS / "bench_finetune.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    before = np.array([True, False, False, True, True])
+    after = np.array([True, True, False, False, True])
+    # differences 0, 1, 0, -1, 0: sample variance 2/4, over 5 items
+    assert bench.change_standard_error(before, after) == pytest.approx(100 * (0.5 / 5) ** 0.5)
+    assert bench.change_standard_error(before, before) == 0  # same hits: the change is exact
+    outputs = np.array([[0.1, 0.9], [0.8, 0.2]])
+    assert bench.hits(outputs, np.array([[0.0, 1.0], [0.0, 1.0]]), None).tolist() == [True, False]
+    assert bench.hits(outputs, outputs, np.array([0, 0])).tolist() == [False, True]
 
 
 @pytest.mark.slow

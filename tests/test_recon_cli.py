@@ -221,6 +221,9 @@ def test_bench_finetune_smoke_run_on_digits(tmp_path: Path) -> None:
         assert case["evaluation_samples"] == 449  # the digits test split
         share = case["after"] / 100
         assert case["after_standard_error"] == pytest.approx(100 * (share * (1 - share) / 449) ** 0.5)
+        assert case["recovered_fraction"] is None and case["recovered_standard_error"] is None  # neither loses 2 points
+        assert 0 <= case["change_standard_error"] <= 100 / 448**0.5  # per-item differences lie in [-1, 1]
+        assert case["after"] == case["before"] or case["change_standard_error"] > 0
         assert case["activation_cache_peak_mb_in_memory"] > 0 and case["activation_cache_peak_mb_on_disk"] == 0
         assert 0 < case["seconds_per_unit_iteration"] and case["activation_seconds_ort_rerun_per_unit"] > 0
         assert 90 <= case["float"] <= 100 and case["after"] >= 80

@@ -1,4 +1,4 @@
-"""Loading of the shared reference vectors (../shared/vectors/public) and exact comparison."""
+"""Loading of the reference vectors (tests/data/vectors/public, the repository's own copy) and exact comparison."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-VECTOR_DIR = Path(__file__).resolve().parents[2] / "shared" / "vectors" / "public"
+VECTOR_DIR = Path(__file__).resolve().parent / "data" / "vectors" / "public"
 
 
 @dataclass(frozen=True)
@@ -25,7 +25,7 @@ def load_vector_sets() -> list[VectorSet]:
     """Every configuration in the vector folder; fails loudly if the folder is missing."""
     files = sorted(VECTOR_DIR.glob("*.json"))
     if not files:
-        raise FileNotFoundError(f"no reference vectors in {VECTOR_DIR}; shared/ must sit beside the repository")
+        raise FileNotFoundError(f"no reference vectors in {VECTOR_DIR}; the repository keeps them in tests/data/vectors")
     sets = []
     for path in files:
         meta = json.loads(path.read_text())

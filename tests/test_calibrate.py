@@ -27,6 +27,7 @@ from finetune.calibrate import (
 )
 from finetune.calibrate import collect as collect_module
 from finetune.formats import FP8_E4M3FN, IntSpec, float_quantize_dequantize, int_quantize_dequantize
+from finetune.quantize import quantize_model
 
 INT8 = IntSpec("int8")
 XINT8 = IntSpec("int8", power_of_two=True)
@@ -206,6 +207,15 @@ def test_single_pass_sources_say_what_a_second_pass_needs(batches: list[np.ndarr
     assert len(list(generator)) == 6
     with pytest.raises(RuntimeError, match="one-shot iterator"):
         list(generator)
+
+
+@pytest.mark.parametrize("preset", ["XINT8", "A8W8"])
+def test_quantize_makes_its_one_pass_over_a_reader_without_rewind_and_a_generator(batches: list[np.ndarray], preset: str) -> None:
+    """INT presets need one pass over the data: a reader with only get_next() and a generator give
+    the same model as a list (a progress bar's iter() before iterating must not count as a pass)."""
+    expected = quantize_model(conv_matmul_model(), preset, [{"x": a} for a in batches]).model
+    for source in (Reader(batches), ({"x": a} for a in batches)):
+        assert quantize_model(conv_matmul_model(), preset, source).model == expected
 
 
 def _two_inputs(a: np.ndarray | None = None, ids: np.ndarray | None = None, **extra: np.ndarray) -> dict:

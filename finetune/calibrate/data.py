@@ -84,8 +84,10 @@ class CalibrationData:
         self._warned_extra = False
 
     def __iter__(self) -> Iterator[Feed]:
+        """A pass that starts at the first feed asked for, not at `iter()`: a progress bar that calls
+        `iter()` before it iterates must not use up the one pass of a reader without `rewind()`."""
         feeds = (self._feed(raw, label) for label, raw in self._items())
-        return feeds if self.limit is None else self._limited(feeds, self.limit)
+        yield from feeds if self.limit is None else self._limited(feeds, self.limit)
 
     def _feed(self, raw: Any, label: str) -> Feed:
         """One raw item as a checked feed."""

@@ -504,3 +504,12 @@ def test_collect_statistics_streams_into_per_channel_histograms(batches: list[np
     for name in direct:
         np.testing.assert_allclose(observers[name].scale_zero_point()[0], direct[name].scale_zero_point()[0], rtol=1e-3)
     assert observers["conv_out"].scale_zero_point()[0].shape == (4,)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_non_finite_calibration_data_is_an_error_naming_the_item_and_input(batches: list[np.ndarray], bad: float) -> None:
+    poisoned = [a.copy() for a in batches]
+    poisoned[3][0, 1, 2, 2] = bad
+    with pytest.raises(ValueError, match=r"calibration item 3: input 'x' holds 1 NaN or Inf values"):
+        list(CalibrationData([{"x": a} for a in poisoned], conv_matmul_model()))
+

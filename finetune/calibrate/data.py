@@ -276,7 +276,15 @@ def _as_array(value: Any, info: InputInfo, label: str) -> np.ndarray:
     array = _to_numpy(value, info, label)
     if info.dtype is not None:
         array = _cast(array, info, label)
+    _check_finite(array, info, label)
     return np.ascontiguousarray(_fit_rank(array, info, label))
+
+
+def _check_finite(array: np.ndarray, info: InputInfo, label: str) -> None:
+    """NaN or Inf in calibration data would become NaN scales or losses downstream: refuse it here."""
+    if array.dtype.kind == "f" and not np.isfinite(array).all():
+        bad = int(array.size - np.isfinite(array).sum())
+        raise ValueError(f"{label}: input {info.name!r} holds {bad} NaN or Inf values; calibration data must be finite")
 
 
 def _to_numpy(value: Any, info: InputInfo, label: str) -> np.ndarray:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import pytest
 import torch
@@ -15,12 +16,14 @@ from finetune.lift import FakeQuantize, lift_model
 from finetune.quantize import quantize_model
 from finetune.zoo import efficientnet_lite0, export_onnx, magika_onnx_path, magika_samples, photo_crops
 
-# torch and onnxruntime add Conv/MatMul products in different orders; a last-bit difference can
-# cross a rounding boundary of the next quantizer and move that element by one quantization step,
-# which later layers carry on. Measured worst case: 9% of the output scale (MXFP8_E5M2 on
-# EfficientNet-Lite0, 2 mantissa bits); predictions agree throughout.
+# torch and onnxruntime add Conv/MatMul products in different orders (and the order depends on the
+# CPU's kernels, not only the thread count); a last-bit difference can cross a rounding boundary of
+# the next quantizer and move that element by one quantization step, which later layers carry on.
+# Measured: on one machine MXFP6_E2M3 on EfficientNet-Lite0 moved one of 73,984 elements of the
+# first block's activation by one step, and a logit by 2.5 (5 % of the output scale), enough to
+# swap a top-1 whose margin was 0.3; worst case 9 % (MXFP8_E5M2, 2 mantissa bits). So the exact
+# claim is made per quantizer, fed onnxruntime's own input, and the end-to-end one is a bound.
 RELATIVE_BOUND = 0.15
-
 
 @pytest.fixture(scope="module")
 def efficientnet(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str, np.ndarray, list[dict]]:
@@ -38,15 +41,47 @@ def magika() -> tuple[Path, str, np.ndarray, list[dict]]:
 def check_lifted(case: tuple[Path, str, np.ndarray, list[dict]], preset: str) -> None:
     path, name, x, calibration = case
     quantized = quantize_model(path, preset, calibration).model
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    expected = ort.InferenceSession(quantized.SerializeToString(), options, providers=["CPUExecutionProvider"]).run(None, {name: x})[0]
+    values = every_value(quantized, {name: x})
     lifted = lift_model(quantized)
-    assert any(isinstance(m, FakeQuantize) for m in lifted.modules())
+    quantizers = {module_name: m for module_name, m in lifted.named_modules() if isinstance(m, FakeQuantize)}
+    assert quantizers
+    assert_quantizers_exact(quantized, quantizers, values)
+    expected = values[quantized.graph.output[0].name]
     with torch.no_grad():
         got = lifted(torch.from_numpy(x)).numpy()
     assert np.abs(got - expected).max() <= RELATIVE_BOUND * np.abs(expected).max()
-    assert np.array_equal(got.argmax(1), expected.argmax(1))
+
+
+def every_value(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Every node output of the model as onnxruntime computes it (ORT_DISABLE_ALL), and the feeds."""
+    exposed = onnx.ModelProto()
+    exposed.CopyFrom(model)
+    names = [output for node in model.graph.node for output in node.output if output]
+    del exposed.graph.output[:]
+    exposed.graph.output.extend(onnx.helper.make_empty_tensor_value_info(output) for output in names)
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    session = ort.InferenceSession(exposed.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    return {**feeds, **dict(zip(names, session.run(None, feeds)))}
+
+
+def assert_quantizers_exact(model: onnx.ModelProto, quantizers: dict[str, FakeQuantize], values: dict[str, np.ndarray]) -> None:
+    """Each activation quantizer of the lifted model, fed the very input onnxruntime gave its node (a
+    folded Q/DQ pair reads the QuantizeLinear's input), returns onnxruntime's output bit for bit."""
+    nodes = {node.name.replace(".", "/"): node for node in model.graph.node}
+    producers = {output: node for node in model.graph.node for output in node.output}
+    checked = 0
+    for module_name, quantizer in quantizers.items():
+        node = nodes[module_name]
+        producer = producers.get(node.input[0])
+        source = producer.input[0] if producer is not None and producer.op_type.endswith("QuantizeLinear") else node.input[0]
+        if source not in values:  # a weight quantizer: it reads an initializer, checked by the weight tests
+            continue
+        with torch.no_grad():
+            got = quantizer(torch.from_numpy(values[source])).numpy()
+        assert np.array_equal(got, values[node.output[0]], equal_nan=True), f"{module_name} differs from onnxruntime"
+        checked += 1
+    assert checked
 
 
 @pytest.mark.slow

@@ -25,6 +25,7 @@ from finetune.config import load_config
 from finetune.onnx import CUSTOM_DOMAIN, QUARK_DOMAIN
 from finetune.pipeline import quantize_and_finetune, with_finetune
 from finetune.quantize import quantize_model
+from finetune.recon.cache import remove_stale_spills
 from finetune.zoo import digits_split
 
 from .recon_helpers import export_digits_cnn, one_thread, run  # noqa: F401  (one_thread: autouse fixture)
@@ -129,9 +130,12 @@ def test_cli_errors_name_the_problem(digits: dict, tmp_path: Path, cli: Callable
 
 
 @pytest.mark.slow
-def test_a_terminated_run_removes_its_spilled_activations(digits: dict, tmp_path: Path) -> None:
-    """SIGTERM while tuning (a scheduler's time limit): the process exits with 128 + 15 and leaves
-    neither spill files nor a partial output behind."""
+@pytest.mark.parametrize("kill", [signal.SIGTERM, signal.SIGKILL])
+def test_a_killed_run_leaves_no_spilled_activations(digits: dict, tmp_path: Path, kill: signal.Signals) -> None:
+    """Killed while tuning: SIGTERM (a scheduler's time limit) exits with 128 + 15 and removes its
+    spill folder; SIGKILL (kill -9, the out-of-memory killer) cannot clean up, but its spill files
+    were unlinked when mapped, so it leaves an empty folder, which the next run removes. Neither
+    leaves a partial output."""
     config, out, spill_root = tmp_path / "long.yaml", tmp_path / "out.onnx", tmp_path / "tmp"
     config.write_text("preset: XINT8\nfast_finetune: {iterations: 1000000, cache_budget_bytes: 1}\n")
     spill_root.mkdir()
@@ -139,12 +143,16 @@ def test_a_terminated_run_removes_its_spilled_activations(digits: dict, tmp_path
                                 "--data", str(digits["data"]), "-o", str(out)],
                                env={**os.environ, "TMPDIR": str(spill_root)}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 120
-    while not list(spill_root.glob("finetune-activations-*/*.npy")) and process.poll() is None and time.monotonic() < deadline:
+    while not list(spill_root.glob("finetune-activations-*")) and process.poll() is None and time.monotonic() < deadline:
         time.sleep(0.2)
+    time.sleep(1)  # well into the spilling stream
     assert process.poll() is None, process.stderr.read().decode()[-2000:]
-    process.send_signal(signal.SIGTERM)
-    assert process.wait(timeout=60) == 128 + signal.SIGTERM
-    assert list(spill_root.glob("finetune-activations-*")) == [] and not out.exists()
+    process.send_signal(kill)
+    assert process.wait(timeout=60) == (128 + signal.SIGTERM if kill == signal.SIGTERM else -signal.SIGKILL)
+    left = list(spill_root.glob("finetune-activations-*"))
+    assert all(not any(folder.iterdir()) for folder in left) and not out.exists()
+    assert (left == []) if kill == signal.SIGTERM else (left and remove_stale_spills(spill_root) == left)
+    assert list(spill_root.glob("finetune-activations-*")) == []
 
 
 class _Reader(CalibrationDataReader):

@@ -1,10 +1,13 @@
 """Cached activations, one array per calibration batch ("chunk"): in memory up to a byte budget,
-beyond it in numpy memory maps in a temporary directory, removed when released."""
+beyond it in numpy memory maps in a temporary directory. Each spill file is unlinked as soon as it
+is mapped, so a run killed outright (kill -9, the out-of-memory killer) leaves no data behind, only
+an empty folder named after its process, which the next run removes."""
 
 from __future__ import annotations
 
 import errno
 import logging
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -16,6 +19,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 DISK_RESERVE = 2**30  # bytes a spill leaves free for the output model and everything else on the disk
+SPILL_PREFIX = "finetune-activations-"  # then the owning process id, "_", and mkdtemp's random part
 
 
 class ActivationCache:
@@ -71,11 +75,13 @@ class ActivationCache:
             self.peak_in_memory = max(self.peak_in_memory, self.in_memory)
             return array
         if self._directory is None:
-            self._directory = Path(tempfile.mkdtemp(prefix="finetune-activations-"))
+            self._directory = _spill_directory()
             logger.info("activation cache over its budget of %d bytes: spilling to %s", self.budget, self._directory)
         self._check_disk(array.nbytes, name)
         self._files += 1
-        mapped = np.lib.format.open_memmap(self._directory / f"{self._files:06d}.npy", "w+", array.dtype, array.shape)
+        path = self._directory / f"{self._files:06d}.npy"
+        mapped = np.lib.format.open_memmap(path, "w+", array.dtype, array.shape)
+        path.unlink()  # the mapping keeps the data; the disk space returns when the mapping goes
         mapped[...] = array
         mapped.flush()
         self.on_disk += array.nbytes
@@ -93,14 +99,42 @@ class ActivationCache:
                           "fast_finetune.data_size, raise cache_budget_bytes if memory allows, or point TMPDIR at a larger disk")
 
     def drop(self, array: np.ndarray) -> None:
-        """Account for a stored array going away, deleting its file if it was spilled."""
+        """Account for a stored array going away (a spilled one's file is already unlinked)."""
         if isinstance(array, np.memmap):
             self.on_disk -= array.nbytes
-            path = Path(array.filename)
-            del array
-            path.unlink(missing_ok=True)
         else:
             self.in_memory -= array.nbytes
+
+
+def _spill_directory() -> Path:
+    """A new spill folder named after this process, once the folders of dead runs are removed."""
+    root = Path(tempfile.gettempdir())
+    remove_stale_spills(root)
+    return Path(tempfile.mkdtemp(prefix=f"{SPILL_PREFIX}{os.getpid()}_", dir=root))
+
+
+def remove_stale_spills(root: Path) -> list[Path]:
+    """Remove the spill folders in `root` whose process is gone (killed before it could clean up);
+    folders of live processes, and any whose owner cannot be read from the name, stay."""
+    removed = []
+    for folder in root.glob(f"{SPILL_PREFIX}*"):
+        owner = folder.name[len(SPILL_PREFIX):].split("_", 1)[0]
+        if owner.isdigit() and not _alive(int(owner)):
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+            logger.info("removed %s, left by process %s that no longer runs", folder, owner)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    """Whether a process with this id exists (one of another user's counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _size(nbytes: int) -> str:

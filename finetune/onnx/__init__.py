@@ -1,5 +1,5 @@
 """Everything that reads or writes ONNX protos."""
 
-from .custom_ops import CUSTOM_DOMAIN, QUARK_DOMAIN, attach_custom_ops
+from .functions import CUSTOM_DOMAIN, QUARK_DOMAIN, attach_custom_ops
 
 __all__ = ["CUSTOM_DOMAIN", "QUARK_DOMAIN", "attach_custom_ops"]

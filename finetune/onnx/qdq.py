@@ -12,7 +12,7 @@ from onnx import helper, numpy_helper
 
 from finetune.formats import BFPSpec, FloatSpec, FormatSpec, IntSpec, MXSpec
 
-from .custom_ops import BFP, CUSTOM_DOMAIN, DEQUANTIZE, MX, QUANTIZE
+from .functions import BFP, CUSTOM_DOMAIN, DEQUANTIZE, MX, QUANTIZE
 
 CODE_DTYPES: dict[str, type] = {
     "int4": ml_dtypes.int4, "uint4": ml_dtypes.uint4, "int8": np.int8, "uint8": np.uint8,

@@ -1,0 +1,81 @@
+"""The body of BFPQuantizeDequantize: block floating point (`to_bfp`, BFP16) and Microexponents
+(`to_bfp_prime`, MX9/MX6/MX4), bit for bit as FORMATS.md."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+from onnx import TensorProto
+
+from finetune.formats import BFPSpec
+
+from .arithmetic import FLT_MAX, FLT_MIN, Body, exponent_power, pow2, scaled_round
+from .blocks import finite_split, to_blocks
+
+
+@dataclasses.dataclass(frozen=True)
+class BFPBody:
+    """BFPQuantizeDequantize: to_bfp (BFP16) or to_bfp_prime (MX9/MX6/MX4 microexponents)."""
+
+    spec: BFPSpec
+
+    @property
+    def overload(self) -> str:
+        """A readable name that identifies the attribute set."""
+        s = self.spec
+        name = f"{s.bfp_method}_bw{s.bit_width}_b{s.block_size}"
+        if s.bfp_method == "to_bfp_prime":
+            name += f"_sb{s.sub_block_size}_sbs{s.sub_block_shift_bits}"
+        return name + f"_ax{s.axis}_rm{s.rounding_mode}" + ("_bf16" if s.convert_to_bfloat_before_bfp else "")
+
+    def prepare(self, b: Body, x: str) -> str:
+        """The optional bfloat16 pre-rounding (RNE, as onnxruntime's Cast does)."""
+        if not self.spec.convert_to_bfloat_before_bfp:
+            return x
+        return b.op("Cast", b.op("Cast", x, to=TensorProto.BFLOAT16), to=TensorProto.FLOAT)
+
+    def build(self, b: Body, x: str) -> str:
+        """y for float32 x, following FORMATS.md."""
+        return self._prime(b, x) if self.spec.bfp_method == "to_bfp_prime" else self._plain(b, x)
+
+    def _plain(self, b: Body, x: str) -> str:
+        """to_bfp: one shared exponent over the block's finite elements; NaN/Inf pass through."""
+        m = self.spec.mantissa_bits
+        blocks, undo = to_blocks(b, x, self.spec.axis, [self.spec.block_size])
+        finite, magnitude, values = finite_split(b, blocks)
+        shared = exponent_power(b, b.reduce_max(b.op("Where", finite, magnitude, b.const(0.0)), [2]))
+        scale = b.op("Mul", shared, b.const(pow2(1 - m)))
+        limit = 2.0**m - 1
+        y = scaled_round(b, values, scale, -limit, limit, self.spec.rounding_mode)
+        return undo(b.op("Where", finite, y, blocks))
+
+    def _prime(self, b: Body, x: str) -> str:
+        """to_bfp_prime: block exponent E, per-sub-block shift d <= 2^shift_bits - 1, subnormals
+        flushed, and a block holding NaN or Inf becomes all NaN."""
+        s = self.spec
+        m = s.mantissa_bits
+        inner = [s.block_size // s.sub_block_size, s.sub_block_size]
+        blocks, undo = to_blocks(b, x, s.axis, inner)
+        magnitude = b.op("Abs", blocks)
+        finite = b.op("LessOrEqual", magnitude, b.const(FLT_MAX))
+        ranked = b.op("Where", finite, magnitude, b.const(np.inf))
+        sub_max = b.reduce_max(ranked, [3])
+        block_max = b.reduce_max(sub_max, [2])
+        poisoned = b.op("Greater", block_max, b.const(FLT_MAX))
+        shared = exponent_power(b, b.op("Where", poisoned, b.const(0.0), block_max))
+        scale = b.op("Div", b.op("Mul", shared, b.const(pow2(1 - m))), self._shift_power(b, sub_max, shared))
+        flushed = b.op("Where", b.op("Less", magnitude, b.const(FLT_MIN)), b.const(0.0), blocks)
+        limit = 2.0**m - 1
+        y = scaled_round(b, flushed, scale, -limit, limit, s.rounding_mode)
+        return undo(b.op("Where", poisoned, b.const(np.nan), y))
+
+    def _shift_power(self, b: Body, sub_max: str, shared: str) -> str:
+        """2^d per sub-block, d = min(E - e_sub, 2^shift_bits - 1), by comparing the sub-block
+        maximum with 2^(E-127-k+1); a sub-block of zeros and subnormals may get a larger d, which
+        cannot matter because all its elements flush to zero."""
+        power = b.const(1.0)
+        for k in range(1, 2**self.spec.sub_block_shift_bits):
+            below = b.op("Less", sub_max, b.op("Mul", shared, b.const(pow2(1 - k))))
+            power = b.op("Mul", power, b.op("Where", below, b.const(2.0), b.const(1.0)))
+        return power

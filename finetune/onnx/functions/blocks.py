@@ -1,0 +1,68 @@
+"""Working along one axis of a tensor of unknown shape: block formats view it as zero-padded
+blocks, and linear ops broadcast per-axis parameters along it."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import numpy as np
+from onnx import numpy_helper
+
+from .arithmetic import FLT_MAX, Body
+
+_INT64_MAX = np.iinfo(np.int64).max
+
+
+def axis_index(b: Body, rank: str, axis: int) -> str:
+    """The axis as an index into x's shape, 0 for rank-1 x (AMD Quark ignores axis there); an
+    out-of-range axis stays out of range, so the reshapes that follow fail instead of guessing."""
+    index = b.const([axis], np.int64) if axis >= 0 else b.op("Add", rank, b.const([axis], np.int64))
+    return b.op("Where", b.op("Equal", rank, b.const([1], np.int64)), b.const([0], np.int64), index)
+
+
+def to_blocks(b: Body, x: str, axis: int, inner: list[int]) -> tuple[str, Callable[[str], str]]:
+    """View x as [P, nb, *inner, Q] blocks along `axis` (rank-1 inputs use axis 0), zero-padding the
+    axis to a multiple of the block; returns the blocks and the function that undoes the view.
+    P and Q are the products of the dimensions before and after the axis, so nothing transposes."""
+    block = math.prod(inner)
+    one, zero = b.const([1], np.int64), b.const([0], np.int64)
+    shape = b.op("Shape", x)
+    at = axis_index(b, b.op("Shape", shape), axis)
+    after = b.op("Add", at, one)
+    before_size = b.op("ReduceProd", b.op("Slice", shape, zero, at), keepdims=1)
+    length = b.op("Slice", shape, at, after)
+    after_size = b.op("ReduceProd", b.op("Slice", shape, after, b.const([_INT64_MAX], np.int64)), keepdims=1)
+    size = b.const([block], np.int64)
+    padding = b.op("Mod", b.op("Sub", size, b.op("Mod", length, size)), size)
+    flat = b.reshape(x, b.op("Concat", before_size, length, after_size, axis=0))
+    padded = b.op("Pad", flat, b.op("Concat", zero, zero, zero, zero, padding, zero, axis=0))
+    padded_length = b.op("Add", length, padding)
+    count = b.op("Div", padded_length, size)
+    blocks = b.reshape(padded, b.op("Concat", before_size, count, b.const(inner, np.int64), after_size, axis=0))
+
+    def undo(y: str) -> str:
+        """Back to x's shape, dropping the padding."""
+        rows = b.reshape(y, b.op("Concat", before_size, padded_length, after_size, axis=0))
+        return b.reshape(b.op("Slice", rows, zero, length, one), shape)
+
+    return blocks, undo
+
+
+def finite_split(b: Body, blocks: str) -> tuple[str, str, str]:
+    """The finite mask, |x| and x with NaN/Inf replaced by 0 (they pass through, outside E)."""
+    magnitude = b.op("Abs", blocks)
+    finite = b.op("LessOrEqual", magnitude, b.const(FLT_MAX))
+    return finite, magnitude, b.op("Where", finite, blocks, b.const(0.0))
+
+
+def broadcast_along(b: Body, parameter: str, x: str, axis: int) -> str:
+    """A 1-D per-axis parameter reshaped to [C, 1, ...] to broadcast against x along `axis`; a
+    scalar stays a scalar (so a rank-0 x keeps its rank)."""
+    rank = b.op("Shape", b.op("Shape", x))
+    at = axis_index(b, rank, axis)
+    trailing = b.op("Max", b.op("Sub", b.op("Sub", rank, b.const([1], np.int64)), at), b.const([0], np.int64))
+    parameter_shape = b.op("Shape", parameter)
+    count = b.op("Mul", trailing, b.op("Size", parameter_shape))
+    ones = b.op("ConstantOfShape", count, value=numpy_helper.from_array(np.array([1], np.int64)))
+    return b.op("Reshape", parameter, b.op("Concat", parameter_shape, ones, axis=0))

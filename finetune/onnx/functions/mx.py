@@ -1,0 +1,54 @@
+"""The body of MXQuantizeDequantize: OCP microscaling with an FP or int8 element type, bit for bit
+as FORMATS.md."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from finetune.formats import MXElement, MXSpec
+
+from .arithmetic import Body, exponent_power, pow2, round_significand, scaled_round
+from .blocks import finite_split, to_blocks
+
+
+@dataclasses.dataclass(frozen=True)
+class MXBody:
+    """MXQuantizeDequantize: OCP microscaling with an FP or int8 element type."""
+
+    spec: MXSpec
+
+    @property
+    def overload(self) -> str:
+        """A readable name that identifies the attribute set (rounding matters for int8 only)."""
+        s = self.spec
+        name = f"{s.element_dtype}_b{s.block_size}_ax{s.axis}"
+        return name + (f"_rm{s.rounding_mode}" if s.element.is_int else "")
+
+    def prepare(self, b: Body, x: str) -> str:
+        """No pre-rounding for MX."""
+        return x
+
+    def build(self, b: Body, x: str) -> str:
+        """y for float32 x, following FORMATS.md: shared scale 2^(E-127-emax), no E8M0 clamp."""
+        element = self.spec.element
+        blocks, undo = to_blocks(b, x, self.spec.axis, [self.spec.block_size])
+        finite, magnitude, values = finite_split(b, blocks)
+        shared = exponent_power(b, b.reduce_max(b.op("Where", finite, magnitude, b.const(0.0)), [2]))
+        scale = b.op("Mul", shared, b.const(pow2(-element.emax)))
+        if element.is_int:
+            step = b.op("Mul", scale, b.const(pow2(-element.mantissa_bits)))
+            y = scaled_round(b, values, step, -128.0, 127.0, self.spec.rounding_mode)
+        else:
+            y = b.op("Mul", self._element_round(b, b.op("Div", values, scale), element), scale)
+        return undo(b.op("Where", finite, y, blocks))
+
+    @staticmethod
+    def _element_round(b: Body, v: str, element: MXElement) -> str:
+        """v rounded to the element format (RNE, with its subnormals), saturated at its largest value."""
+        subnormal_step = element.min_normal_exponent - element.mantissa_bits
+        steps = b.op("Round", b.op("Mul", v, b.const(pow2(-subnormal_step))))
+        subnormal = b.op("Mul", steps, b.const(pow2(subnormal_step)))
+        normal = round_significand(b, v, element.mantissa_bits + 1)
+        is_subnormal = b.op("Less", b.op("Abs", v), b.const(pow2(element.min_normal_exponent)))
+        rounded = b.op("Where", is_subnormal, subnormal, normal)
+        return b.op("Clip", rounded, b.const(-element.max_value), b.const(element.max_value))

@@ -13,18 +13,16 @@ import onnx
 from onnx import TensorProto, helper
 
 from .arithmetic import Body
-from .bfp import BFPBody
+from .blocks import BlockBody
 from .domain import CASTLIKE_OPSET, DOMAIN_VERSION, DOMAINS, MIN_OPSET, OVERLOAD_IR_VERSION
 from .linear import LinearSpec
-from .mx import MXBody
 from .nodes import check_allowed, node_spec
-
 
 # ---------------------------------------------------------------- functions
 
 
 def _qdq_function(
-    domain: str, op_type: str, spec: BFPBody | MXBody, opset: int, io_type: int | None
+    domain: str, op_type: str, spec: BlockBody, opset: int, io_type: int | None
 ) -> onnx.FunctionProto:
     """y = qdq(x) in float32 for x of any float type (CastLike, or io_type below opset 15); a
     one-element x comes back unchanged apart from the pre-rounding, as AMD Quark's kernels do."""
@@ -137,11 +135,11 @@ def attach_custom_ops(model: onnx.ModelProto) -> onnx.ModelProto:
     functions: dict[tuple[str, str, str], onnx.FunctionProto] = {}
     for node in custom:
         spec = node_spec(node, types)
-        io_type = _io_type(node, opset, types) if isinstance(spec, (BFPBody, MXBody)) else None
+        io_type = _io_type(node, opset, types) if isinstance(spec, BlockBody) else None
         node.overload = spec.overload + _io_suffix(io_type)
         key = (node.domain, node.op_type, node.overload)
         if key not in functions:
-            if isinstance(spec, (BFPBody, MXBody)):
+            if isinstance(spec, BlockBody):
                 functions[key] = _qdq_function(node.domain, node.op_type, spec, opset, io_type)
             else:
                 functions[key] = _linear_function(node.domain, node.op_type, spec, opset)

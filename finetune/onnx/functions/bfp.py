@@ -3,22 +3,17 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 from onnx import TensorProto
 
 from finetune.formats import BFPSpec
 
 from .arithmetic import FLT_MAX, FLT_MIN, Body, exponent_power, pow2, scaled_round
-from .blocks import finite_split, to_blocks
+from .blocks import BlockBody, to_blocks
 
 
-@dataclasses.dataclass(frozen=True)
-class BFPBody:
+class BFPBody(BlockBody[BFPSpec]):
     """BFPQuantizeDequantize: to_bfp (BFP16) or to_bfp_prime (MX9/MX6/MX4 microexponents)."""
-
-    spec: BFPSpec
 
     @property
     def overload(self) -> str:
@@ -42,13 +37,13 @@ class BFPBody:
     def _plain(self, b: Body, x: str) -> str:
         """to_bfp: one shared exponent over the block's finite elements; NaN/Inf pass through."""
         m = self.spec.mantissa_bits
-        blocks, undo = to_blocks(b, x, self.spec.axis, [self.spec.block_size])
-        finite, magnitude, values = finite_split(b, blocks)
-        shared = exponent_power(b, b.reduce_max(b.op("Where", finite, magnitude, b.const(0.0)), [2]))
-        scale = b.op("Mul", shared, b.const(pow2(1 - m)))
         limit = 2.0**m - 1
-        y = scaled_round(b, values, scale, -limit, limit, self.spec.rounding_mode)
-        return undo(b.op("Where", finite, y, blocks))
+
+        def quantize(values: str, shared: str) -> str:
+            scale = b.op("Mul", shared, b.const(pow2(1 - m)))
+            return scaled_round(b, values, scale, -limit, limit, self.spec.rounding_mode)
+
+        return self.quantize_blocks(b, x, quantize)
 
     def _prime(self, b: Body, x: str) -> str:
         """to_bfp_prime: block exponent E, per-sub-block shift d <= 2^shift_bits - 1, subnormals

@@ -1,17 +1,24 @@
 """Working along one axis of a tensor of unknown shape: block formats view it as zero-padded
-blocks, and linear ops broadcast per-axis parameters along it."""
+blocks that share an exponent, and linear ops broadcast per-axis parameters along it."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from abc import ABC, abstractmethod
 from collections.abc import Callable
+from typing import Generic, TypeVar
 
 import numpy as np
 from onnx import numpy_helper
 
-from .arithmetic import FLT_MAX, Body
+from finetune.formats import BFPSpec, MXSpec
+
+from .arithmetic import FLT_MAX, Body, exponent_power
 
 _INT64_MAX = np.iinfo(np.int64).max
+
+SpecT = TypeVar("SpecT", BFPSpec, MXSpec)
 
 
 def axis_index(b: Body, rank: str, axis: int) -> str:
@@ -49,11 +56,35 @@ def to_blocks(b: Body, x: str, axis: int, inner: list[int]) -> tuple[str, Callab
     return blocks, undo
 
 
-def finite_split(b: Body, blocks: str) -> tuple[str, str, str]:
-    """The finite mask, |x| and x with NaN/Inf replaced by 0 (they pass through, outside E)."""
-    magnitude = b.op("Abs", blocks)
-    finite = b.op("LessOrEqual", magnitude, b.const(FLT_MAX))
-    return finite, magnitude, b.op("Where", finite, blocks, b.const(0.0))
+@dataclasses.dataclass(frozen=True)
+class BlockBody(ABC, Generic[SpecT]):
+    """The function body of a block format, specialised to the node's attributes `spec`."""
+
+    spec: SpecT
+
+    @property
+    @abstractmethod
+    def overload(self) -> str:
+        """A readable name that identifies the attribute set."""
+
+    def prepare(self, b: Body, x: str) -> str:
+        """Rounding applied to float32 x before the format; none unless the format asks for it."""
+        return x
+
+    @abstractmethod
+    def build(self, b: Body, x: str) -> str:
+        """y for float32 x, following FORMATS.md."""
+
+    def quantize_blocks(self, b: Body, x: str, quantize: Callable[[str, str], str]) -> str:
+        """x in blocks of `block_size` along `axis`, each replaced by quantize(values, 2^(E-127)) for E
+        the exponent field of its largest finite magnitude; NaN and Inf pass through (outside E, and
+        zero among the values)."""
+        blocks, undo = to_blocks(b, x, self.spec.axis, [self.spec.block_size])
+        magnitude = b.op("Abs", blocks)
+        finite = b.op("LessOrEqual", magnitude, b.const(FLT_MAX))
+        values = b.op("Where", finite, blocks, b.const(0.0))
+        shared = exponent_power(b, b.reduce_max(b.op("Where", finite, magnitude, b.const(0.0)), [2]))
+        return undo(b.op("Where", finite, quantize(values, shared), blocks))
 
 
 def broadcast_along(b: Body, parameter: str, x: str, axis: int) -> str:

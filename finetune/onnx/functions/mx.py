@@ -3,19 +3,14 @@ as FORMATS.md."""
 
 from __future__ import annotations
 
-import dataclasses
-
 from finetune.formats import MXElement, MXSpec
 
-from .arithmetic import Body, exponent_power, pow2, round_significand, scaled_round
-from .blocks import finite_split, to_blocks
+from .arithmetic import Body, pow2, round_significand, scaled_round
+from .blocks import BlockBody
 
 
-@dataclasses.dataclass(frozen=True)
-class MXBody:
+class MXBody(BlockBody[MXSpec]):
     """MXQuantizeDequantize: OCP microscaling with an FP or int8 element type."""
-
-    spec: MXSpec
 
     @property
     def overload(self) -> str:
@@ -24,23 +19,18 @@ class MXBody:
         name = f"{s.element_dtype}_b{s.block_size}_ax{s.axis}"
         return name + (f"_rm{s.rounding_mode}" if s.element.is_int else "")
 
-    def prepare(self, b: Body, x: str) -> str:
-        """No pre-rounding for MX."""
-        return x
-
     def build(self, b: Body, x: str) -> str:
         """y for float32 x, following FORMATS.md: shared scale 2^(E-127-emax), no E8M0 clamp."""
         element = self.spec.element
-        blocks, undo = to_blocks(b, x, self.spec.axis, [self.spec.block_size])
-        finite, magnitude, values = finite_split(b, blocks)
-        shared = exponent_power(b, b.reduce_max(b.op("Where", finite, magnitude, b.const(0.0)), [2]))
-        scale = b.op("Mul", shared, b.const(pow2(-element.emax)))
-        if element.is_int:
-            step = b.op("Mul", scale, b.const(pow2(-element.mantissa_bits)))
-            y = scaled_round(b, values, step, -128.0, 127.0, self.spec.rounding_mode)
-        else:
-            y = b.op("Mul", self._element_round(b, b.op("Div", values, scale), element), scale)
-        return undo(b.op("Where", finite, y, blocks))
+
+        def quantize(values: str, shared: str) -> str:
+            scale = b.op("Mul", shared, b.const(pow2(-element.emax)))
+            if element.is_int:
+                step = b.op("Mul", scale, b.const(pow2(-element.mantissa_bits)))
+                return scaled_round(b, values, step, -128.0, 127.0, self.spec.rounding_mode)
+            return b.op("Mul", self._element_round(b, b.op("Div", values, scale), element), scale)
+
+        return self.quantize_blocks(b, x, quantize)
 
     @staticmethod
     def _element_round(b: Body, v: str, element: MXElement) -> str:

@@ -23,7 +23,7 @@ from torch import fx, nn
 from finetune.onnx.io import load_model
 from finetune.onnx.normalize import DEFAULT_DOMAINS, normalize_model
 
-from . import converters  # noqa: F401  (registers the converters)
+from . import ops  # noqa: F401  (registers the converters)
 from .fake_quant import FakeQuantize
 from .params import Dequantize, ParamSource, tensor_array, to_torch, trainable_initializers
 from .qdq import QUANTIZE_TO_DEQUANTIZE, is_folded_quantize

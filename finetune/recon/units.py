@@ -19,7 +19,7 @@ from onnx2torch.node_converters.shape import OnnxShape
 from torch import fx, nn
 
 from finetune.lift import FakeQuantize, LiftedModule
-from finetune.lift.converters import Conv, ConvTranspose, Gelu
+from finetune.lift.ops import Conv, ConvTranspose, Gelu
 
 logger = logging.getLogger(__name__)
 

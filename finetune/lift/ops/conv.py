@@ -17,8 +17,8 @@ from onnx2torch.onnx_node import OnnxNode
 from onnx2torch.utils.common import OnnxMapping, OperationConverterResult
 from torch import nn
 
-from .padding import SpatialPadding, is_symmetric, torch_pad, window_extents
-from .registry import register
+from ..padding import SpatialPadding, is_symmetric, torch_pad, window_extents
+from ..registry import register
 
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 _CONV_TRANSPOSE = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}

@@ -1,0 +1,25 @@
+"""Converters for the ops onnx2torch lacks or lifts in a way we cannot use, one module per op
+family; importing this package registers every one of them with the converter registry."""
+
+from .conv import (
+    BatchNorm,
+    Cast,
+    CastLike,
+    Conv,
+    ConvTranspose,
+    Gelu,
+    GlobalMaxPool,
+    LayerNorm,
+    Pad,
+    Pool,
+    Reduce,
+    Reshape,
+    Resize,
+    Split,
+    cast,
+)
+
+__all__ = [
+    "BatchNorm", "Cast", "CastLike", "Conv", "ConvTranspose", "Gelu", "GlobalMaxPool", "LayerNorm", "Pad", "Pool",
+    "Reduce", "Reshape", "Resize", "Split", "cast",
+]

@@ -14,50 +14,17 @@ from onnx import TensorProto
 from onnx2torch.node_converters.gemm import OnnxGemm
 from onnx2torch.onnx_graph import OnnxGraph
 from onnx2torch.onnx_node import OnnxNode
-from onnx2torch.utils.common import OnnxMapping, OperationConverterResult
+from onnx2torch.utils.common import OperationConverterResult
 from torch import nn
 
 from ..padding import SpatialPadding, is_symmetric, torch_pad, window_extents
 from ..registry import register
+from .common import constant_ints, converted, is_constant_or_absent, node_mapping, require_unused_outputs
 
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 _CONV_TRANSPOSE = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
 _MAX_POOL = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}
 _AVG_POOL = {1: F.avg_pool1d, 2: F.avg_pool2d, 3: F.avg_pool3d}
-
-
-def _mapping(node: OnnxNode, inputs: Sequence[str] | None = None, outputs: int = 1) -> OnnxMapping:
-    """The node's inputs (or the given ones) and its first `outputs` outputs."""
-    return OnnxMapping(inputs=tuple(node.input_values if inputs is None else inputs), outputs=node.output_values[:outputs])
-
-
-def _require_unused_outputs(node: OnnxNode, graph: OnnxGraph) -> None:
-    """Refuse a node whose optional outputs after the first are read by anything (not lifted)."""
-    extra = {name for name in node.output_values[1:] if name}
-    if not extra:
-        return
-    used = extra & ({i for n in graph.proto.node for i in n.input} | {o.name for o in graph.proto.output})
-    if used:
-        raise NotImplementedError(f"optional output(s) {sorted(used)} are used; only the main output is lifted")
-
-
-def _constant_ints(node: OnnxNode, graph: OnnxGraph, index: int) -> tuple[int, ...] | None:
-    """An optional integer input given as an initializer, as a tuple; None when absent or computed."""
-    name = node.input_values[index] if index < len(node.input_values) else ""
-    if not name or name not in graph.initializers:
-        return None
-    return tuple(int(v) for v in graph.initializers[name].to_torch().reshape(-1).tolist())
-
-
-def _is_constant_or_absent(node: OnnxNode, graph: OnnxGraph, index: int) -> bool:
-    """Whether an optional input is missing or an initializer."""
-    name = node.input_values[index] if index < len(node.input_values) else ""
-    return not name or name in graph.initializers
-
-
-def _result(module: nn.Module, mapping: OnnxMapping) -> OperationConverterResult:
-    """The converter result of a module and its ONNX mapping."""
-    return OperationConverterResult(torch_module=module, onnx_mapping=mapping)
 
 
 # ---------------------------------------------------------------- convolutions
@@ -134,7 +101,7 @@ def _conv(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
     a = node.attributes
     padding = SpatialPadding.from_attributes(a)
     module = Conv(_optional_ints(node, "strides"), _optional_ints(node, "dilations"), a.get("group", 1), padding)
-    return _result(module, _mapping(node))
+    return converted(module, node_mapping(node))
 
 
 @register("ConvTranspose", (1, 11, 22))
@@ -149,7 +116,7 @@ def _conv_transpose(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResul
         _optional_ints(node, "output_shape"),
         SpatialPadding.from_attributes(a),
     )
-    return _result(module, _mapping(node))
+    return converted(module, node_mapping(node))
 
 
 @register("Gemm", (9, 11, 13))
@@ -157,7 +124,7 @@ def _gemm(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
     """Gemm with B and C as inputs (onnx2torch's own module, always in its functional form)."""
     a = node.attributes
     module = OnnxGemm(a.get("alpha", 1.0), a.get("beta", 1.0), bool(a.get("transA", 0)), bool(a.get("transB", 0)))
-    return _result(module, _mapping(node))
+    return converted(module, node_mapping(node))
 
 
 # ---------------------------------------------------------------- pooling
@@ -214,12 +181,12 @@ def _pool(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
         raise NotImplementedError("storage_order=1 (column-major indices)")
     if kind == "average" and any(d != 1 for d in dilations):
         raise NotImplementedError("dilated AveragePool (torch has no dilated average pooling)")
-    _require_unused_outputs(node, graph)
+    require_unused_outputs(node, graph)
     module = Pool(
         kind, kernel, list(a.get("strides", [1] * rank)), dilations,
         SpatialPadding.from_attributes(a), bool(a.get("ceil_mode", 0)), bool(a.get("count_include_pad", 0)),
     )
-    return _result(module, _mapping(node))
+    return converted(module, node_mapping(node))
 
 
 class GlobalMaxPool(nn.Module):
@@ -232,7 +199,7 @@ class GlobalMaxPool(nn.Module):
 @register("GlobalMaxPool", (1, 22))
 def _global_max_pool(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
     """GlobalMaxPool, which onnx2torch lacks."""
-    return _result(GlobalMaxPool(), _mapping(node))
+    return converted(GlobalMaxPool(), node_mapping(node))
 
 
 # ---------------------------------------------------------------- normalisation, activations
@@ -256,8 +223,8 @@ def _batch_norm(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
     """BatchNormalization in inference mode with its statistics as inputs."""
     if node.attributes.get("training_mode", 0):
         raise NotImplementedError("training_mode=1 (batch statistics)")
-    _require_unused_outputs(node, graph)
-    return _result(BatchNorm(node.attributes.get("epsilon", 1e-5)), _mapping(node))
+    require_unused_outputs(node, graph)
+    return converted(BatchNorm(node.attributes.get("epsilon", 1e-5)), node_mapping(node))
 
 
 class LayerNorm(nn.Module):
@@ -280,16 +247,16 @@ def _layer_norm(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
     """LayerNormalization with scale and bias as inputs (no shape information needed)."""
     if node.attributes.get("stash_type", 1) != 1:
         raise NotImplementedError("stash_type other than float32")
-    _require_unused_outputs(node, graph)
+    require_unused_outputs(node, graph)
     a = node.attributes
-    return _result(LayerNorm(a.get("axis", -1), a.get("epsilon", 1e-5)), _mapping(node))
+    return converted(LayerNorm(a.get("axis", -1), a.get("epsilon", 1e-5)), node_mapping(node))
 
 
 @register("Dropout", (1, 6, 7, 10, 12, 13, 22))
 def _dropout(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
     """Dropout is the identity at inference, which is what onnxruntime runs and what we tune."""
-    _require_unused_outputs(node, graph)
-    return _result(nn.Identity(), _mapping(node, node.input_values[:1]))
+    require_unused_outputs(node, graph)
+    return converted(nn.Identity(), node_mapping(node, node.input_values[:1]))
 
 
 class Gelu(nn.Module):
@@ -306,7 +273,7 @@ class Gelu(nn.Module):
 @register("Gelu", (20,))
 def _gelu(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
     """Gelu-20, exact or tanh-approximated."""
-    return _result(Gelu(node.attributes.get("approximate", "none")), _mapping(node))
+    return converted(Gelu(node.attributes.get("approximate", "none")), node_mapping(node))
 
 
 # ---------------------------------------------------------------- casts
@@ -370,13 +337,13 @@ def _saturate(node: OnnxNode) -> bool:
 @register("Cast", (6, 9, 13, 19, 21, 23, 24, 25))
 def _cast(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
     """Cast of any opset, bfloat16 and float8 targets included."""
-    return _result(Cast(_torch_type(node.attributes["to"]), _saturate(node)), _mapping(node))
+    return converted(Cast(_torch_type(node.attributes["to"]), _saturate(node)), node_mapping(node))
 
 
 @register("CastLike", (15, 19, 21, 23, 24, 25))
 def _cast_like(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
     """CastLike, which onnx2torch lacks."""
-    return _result(CastLike(_saturate(node)), _mapping(node))
+    return converted(CastLike(_saturate(node)), node_mapping(node))
 
 
 # ---------------------------------------------------------------- reductions
@@ -431,11 +398,11 @@ class Reduce(nn.Module):
 @register("ReduceSumSquare", (18,))
 def _reduce(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
     """Reductions with axes as an (optional) input, constant or computed."""
-    static = _is_constant_or_absent(node, graph, 1)
-    axes = (_constant_ints(node, graph, 1) or ()) if static else None
+    static = is_constant_or_absent(node, graph, 1)
+    axes = (constant_ints(node, graph, 1) or ()) if static else None
     a = node.attributes
     module = Reduce(node.operation_type, axes, bool(a.get("keepdims", 1)), bool(a.get("noop_with_empty_axes", 0)))
-    return _result(module, _mapping(node, node.input_values[:1] if static else node.input_values[:2]))
+    return converted(module, node_mapping(node, node.input_values[: 1 if static else 2]))
 
 
 # ---------------------------------------------------------------- Reshape, Pad, Split, Resize
@@ -458,9 +425,9 @@ class Reshape(nn.Module):
 @register("Reshape", (5, 13, 14, 19, 21, 23, 24, 25))
 def _reshape(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
     """Reshape honouring allowzero (the dynamo exporter sets it), shape constant or computed."""
-    static = _is_constant_or_absent(node, graph, 1)
-    module = Reshape(_constant_ints(node, graph, 1) if static else None, bool(node.attributes.get("allowzero", 0)))
-    return _result(module, _mapping(node, node.input_values[:1] if static else node.input_values[:2]))
+    static = is_constant_or_absent(node, graph, 1)
+    module = Reshape(constant_ints(node, graph, 1) if static else None, bool(node.attributes.get("allowzero", 0)))
+    return converted(module, node_mapping(node, node.input_values[: 1 if static else 2]))
 
 
 
@@ -500,18 +467,18 @@ def _pad(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
     if mode not in _PAD_MODES:
         raise NotImplementedError(f"Pad mode {mode!r}")
     inputs = list(node.input_values) + [""] * (4 - len(node.input_values))
-    static = [_is_constant_or_absent(node, graph, i) for i in range(4)]
+    static = [is_constant_or_absent(node, graph, i) for i in range(4)]
     value = None
     if inputs[2] and static[2]:
         value = float(graph.initializers[inputs[2]].to_torch().reshape(-1)[0])
     module = Pad(
         _PAD_MODES[mode],
-        _constant_ints(node, graph, 1) if static[1] else None,
+        constant_ints(node, graph, 1) if static[1] else None,
         value,
-        _constant_ints(node, graph, 3) if static[3] else None,
+        constant_ints(node, graph, 3) if static[3] else None,
     )
     dynamic = [name if name and not fixed else "" for name, fixed in zip(inputs, static)]
-    return _result(module, _mapping(node, [inputs[0], *dynamic[1:]]))
+    return converted(module, node_mapping(node, [inputs[0], *dynamic[1:]]))
 
 
 class Split(nn.Module):
@@ -529,10 +496,10 @@ class Split(nn.Module):
 @register("Split", (18,))
 def _split(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
     """Split-18: given sizes, or num_outputs parts with a smaller last one."""
-    static = _is_constant_or_absent(node, graph, 1)
+    static = is_constant_or_absent(node, graph, 1)
     parts = node.attributes.get("num_outputs", len(node.output_values))
-    module = Split(node.attributes.get("axis", 0), _constant_ints(node, graph, 1) if static else None, parts)
-    return _result(module, _mapping(node, node.input_values[:1] if static else node.input_values[:2], len(node.output_values)))
+    module = Split(node.attributes.get("axis", 0), constant_ints(node, graph, 1) if static else None, parts)
+    return converted(module, node_mapping(node, node.input_values[: 1 if static else 2], len(node.output_values)))
 
 
 # (mode, coordinate_transformation_mode, nearest_mode) → torch interpolate mode and align_corners,
@@ -610,4 +577,4 @@ def _resize(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
         raise NotImplementedError(f"Resize {key} {unsupported or ''} has no exact torch equivalent")
     torch_mode, align_corners = _RESIZE_MODES[key]
     axes = tuple(a["axes"]) if "axes" in a else None
-    return _result(Resize(torch_mode, align_corners, axes, transform == "pytorch_half_pixel"), _mapping(node))
+    return converted(Resize(torch_mode, align_corners, axes, transform == "pytorch_half_pixel"), node_mapping(node))

@@ -8,16 +8,15 @@ from .conv import (
     Conv,
     ConvTranspose,
     Gelu,
-    GlobalMaxPool,
     LayerNorm,
     Pad,
-    Pool,
     Reduce,
     Reshape,
     Resize,
     Split,
     cast,
 )
+from .pool import GlobalMaxPool, Pool
 
 __all__ = [
     "BatchNorm", "Cast", "CastLike", "Conv", "ConvTranspose", "Gelu", "GlobalMaxPool", "LayerNorm", "Pad", "Pool",

@@ -19,7 +19,7 @@ from torch import nn
 
 from ..padding import SpatialPadding, is_symmetric, torch_pad, window_extents
 from ..registry import register
-from .common import constant_ints, converted, is_constant_or_absent, node_mapping, require_unused_outputs
+from .common import constant_ints, converted, is_constant_or_absent, node_mapping
 
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 _CONV_TRANSPOSE = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
@@ -123,80 +123,6 @@ def _gemm(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
     a = node.attributes
     module = OnnxGemm(a.get("alpha", 1.0), a.get("beta", 1.0), bool(a.get("transA", 0)), bool(a.get("transB", 0)))
     return converted(module, node_mapping(node))
-
-
-# ---------------------------------------------------------------- normalisation, activations
-
-
-class BatchNorm(nn.Module):
-    """Inference-mode BatchNormalization of any rank (running statistics, never batch statistics)."""
-
-    def __init__(self, epsilon: float):
-        super().__init__()
-        self.epsilon = epsilon
-
-    def forward(
-        self, x: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, mean: torch.Tensor, var: torch.Tensor
-    ) -> torch.Tensor:
-        return F.batch_norm(x, mean, var, scale, bias, False, 0.0, self.epsilon)
-
-
-@register("BatchNormalization", (9, 14, 15))
-def _batch_norm(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
-    """BatchNormalization in inference mode with its statistics as inputs."""
-    if node.attributes.get("training_mode", 0):
-        raise NotImplementedError("training_mode=1 (batch statistics)")
-    require_unused_outputs(node, graph)
-    return converted(BatchNorm(node.attributes.get("epsilon", 1e-5)), node_mapping(node))
-
-
-class LayerNorm(nn.Module):
-    """LayerNormalization over the axes from `axis` on, with broadcast scale and bias."""
-
-    def __init__(self, axis: int, epsilon: float):
-        super().__init__()
-        self.axis, self.epsilon = axis, epsilon
-
-    def forward(self, x: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        shape = x.shape[self.axis % x.dim() :]
-        if scale.shape == shape and (bias is None or bias.shape == shape):
-            return F.layer_norm(x, shape, scale, bias, self.epsilon)
-        y = F.layer_norm(x, shape, None, None, self.epsilon) * scale
-        return y if bias is None else y + bias
-
-
-@register("LayerNormalization", (17,))
-def _layer_norm(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
-    """LayerNormalization with scale and bias as inputs (no shape information needed)."""
-    if node.attributes.get("stash_type", 1) != 1:
-        raise NotImplementedError("stash_type other than float32")
-    require_unused_outputs(node, graph)
-    a = node.attributes
-    return converted(LayerNorm(a.get("axis", -1), a.get("epsilon", 1e-5)), node_mapping(node))
-
-
-@register("Dropout", (1, 6, 7, 10, 12, 13, 22))
-def _dropout(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
-    """Dropout is the identity at inference, which is what onnxruntime runs and what we tune."""
-    require_unused_outputs(node, graph)
-    return converted(nn.Identity(), node_mapping(node, node.input_values[:1]))
-
-
-class Gelu(nn.Module):
-    """GELU, exact (erf) or with the tanh approximation."""
-
-    def __init__(self, approximate: str):
-        super().__init__()
-        self.approximate = approximate
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.gelu(x, approximate=self.approximate)
-
-
-@register("Gelu", (20,))
-def _gelu(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
-    """Gelu-20, exact or tanh-approximated."""
-    return converted(Gelu(node.attributes.get("approximate", "none")), node_mapping(node))
 
 
 # ---------------------------------------------------------------- casts

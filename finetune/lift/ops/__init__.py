@@ -2,8 +2,10 @@
 family; importing this package registers every one of them with the converter registry."""
 
 from .activation import Gelu
-from .conv import Cast, CastLike, Conv, ConvTranspose, Pad, Reduce, Reshape, Resize, Split, cast
+from .cast import Cast, CastLike, cast
+from .conv import Conv, ConvTranspose, Pad, Reshape, Resize, Split
 from .norm import BatchNorm, LayerNorm
+from .reduce import Reduce
 from .pool import GlobalMaxPool, Pool
 
 __all__ = [

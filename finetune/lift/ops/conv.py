@@ -6,11 +6,10 @@ versions (Cast-19+, Reduce*-18, Pad-18+, Resize-18/19, Split-18, Gelu-20, Conv-2
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
-from onnx import TensorProto
 from onnx2torch.node_converters.gemm import OnnxGemm
 from onnx2torch.onnx_graph import OnnxGraph
 from onnx2torch.onnx_node import OnnxNode
@@ -123,135 +122,6 @@ def _gemm(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
     a = node.attributes
     module = OnnxGemm(a.get("alpha", 1.0), a.get("beta", 1.0), bool(a.get("transA", 0)), bool(a.get("transB", 0)))
     return converted(module, node_mapping(node))
-
-
-# ---------------------------------------------------------------- casts
-
-
-_TORCH_TYPES: dict[int, torch.dtype] = {
-    TensorProto.FLOAT: torch.float32, TensorProto.DOUBLE: torch.float64, TensorProto.FLOAT16: torch.float16,
-    TensorProto.BFLOAT16: torch.bfloat16, TensorProto.FLOAT8E4M3FN: torch.float8_e4m3fn,
-    TensorProto.FLOAT8E5M2: torch.float8_e5m2, TensorProto.INT8: torch.int8, TensorProto.UINT8: torch.uint8,
-    TensorProto.INT16: torch.int16, TensorProto.UINT16: torch.uint16, TensorProto.INT32: torch.int32,
-    TensorProto.UINT32: torch.uint32, TensorProto.INT64: torch.int64, TensorProto.UINT64: torch.uint64,
-    TensorProto.BOOL: torch.bool,
-}
-_FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
-
-
-def cast(x: torch.Tensor, dtype: torch.dtype, saturate: bool) -> torch.Tensor:
-    """ONNX Cast: float8 targets saturate at their largest finite value when `saturate` (inf too)."""
-    if dtype in _FLOAT8 and saturate and x.is_floating_point():
-        limit = torch.finfo(dtype).max
-        x = x.float().clamp(-limit, limit)
-    return x.to(dtype)
-
-
-class Cast(nn.Module):
-    """Cast to a fixed type."""
-
-    def __init__(self, dtype: torch.dtype, saturate: bool):
-        super().__init__()
-        self.dtype, self.saturate = dtype, saturate
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return cast(x, self.dtype, self.saturate)
-
-
-class CastLike(nn.Module):
-    """Cast to the type of a second tensor."""
-
-    def __init__(self, saturate: bool):
-        super().__init__()
-        self.saturate = saturate
-
-    def forward(self, x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-        return cast(x, like.dtype, self.saturate)
-
-
-def _torch_type(data_type: int) -> torch.dtype:
-    """The torch dtype of an ONNX element type; unsupported types raise."""
-    if data_type not in _TORCH_TYPES:
-        raise NotImplementedError(f"cast to {TensorProto.DataType.Name(data_type)}")
-    return _TORCH_TYPES[data_type]
-
-
-def _saturate(node: OnnxNode) -> bool:
-    """The `saturate` attribute of Cast / CastLike; round modes other than Cast-24's default raise."""
-    if node.attributes.get("round_mode", "up") != "up":
-        raise NotImplementedError(f"round_mode={node.attributes['round_mode']!r}")
-    return bool(node.attributes.get("saturate", 1))
-
-
-@register("Cast", (6, 9, 13, 19, 21, 23, 24, 25))
-def _cast(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
-    """Cast of any opset, bfloat16 and float8 targets included."""
-    return converted(Cast(_torch_type(node.attributes["to"]), _saturate(node)), node_mapping(node))
-
-
-@register("CastLike", (15, 19, 21, 23, 24, 25))
-def _cast_like(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
-    """CastLike, which onnx2torch lacks."""
-    return converted(CastLike(_saturate(node)), node_mapping(node))
-
-
-# ---------------------------------------------------------------- reductions
-
-
-def _prod(x: torch.Tensor, dims: tuple[int, ...], keepdim: bool) -> torch.Tensor:
-    """Product over several axes (torch.prod takes one at a time)."""
-    for dim in dims:
-        x = torch.prod(x, dim, keepdim=True)
-    return x if keepdim else x.squeeze(dims)
-
-
-_REDUCTIONS: dict[str, Callable[[torch.Tensor, tuple[int, ...], bool], torch.Tensor]] = {
-    "ReduceSum": lambda x, d, k: torch.sum(x, d, keepdim=k),
-    "ReduceMean": lambda x, d, k: torch.mean(x, d, keepdim=k),
-    "ReduceMax": lambda x, d, k: torch.amax(x, d, keepdim=k),
-    "ReduceMin": lambda x, d, k: torch.amin(x, d, keepdim=k),
-    "ReduceProd": _prod,
-    "ReduceL1": lambda x, d, k: torch.sum(x.abs(), d, keepdim=k),
-    "ReduceL2": lambda x, d, k: torch.sqrt(torch.sum(x * x, d, keepdim=k)),
-    "ReduceLogSum": lambda x, d, k: torch.log(torch.sum(x, d, keepdim=k)),
-    "ReduceLogSumExp": lambda x, d, k: torch.logsumexp(x, d, keepdim=k),
-    "ReduceSumSquare": lambda x, d, k: torch.sum(x * x, d, keepdim=k),
-}
-
-
-class Reduce(nn.Module):
-    """A Reduce* op whose axes come as an input (ReduceSum-13, every Reduce*-18)."""
-
-    def __init__(self, op_type: str, axes: tuple[int, ...] | None, keepdims: bool, noop_with_empty_axes: bool):
-        super().__init__()
-        self.op_type, self.axes, self.keepdims, self.noop = op_type, axes, keepdims, noop_with_empty_axes
-
-    def forward(self, x: torch.Tensor, axes: torch.Tensor | None = None) -> torch.Tensor:
-        dims = self.axes if self.axes is not None else tuple(axes.tolist()) if axes is not None else ()
-        if not dims:
-            if self.noop:
-                return x
-            dims = tuple(range(x.dim()))
-        return _REDUCTIONS[self.op_type](x, tuple(sorted(d % x.dim() for d in dims)), self.keepdims)
-
-
-@register("ReduceSum", (13,))
-@register("ReduceMax", (18, 20))
-@register("ReduceMin", (18, 20))
-@register("ReduceMean", (18,))
-@register("ReduceProd", (18,))
-@register("ReduceL1", (18,))
-@register("ReduceL2", (18,))
-@register("ReduceLogSum", (18,))
-@register("ReduceLogSumExp", (18,))
-@register("ReduceSumSquare", (18,))
-def _reduce(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
-    """Reductions with axes as an (optional) input, constant or computed."""
-    static = is_constant_or_absent(node, graph, 1)
-    axes = (constant_ints(node, graph, 1) or ()) if static else None
-    a = node.attributes
-    module = Reduce(node.operation_type, axes, bool(a.get("keepdims", 1)), bool(a.get("noop_with_empty_axes", 0)))
-    return converted(module, node_mapping(node, node.input_values[: 1 if static else 2]))
 
 
 # ---------------------------------------------------------------- Reshape, Pad, Split, Resize

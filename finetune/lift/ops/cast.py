@@ -1,0 +1,80 @@
+"""Cast and CastLike of any opset, bfloat16 and float8 targets included, with ONNX's saturation of
+float8 casts (onnx2torch lifts only old Cast versions and has no CastLike)."""
+
+from __future__ import annotations
+
+import torch
+from onnx import TensorProto
+from onnx2torch.onnx_graph import OnnxGraph
+from onnx2torch.onnx_node import OnnxNode
+from onnx2torch.utils.common import OperationConverterResult
+from torch import nn
+
+from ..registry import register
+from .common import converted, node_mapping
+
+_TORCH_TYPES: dict[int, torch.dtype] = {
+    TensorProto.FLOAT: torch.float32, TensorProto.DOUBLE: torch.float64, TensorProto.FLOAT16: torch.float16,
+    TensorProto.BFLOAT16: torch.bfloat16, TensorProto.FLOAT8E4M3FN: torch.float8_e4m3fn,
+    TensorProto.FLOAT8E5M2: torch.float8_e5m2, TensorProto.INT8: torch.int8, TensorProto.UINT8: torch.uint8,
+    TensorProto.INT16: torch.int16, TensorProto.UINT16: torch.uint16, TensorProto.INT32: torch.int32,
+    TensorProto.UINT32: torch.uint32, TensorProto.INT64: torch.int64, TensorProto.UINT64: torch.uint64,
+    TensorProto.BOOL: torch.bool,
+}
+_FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def cast(x: torch.Tensor, dtype: torch.dtype, saturate: bool) -> torch.Tensor:
+    """ONNX Cast: float8 targets saturate at their largest finite value when `saturate` (inf too)."""
+    if dtype in _FLOAT8 and saturate and x.is_floating_point():
+        limit = torch.finfo(dtype).max
+        x = x.float().clamp(-limit, limit)
+    return x.to(dtype)
+
+
+class Cast(nn.Module):
+    """Cast to a fixed type."""
+
+    def __init__(self, dtype: torch.dtype, saturate: bool):
+        super().__init__()
+        self.dtype, self.saturate = dtype, saturate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return cast(x, self.dtype, self.saturate)
+
+
+class CastLike(nn.Module):
+    """Cast to the type of a second tensor."""
+
+    def __init__(self, saturate: bool):
+        super().__init__()
+        self.saturate = saturate
+
+    def forward(self, x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        return cast(x, like.dtype, self.saturate)
+
+
+def _torch_type(data_type: int) -> torch.dtype:
+    """The torch dtype of an ONNX element type; unsupported types raise."""
+    if data_type not in _TORCH_TYPES:
+        raise NotImplementedError(f"cast to {TensorProto.DataType.Name(data_type)}")
+    return _TORCH_TYPES[data_type]
+
+
+def _saturate(node: OnnxNode) -> bool:
+    """The `saturate` attribute of Cast / CastLike; round modes other than Cast-24's default raise."""
+    if node.attributes.get("round_mode", "up") != "up":
+        raise NotImplementedError(f"round_mode={node.attributes['round_mode']!r}")
+    return bool(node.attributes.get("saturate", 1))
+
+
+@register("Cast", (6, 9, 13, 19, 21, 23, 24, 25))
+def _cast(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
+    """Cast of any opset, bfloat16 and float8 targets included."""
+    return converted(Cast(_torch_type(node.attributes["to"]), _saturate(node)), node_mapping(node))
+
+
+@register("CastLike", (15, 19, 21, 23, 24, 25))
+def _cast_like(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
+    """CastLike, which onnx2torch lacks."""
+    return converted(CastLike(_saturate(node)), node_mapping(node))

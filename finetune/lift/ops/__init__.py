@@ -1,12 +1,17 @@
 """Converters for the ops onnx2torch lacks or lifts in a way we cannot use, one module per op
-family; importing this package registers every one of them with the converter registry."""
+family: layers take their weights as inputs (so a weight can be a parameter behind a fake-quant
+module), padding follows auto_pad and asymmetric pads, normalisations keep their inference
+semantics, and newer op versions (Cast-19+, Reduce*-18, Pad-18+, Resize-18/19, Split-18,
+Gelu-20, Conv-22, ...) work. Importing this package registers every converter."""
 
 from .activation import Gelu
 from .cast import Cast, CastLike, cast
-from .conv import Conv, ConvTranspose, Pad, Reshape, Resize, Split
+from .conv import Conv, ConvTranspose
 from .norm import BatchNorm, LayerNorm
-from .reduce import Reduce
 from .pool import GlobalMaxPool, Pool
+from .reduce import Reduce
+from .resize import Resize
+from .shape import Pad, Reshape, Split
 
 __all__ = [
     "BatchNorm", "Cast", "CastLike", "Conv", "ConvTranspose", "Gelu", "GlobalMaxPool", "LayerNorm", "Pad", "Pool",

@@ -1,0 +1,110 @@
+"""Converters for ops that rearrange a tensor by a (constant or computed) shape input: Reshape with
+allowzero, Pad with optional axes and every mode, and Split-18 with num_outputs."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from onnx2torch.onnx_graph import OnnxGraph
+from onnx2torch.onnx_node import OnnxNode
+from onnx2torch.utils.common import OperationConverterResult
+from torch import nn
+
+from ..padding import torch_pad
+from ..registry import register
+from .common import constant_ints, converted, is_constant_or_absent, node_mapping
+
+
+class Reshape(nn.Module):
+    """Reshape to a fixed or computed shape; 0 copies the input's size unless `allowzero`."""
+
+    def __init__(self, shape: tuple[int, ...] | None, allowzero: bool):
+        super().__init__()
+        self.shape, self.allowzero = shape, allowzero
+
+    def forward(self, x: torch.Tensor, shape: torch.Tensor | None = None) -> torch.Tensor:
+        target = self.shape if self.shape is not None else tuple(shape.tolist())
+        if not self.allowzero:
+            target = tuple(x.shape[i] if size == 0 else size for i, size in enumerate(target))
+        return torch.reshape(x, target)
+
+
+@register("Reshape", (5, 13, 14, 19, 21, 23, 24, 25))
+def _reshape(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
+    """Reshape honouring allowzero (the dynamo exporter sets it), shape constant or computed."""
+    static = is_constant_or_absent(node, graph, 1)
+    module = Reshape(constant_ints(node, graph, 1) if static else None, bool(node.attributes.get("allowzero", 0)))
+    return converted(module, node_mapping(node, node.input_values[: 1 if static else 2]))
+
+
+_PAD_MODES = {"constant": "constant", "reflect": "reflect", "edge": "replicate", "wrap": "circular"}
+
+
+class Pad(nn.Module):
+    """ONNX Pad with optional axes; pads, value and axes are fixed when constant, else read per call."""
+
+    def __init__(self, mode: str, pads: tuple[int, ...] | None, value: float | None, axes: tuple[int, ...] | None):
+        super().__init__()
+        self.mode, self.pads, self.value, self.axes = mode, pads, value, axes
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        pads: torch.Tensor | None = None,
+        value: torch.Tensor | None = None,
+        axes: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        flat = self.pads if self.pads is not None else tuple(pads.tolist())
+        chosen = self.axes if self.axes is not None else tuple(axes.tolist()) if axes is not None else range(x.dim())
+        per_axis = [(0, 0)] * x.dim()
+        for i, axis in enumerate(chosen):
+            per_axis[axis % x.dim()] = (flat[i], flat[i + len(flat) // 2])
+        first = next((i for i, p in enumerate(per_axis) if p != (0, 0)), x.dim())
+        if self.mode != "constant":
+            return F.pad(x, torch_pad(per_axis[first:]), mode=self.mode)
+        fill = self.value if self.value is not None else value.item() if value is not None else 0.0
+        return F.pad(x, torch_pad(per_axis[first:]), value=fill)
+
+
+@register("Pad", (11, 13, 18, 19, 21, 23, 24, 25))
+def _pad(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
+    """Pad with pads, value and axes as constant or computed inputs (axes from Pad-18, wrap from Pad-19)."""
+    mode = node.attributes.get("mode", "constant")
+    if mode not in _PAD_MODES:
+        raise NotImplementedError(f"Pad mode {mode!r}")
+    inputs = list(node.input_values) + [""] * (4 - len(node.input_values))
+    static = [is_constant_or_absent(node, graph, i) for i in range(4)]
+    value = None
+    if inputs[2] and static[2]:
+        value = float(graph.initializers[inputs[2]].to_torch().reshape(-1)[0])
+    module = Pad(
+        _PAD_MODES[mode],
+        constant_ints(node, graph, 1) if static[1] else None,
+        value,
+        constant_ints(node, graph, 3) if static[3] else None,
+    )
+    dynamic = [name if name and not fixed else "" for name, fixed in zip(inputs, static)]
+    return converted(module, node_mapping(node, [inputs[0], *dynamic[1:]]))
+
+
+class Split(nn.Module):
+    """Split into given sizes, or `num_outputs` parts with the last one smaller (Split-18)."""
+
+    def __init__(self, axis: int, sizes: tuple[int, ...] | None, parts: int):
+        super().__init__()
+        self.axis, self.sizes, self.parts = axis, sizes, parts
+
+    def forward(self, x: torch.Tensor, sizes: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+        split = self.sizes or (tuple(sizes.tolist()) if sizes is not None else math.ceil(x.shape[self.axis] / self.parts))
+        return torch.split(x, split, dim=self.axis)
+
+
+@register("Split", (18,))
+def _split(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
+    """Split-18: given sizes, or num_outputs parts with a smaller last one."""
+    static = is_constant_or_absent(node, graph, 1)
+    parts = node.attributes.get("num_outputs", len(node.output_values))
+    module = Split(node.attributes.get("axis", 0), constant_ints(node, graph, 1) if static else None, parts)
+    return converted(module, node_mapping(node, node.input_values[: 1 if static else 2], len(node.output_values)))

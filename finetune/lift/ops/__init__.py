@@ -4,6 +4,7 @@ module), padding follows auto_pad and asymmetric pads, normalisations keep their
 semantics, and newer op versions (Cast-19+, Reduce*-18, Pad-18+, Resize-18/19, Split-18,
 Gelu-20, Conv-22, ...) work. Importing this package registers every converter."""
 
+from . import qdq  # noqa: F401  (registers the quantize-dequantize converters)
 from .activation import Gelu
 from .cast import Cast, CastLike, cast
 from .conv import Conv, ConvTranspose

@@ -9,25 +9,13 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-import torch
-from onnx2torch.node_converters.activations import OnnxHardSigmoid
-from onnx2torch.node_converters.binary_math_operations import OnnxBinaryMathOperation
-from onnx2torch.node_converters.clip import OnnxClip
-from onnx2torch.node_converters.gemm import OnnxGemm
-from onnx2torch.node_converters.matmul import OnnxMatMul
-from onnx2torch.node_converters.shape import OnnxShape
 from torch import fx, nn
 
 from finetune.lift import FakeQuantize, LiftedModule
-from finetune.lift.ops import Conv, ConvTranspose, Gelu
+from finetune.lift.kinds import is_activation, is_add, is_shape, layer_kind
 
 logger = logging.getLogger(__name__)
 
-LAYER_TYPES: dict[type, str] = {Conv: "Conv", ConvTranspose: "ConvTranspose", OnnxGemm: "Gemm", OnnxMatMul: "MatMul"}
-ACTIVATION_TYPES = (
-    nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.ELU, nn.SELU, nn.CELU, nn.Sigmoid, nn.Tanh, nn.Softplus, nn.Softsign,
-    nn.Hardswish, nn.Hardtanh, OnnxHardSigmoid, OnnxClip, Gelu,
-)
 BIAS_INDEX = 2  # Conv, ConvTranspose and Gemm take their bias as the third input
 
 
@@ -99,7 +87,7 @@ def _layer_unit(
     """The unit of a weight layer node, or None when the node is not one (or shares its weight)."""
     if node.op != "call_module" or node in constant:
         return None
-    op_type = LAYER_TYPES.get(type(module.get_submodule(node.target)))
+    op_type = layer_kind(module.get_submodule(node.target))
     if op_type is None or op_type not in op_types:
         return None
     activations = [i for i, arg in enumerate(node.args) if isinstance(arg, fx.Node) and arg not in constant]
@@ -161,8 +149,7 @@ def _bias_add(module: LiftedModule, matmul: fx.Node, constant: set[fx.Node]) -> 
     if len(users) != 1 or users[0].op != "call_module" or len(users[0].args) != 2:
         return None, None
     add = users[0]
-    operation = module.get_submodule(add.target)
-    if not isinstance(operation, OnnxBinaryMathOperation) or operation.math_op_function is not torch.add:
+    if not is_add(module.get_submodule(add.target)):
         return None, None
     other = add.args[0] if add.args[1] is matmul else add.args[1]
     bias = parameter_behind(module, other if isinstance(other, fx.Node) else None, constant)
@@ -177,12 +164,17 @@ def _output_tail(module: LiftedModule, layer: fx.Node, include_output_quant: boo
     reader of the value before it."""
     tail: list[fx.Node] = []
     current = layer
-    for kinds in (ACTIVATION_TYPES, (FakeQuantize,))[: 2 if include_output_quant else 1]:
+    for accepts in (is_activation, _is_fake_quantize)[: 2 if include_output_quant else 1]:
         users = list(current.users)
-        if len(users) == 1 and users[0].op == "call_module" and isinstance(module.get_submodule(users[0].target), kinds):
+        if len(users) == 1 and users[0].op == "call_module" and accepts(module.get_submodule(users[0].target)):
             current = users[0]
             tail.append(current)
     return tail
+
+
+def _is_fake_quantize(module: nn.Module) -> bool:
+    """Whether the module is a quantizer (an output quantizer ends a layer's tail)."""
+    return isinstance(module, FakeQuantize)
 
 
 # --- blocks ---------------------------------------------------------------------------------------
@@ -240,8 +232,8 @@ def _shape_values(module: LiftedModule, constant: set[fx.Node]) -> set[fx.Node]:
     shapes: set[fx.Node] = set()
     for node in module.graph.nodes:
         inputs = [i for i in node.all_input_nodes if i not in constant]
-        is_shape = node.op == "call_module" and isinstance(module.get_submodule(node.target), OnnxShape)
-        if is_shape or (inputs and node.op != "output" and all(i in shapes for i in inputs)):
+        shape_op = node.op == "call_module" and is_shape(module.get_submodule(node.target))
+        if shape_op or (inputs and node.op != "output" and all(i in shapes for i in inputs)):
             shapes.add(node)
     return shapes
 

@@ -1,5 +1,5 @@
-"""Cast and CastLike of any opset, bfloat16 and float8 targets included, with ONNX's saturation of
-float8 casts (onnx2torch lifts only old Cast versions and has no CastLike)."""
+"""Cast of any opset (Cast-19+ included) and CastLike, which onnx2torch lacks, to every type torch
+has, bfloat16 and float8 included, with ONNX's saturation of float8 casts."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Converters for ops that rearrange a tensor by a (constant or computed) shape input: Reshape with
-allowzero, Pad with optional axes and every mode, and Split-18 with num_outputs."""
+"""Converters for ops steered by integer inputs (shape, pads, split sizes) that may be constant or
+computed: Reshape with allowzero, Pad with optional axes and every mode, Split-18 with num_outputs."""
 
 from __future__ import annotations
 

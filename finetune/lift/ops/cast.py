@@ -1,5 +1,5 @@
-"""Cast of any opset (Cast-19+ included) and CastLike, which onnx2torch lacks, to every type torch
-has, bfloat16 and float8 included, with ONNX's saturation of float8 casts."""
+"""Cast of any opset (Cast-19+ included) and CastLike, which onnx2torch lacks, bfloat16 and float8
+targets included, with ONNX's saturation of float8 casts; other targets raise."""
 
 from __future__ import annotations
 

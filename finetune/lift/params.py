@@ -7,33 +7,19 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-import ml_dtypes
 import numpy as np
 import onnx
 import torch
 from onnx import helper, numpy_helper
 
 from finetune.formats import FloatSpec, IntSpec, dequantize_linear, float_codes, int_codes
+from finetune.onnx.dtypes import to_torch
 from finetune.onnx.normalize import DEFAULT_DOMAINS
 
 from .qdq import is_quantizer
 
 # Inputs that hold a layer's weight or bias: fine-tuning may change the initializer behind them.
 WEIGHT_INPUTS: dict[str, tuple[int, ...]] = {"Conv": (1, 2), "ConvTranspose": (1, 2), "Gemm": (1, 2), "MatMul": (0, 1)}
-
-# numpy types torch reads only through float32, and integer types it lacks, widened exactly.
-_TORCH_FLOATS = {
-    np.dtype(ml_dtypes.bfloat16): torch.bfloat16,
-    np.dtype(ml_dtypes.float8_e4m3fn): torch.float8_e4m3fn,
-    np.dtype(ml_dtypes.float8_e5m2): torch.float8_e5m2,
-}
-_WIDENED_INTS = {
-    np.dtype(ml_dtypes.int4): np.int8,
-    np.dtype(ml_dtypes.uint4): np.uint8,
-    np.dtype(np.uint16): np.int32,
-    np.dtype(np.uint32): np.int64,
-}
-
 
 @dataclass(frozen=True, eq=False)
 class Dequantize:
@@ -75,14 +61,6 @@ class ParamSource:
 def tensor_array(tensor: onnx.TensorProto) -> np.ndarray:
     """The value of a tensor proto as numpy (ml_dtypes for int4, bfloat16, float8)."""
     return numpy_helper.to_array(tensor)
-
-
-def to_torch(array: np.ndarray) -> torch.Tensor:
-    """A torch tensor of the same values and type, widening integer types torch lacks exactly."""
-    if array.dtype in _TORCH_FLOATS:
-        return torch.from_numpy(array.astype(np.float32)).to(_TORCH_FLOATS[array.dtype])
-    widened = _WIDENED_INTS.get(array.dtype)
-    return torch.from_numpy(np.array(array if widened is None else array.astype(widened)))
 
 
 def trainable_initializers(graph: onnx.GraphProto) -> set[str]:

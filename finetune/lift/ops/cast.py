@@ -10,17 +10,11 @@ from onnx2torch.onnx_node import OnnxNode
 from onnx2torch.utils.common import OperationConverterResult
 from torch import nn
 
+from finetune.onnx.dtypes import torch_dtype, type_name
+
 from ..registry import register
 from .common import converted, node_mapping
 
-_TORCH_TYPES: dict[int, torch.dtype] = {
-    TensorProto.FLOAT: torch.float32, TensorProto.DOUBLE: torch.float64, TensorProto.FLOAT16: torch.float16,
-    TensorProto.BFLOAT16: torch.bfloat16, TensorProto.FLOAT8E4M3FN: torch.float8_e4m3fn,
-    TensorProto.FLOAT8E5M2: torch.float8_e5m2, TensorProto.INT8: torch.int8, TensorProto.UINT8: torch.uint8,
-    TensorProto.INT16: torch.int16, TensorProto.UINT16: torch.uint16, TensorProto.INT32: torch.int32,
-    TensorProto.UINT32: torch.uint32, TensorProto.INT64: torch.int64, TensorProto.UINT64: torch.uint64,
-    TensorProto.BOOL: torch.bool,
-}
 _FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
@@ -55,10 +49,11 @@ class CastLike(nn.Module):
 
 
 def _torch_type(data_type: int) -> torch.dtype:
-    """The torch dtype of an ONNX element type; unsupported types raise."""
-    if data_type not in _TORCH_TYPES:
-        raise NotImplementedError(f"cast to {TensorProto.DataType.Name(data_type)}")
-    return _TORCH_TYPES[data_type]
+    """The torch dtype of an ONNX element type; types torch cannot compute with raise."""
+    try:
+        return torch_dtype(type_name(data_type))
+    except NotImplementedError as error:
+        raise NotImplementedError(f"cast to {TensorProto.DataType.Name(data_type)}") from error
 
 
 def _saturate(node: OnnxNode) -> bool:

@@ -14,22 +14,16 @@ from onnx2torch.onnx_graph import OnnxGraph
 from onnx2torch.onnx_node import OnnxNode
 from onnx2torch.utils.common import OperationConverterResult
 
-from finetune.formats import BFPSpec, FloatSpec, IntSpec, MXSpec
+from finetune.formats import INT_RANGES, BFPSpec, FloatSpec, IntSpec, MXSpec
+from finetune.formats.floats import FLOAT_TYPES
 from finetune.onnx import CUSTOM_DOMAIN, QUARK_DOMAIN
+from finetune.onnx.dtypes import type_name
 
 from ..fake_quant import FakeQuantize
 from ..qdq import QUANTIZE_TO_DEQUANTIZE
 from ..registry import register, schema_versions
 from .common import converted, node_mapping
 
-INT_TYPES = {
-    TensorProto.INT4: "int4", TensorProto.UINT4: "uint4", TensorProto.INT8: "int8", TensorProto.UINT8: "uint8",
-    TensorProto.INT16: "int16", TensorProto.UINT16: "uint16", TensorProto.INT32: "int32", TensorProto.UINT32: "uint32",
-}
-FLOAT_TYPES = {
-    TensorProto.FLOAT8E4M3FN: "float8_e4m3fn", TensorProto.FLOAT8E5M2: "float8_e5m2",
-    TensorProto.FLOAT16: "float16", TensorProto.BFLOAT16: "bfloat16",
-}
 _ACCEPTED_KERNEL_CHOICE = "use_compiler_version_cpu_kernel"  # selects a Quark CPU kernel; 0 only
 _FLOAT32_ONLY = {"QuantizeLinear": "precision", "DequantizeLinear": "output_dtype"}  # opset-23 attributes
 
@@ -117,11 +111,12 @@ def linear_spec(node: OnnxNode, graph: OnnxGraph, code_type: int) -> tuple[IntSp
     block_size = node.attributes.get("block_size", 0) or None
     per_tensor = scale.numel() == 1 and scale.dim() <= 1 and block_size is None
     axis = None if per_tensor else node.attributes.get("axis", 1)
-    if code_type in INT_TYPES:
-        spec = IntSpec(INT_TYPES[code_type], _is_symmetric(code_type, zero_point), axis, block_size, _is_pow2(scale))
+    name = type_name(code_type)
+    if name in INT_RANGES:
+        spec = IntSpec(name, _is_symmetric(name, zero_point), axis, block_size, _is_pow2(scale))
         return spec, scale, zero_point
-    if code_type in FLOAT_TYPES and block_size is None:
-        return FloatSpec(FLOAT_TYPES[code_type], bool(node.attributes.get("saturate", 1)), axis), scale, zero_point
+    if name in FLOAT_TYPES and block_size is None:
+        return FloatSpec(name, bool(node.attributes.get("saturate", 1)), axis), scale, zero_point
     kind = "blocked " if block_size else ""
     raise NotImplementedError(f"{kind}{TensorProto.DataType.Name(code_type)} codes are not supported")
 
@@ -149,9 +144,8 @@ def _constant(name: str, graph: OnnxGraph) -> Any:
     return graph.initializers[name].proto
 
 
-def _is_symmetric(code_type: int, zero_point: torch.Tensor) -> bool:
+def _is_symmetric(name: str, zero_point: torch.Tensor) -> bool:
     """Whether every zero point sits at 0 (signed) or the middle code (unsigned)."""
-    name = INT_TYPES[code_type]
     middle = 0.0 if not name.startswith("u") else float(2 ** (int(name[4:]) - 1))
     return bool(torch.all(zero_point == middle))
 

@@ -5,20 +5,21 @@ from __future__ import annotations
 
 import dataclasses
 
+import ml_dtypes
 import numpy as np
 from onnx import TensorProto
 
+from finetune.formats import INT_RANGES
+
+from ..dtypes import numpy_dtype, onnx_type, type_name
 from .arithmetic import Body
 from .blocks import broadcast_along
 
-# Integer code ranges; float codes saturate at their largest finite value.
-_INT_RANGES = {
-    TensorProto.INT8: (-(2**7), 2**7 - 1), TensorProto.UINT8: (0, 2**8 - 1),
-    TensorProto.INT16: (-(2**15), 2**15 - 1), TensorProto.UINT16: (0, 2**16 - 1),
-    TensorProto.INT32: (-(2**31), 2**31 - 1), TensorProto.UINT32: (0, 2**32 - 1),
-}
-_FLOAT_CODE_MAX = {TensorProto.FLOAT16: 65504.0, TensorProto.BFLOAT16: 3.3895313892515355e38}
-CODE_TYPES = (*_INT_RANGES, *_FLOAT_CODE_MAX)  # the zero-point (code) types ExtendedQuantizeLinear takes
+# The zero-point (code) types ExtendedQuantizeLinear takes: integer codes clamp to their type's
+# range, float codes saturate at their largest finite value.
+_INT_CODES = ("int8", "uint8", "int16", "uint16", "int32", "uint32")
+_FLOAT_CODES = ("float16", "bfloat16")
+CODE_TYPES = tuple(onnx_type(name) for name in (*_INT_CODES, *_FLOAT_CODES))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +41,7 @@ class QuantizeSpec:
         x = b.op("Cast", "x", to=TensorProto.FLOAT)
         ratio = b.op("Div", x, broadcast_along(b, "scale", x, self.axis))
         zero_point = broadcast_along(b, "zero_point", x, self.axis) if self.has_zero_point else None
-        if self.dtype in _FLOAT_CODE_MAX:
+        if type_name(self.dtype) in _FLOAT_CODES:
             return self._float_codes(b, ratio, zero_point)
         return self._int_codes(b, ratio, zero_point)
 
@@ -50,14 +51,14 @@ class QuantizeSpec:
         codes = b.op("Cast", b.op("Round", ratio), to=TensorProto.DOUBLE)
         if zero_point is not None:
             codes = b.op("Add", codes, b.op("Cast", zero_point, to=TensorProto.DOUBLE))
-        lo, hi = _INT_RANGES[self.dtype]
+        lo, hi = INT_RANGES[type_name(self.dtype)]
         clamped = b.op("Clip", codes, b.const(lo, np.float64), b.const(hi, np.float64))
         return b.op("Cast", clamped, to=self.dtype)
 
     def _float_codes(self, b: Body, ratio: str, zero_point: str | None) -> str:
         """x / scale + zero_point, saturated at the type's largest finite value (NaN stays), cast RNE."""
         shifted = ratio if zero_point is None else b.op("Add", ratio, b.op("Cast", zero_point, to=TensorProto.FLOAT))
-        largest = _FLOAT_CODE_MAX[self.dtype]
+        largest = float(ml_dtypes.finfo(numpy_dtype(type_name(self.dtype))).max)
         beyond = b.op("Greater", b.op("Abs", shifted), b.const(largest))
         saturated = b.op("Where", beyond, b.op("Mul", b.op("Sign", shifted), b.const(largest)), shifted)
         return b.op("Cast", saturated, to=self.dtype)

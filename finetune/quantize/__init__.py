@@ -1,0 +1,6 @@
+"""Post-training quantization: a float ONNX model, a config and calibration data in, a QDQ ONNX
+model out that stock onnxruntime runs."""
+
+from .plan import QParams, QuantizeResult, Use, calibrate, format_summary, insert_qdq, plan, quantize_model
+
+__all__ = ["QParams", "QuantizeResult", "Use", "calibrate", "format_summary", "insert_qdq", "plan", "quantize_model"]

@@ -28,7 +28,7 @@ from finetune.onnx.qdq import CODE_DTYPES, STANDARD_QDQ_OPSET, make_qdq, uses_st
 
 logger = logging.getLogger(__name__)
 
-FLOAT_TYPES = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16)
+QUANTIZABLE_ELEMENT_TYPES = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16)
 PER_CHANNEL_OPSET = 13
 FP8_OPSET = 19
 WEIGHT_OPS = ("Conv", "ConvTranspose", "Gemm", "MatMul")
@@ -144,7 +144,7 @@ def _input_roles(
     weights and biases of Conv/ConvTranspose/Gemm, constant MatMul operands, activations otherwise."""
     roles = []
     for index, name in enumerate(node.input):
-        if not name or types.get(name) not in FLOAT_TYPES:
+        if not name or types.get(name) not in QUANTIZABLE_ELEMENT_TYPES:
             continue
         constant = name in initializers
         if node.op_type in ("Conv", "ConvTranspose", "Gemm") and index == 2:

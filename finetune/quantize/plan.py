@@ -31,7 +31,6 @@ logger = logging.getLogger(__name__)
 QUANTIZABLE_ELEMENT_TYPES = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16)
 PER_CHANNEL_OPSET = 13
 FP8_OPSET = 19
-WEIGHT_OPS = ("Conv", "ConvTranspose", "Gemm", "MatMul")
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """Post-training quantization: a float ONNX model, a config and calibration data in, a QDQ ONNX
 model out that stock onnxruntime runs."""
 
-from .plan import QParams, QuantizeResult, Use, calibrate, format_summary, insert_qdq, plan, quantize_model
+from .api import QuantizeResult, quantize_model
+from .plan import QParams, Use, calibrate, format_summary, insert_qdq, plan
 
 __all__ = ["QParams", "QuantizeResult", "Use", "calibrate", "format_summary", "insert_qdq", "plan", "quantize_model"]

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 from typing import Any
@@ -17,12 +16,8 @@ import torch
 from onnx import numpy_helper
 
 from finetune.calibrate import CalibrationData, Observer, collect_statistics, make_observer
-from finetune.config import FormatChoice, QuantConfig, load_config
+from finetune.config import FormatChoice, QuantConfig
 from finetune.formats import FloatSpec, FormatSpec, IntSpec, MXSpec, float_codes, int_codes
-from finetune.onnx import attach_custom_ops
-from finetune.onnx.equalize import equalize_model
-from finetune.onnx.fold import fold_constants
-from finetune.onnx.io import load_model
 from finetune.onnx.normalize import DEFAULT_DOMAINS, default_opset, normalize_model
 from finetune.onnx.qdq import CODE_DTYPES, STANDARD_QDQ_OPSET, make_qdq, uses_standard_ops
 
@@ -49,41 +44,6 @@ class Use:
     def key(self) -> tuple:
         """Identifies the quantize-dequantize chain this input reads: tensor and formats in order."""
         return (self.tensor, self.spec) if self.before is None else (self.tensor, self.before.spec, self.spec)
-
-
-@dataclass
-class QuantizeResult:
-    """The quantized model and what was done to it (the summary the CLI prints and writes as JSON)."""
-
-    model: onnx.ModelProto
-    summary: dict[str, Any]
-    float_model: onnx.ModelProto  # the float graph the QDQ model was built from (normalised, equalised)
-
-
-def quantize_model(
-    model: str | onnx.ModelProto, config: QuantConfig | str | dict, data: Any, providers: list[str] | None = None,
-) -> QuantizeResult:
-    """Quantize `model` (path or proto, never modified) with `config` (a QuantConfig, preset name,
-    YAML path or mapping), calibrating INT/FP8 scales on `data` (anything CalibrationData takes)."""
-    start = time.perf_counter()
-    config = load_config(config)
-    original = load_model(model)
-    normalized, changes = normalize_model(original)
-    for change in fold_constants(normalized):  # a weight computed from constants (Transpose(W)) becomes one to quantize and tune
-        logger.info(change)
-        changes.append(change)
-    if config.cross_layer_equalization:
-        normalized, equalized = equalize_model(normalized)
-        changes += equalized
-    float_model = normalized
-    uses = plan(normalized, config)
-    normalized = _upgrade_for(normalized, uses, changes)
-    qparams = calibrate(normalized, uses, data, providers)
-    quantized = attach_custom_ops(insert_qdq(normalized, uses, qparams, config.weight_storage))
-    summary = _summary(original, quantized, uses, changes, time.perf_counter() - start)
-    if config.fast_finetune is not None:
-        logger.info("the config's fast_finetune section is not run here; finetune.pipeline.quantize_and_finetune runs it")
-    return QuantizeResult(quantized, summary, float_model)
 
 
 # --- plan -----------------------------------------------------------------------------------------
@@ -194,7 +154,7 @@ def _tensor_types_and_ranks(model: onnx.ModelProto) -> tuple[dict[str, int], dic
     return types, ranks
 
 
-def _upgrade_for(model: onnx.ModelProto, uses: list[Use], changes: list[str]) -> onnx.ModelProto:
+def upgrade_opset(model: onnx.ModelProto, uses: list[Use], changes: list[str]) -> onnx.ModelProto:
     """Raise the opset to what the planned standard Q/DQ need: 13 per channel, 19 FP8, 21 for
     int4/int16 and blocked scales."""
     needed = max((_opset_for(u.spec) for u in _with_producer_formats(uses)), default=PER_CHANNEL_OPSET)
@@ -418,7 +378,7 @@ def _format_label(spec: FormatSpec) -> str:
 # --- report ---------------------------------------------------------------------------------------
 
 
-def _summary(original: onnx.ModelProto, quantized: onnx.ModelProto, uses: list[Use], changes: list[str], seconds: float) -> dict[str, Any]:
+def summarize(original: onnx.ModelProto, quantized: onnx.ModelProto, uses: list[Use], changes: list[str], seconds: float) -> dict[str, Any]:
     """Tensors per format and role, model sizes and what normalisation (and equalisation) changed."""
     distinct = {(u.tensor, u.spec): u for u in _with_producer_formats(uses)}.values()
     per_format = Counter((use.role, _format_label(use.spec)) for use in distinct)

@@ -1,0 +1,57 @@
+"""The quantizer's entry point: load and normalise the float model, then plan, calibrate and
+insert the quantize-dequantize nodes, and report what was done."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import onnx
+
+from finetune.config import QuantConfig, load_config
+from finetune.onnx import attach_custom_ops
+from finetune.onnx.equalize import equalize_model
+from finetune.onnx.fold import fold_constants
+from finetune.onnx.io import load_model
+from finetune.onnx.normalize import normalize_model
+
+from .plan import calibrate, insert_qdq, plan, summarize, upgrade_opset
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class QuantizeResult:
+    """The quantized model and what was done to it (the summary the CLI prints and writes as JSON)."""
+
+    model: onnx.ModelProto
+    summary: dict[str, Any]
+    float_model: onnx.ModelProto  # the float graph the QDQ model was built from (normalised, equalised)
+
+
+def quantize_model(
+    model: str | onnx.ModelProto, config: QuantConfig | str | dict, data: Any, providers: list[str] | None = None,
+) -> QuantizeResult:
+    """Quantize `model` (path or proto, never modified) with `config` (a QuantConfig, preset name,
+    YAML path or mapping), calibrating INT/FP8 scales on `data` (anything CalibrationData takes)."""
+    start = time.perf_counter()
+    config = load_config(config)
+    original = load_model(model)
+    normalized, changes = normalize_model(original)
+    for change in fold_constants(normalized):  # a weight computed from constants (Transpose(W)) becomes one to quantize and tune
+        logger.info(change)
+        changes.append(change)
+    if config.cross_layer_equalization:
+        normalized, equalized = equalize_model(normalized)
+        changes += equalized
+    float_model = normalized
+    uses = plan(normalized, config)
+    normalized = upgrade_opset(normalized, uses, changes)
+    qparams = calibrate(normalized, uses, data, providers)
+    quantized = attach_custom_ops(insert_qdq(normalized, uses, qparams, config.weight_storage))
+    summary = summarize(original, quantized, uses, changes, time.perf_counter() - start)
+    if config.fast_finetune is not None:
+        logger.info("the config's fast_finetune section is not run here; finetune.pipeline.quantize_and_finetune runs it")
+    return QuantizeResult(quantized, summary, float_model)

@@ -2,6 +2,7 @@
 model out that stock onnxruntime runs."""
 
 from .api import QuantizeResult, quantize_model
-from .plan import QParams, Use, calibrate, format_summary, insert_qdq, plan
+from .insert import insert_qdq
+from .plan import QParams, Use, calibrate, format_summary, plan
 
 __all__ = ["QParams", "QuantizeResult", "Use", "calibrate", "format_summary", "insert_qdq", "plan", "quantize_model"]

@@ -17,7 +17,8 @@ from finetune.onnx.fold import fold_constants
 from finetune.onnx.io import load_model
 from finetune.onnx.normalize import normalize_model
 
-from .plan import calibrate, insert_qdq, plan, summarize, upgrade_opset
+from .insert import insert_qdq
+from .plan import calibrate, plan, summarize, upgrade_opset
 
 logger = logging.getLogger(__name__)
 

@@ -12,14 +12,13 @@ from typing import Any
 
 import numpy as np
 import onnx
-import torch
 from onnx import numpy_helper
 
 from finetune.calibrate import CalibrationData, Observer, collect_statistics, make_observer
 from finetune.config import FormatChoice, QuantConfig
-from finetune.formats import FloatSpec, FormatSpec, IntSpec, MXSpec, float_codes, int_codes
+from finetune.formats import FloatSpec, FormatSpec, IntSpec, MXSpec
 from finetune.onnx.normalize import DEFAULT_DOMAINS, default_opset, normalize_model
-from finetune.onnx.qdq import CODE_DTYPES, STANDARD_QDQ_OPSET, make_qdq, uses_standard_ops
+from finetune.onnx.qdq import STANDARD_QDQ_OPSET, uses_standard_ops
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +52,7 @@ def plan(model: onnx.ModelProto, config: QuantConfig) -> list[Use]:
     """Every quantized input of every selected node, in graph order, with its concrete format."""
     graph = model.graph
     initializers = {t.name: t for t in graph.initializer}
-    types, ranks = _tensor_types_and_ranks(model)
+    types, ranks = tensor_types_and_ranks(model)
     producers = {output: node for node in graph.node for output in node.output}
     uses: list[Use] = []
     for node in graph.node:
@@ -140,7 +139,7 @@ def _int32_bias_axes(uses: list[Use]) -> list[Use]:
     ]
 
 
-def _tensor_types_and_ranks(model: onnx.ModelProto) -> tuple[dict[str, int], dict[str, int]]:
+def tensor_types_and_ranks(model: onnx.ModelProto) -> tuple[dict[str, int], dict[str, int]]:
     """Element type and rank of every value the (shape-inferred) graph knows."""
     graph = model.graph
     types, ranks = {}, {}
@@ -261,112 +260,7 @@ def _int32_bias_qparams(uses: list[Use], qparams: QParams) -> QParams:
     return result
 
 
-# --- insert ---------------------------------------------------------------------------------------
-
-
-def insert_qdq(model: onnx.ModelProto, uses: list[Use], qparams: QParams, weight_storage: str) -> onnx.ModelProto:
-    """A copy with one quantize-dequantize per distinct (tensor, format chain), each consumer
-    rewired to the one of its format; compact weight storage keeps codes + DequantizeLinear where
-    standard; float16 tensors are quantized in float32 between Casts (FORMATS.md)."""
-    result = onnx.ModelProto()
-    result.CopyFrom(model)
-    types, _ = _tensor_types_and_ranks(result)
-    half = {name for name, elem_type in types.items() if elem_type == onnx.TensorProto.FLOAT16}
-    inserter = _Inserter(result.graph, qparams, weight_storage == "compact", half)
-    for use in uses:
-        inserter.rewire(use)
-    inserter.finish()
-    return result
-
-
-class _Inserter:
-    """Adds the QDQ chains to one graph: each created once, placed before its first consumer."""
-
-    def __init__(self, graph: onnx.GraphProto, qparams: QParams, compact: bool, half: set[str]) -> None:
-        self.graph, self.qparams, self.compact, self.half = graph, qparams, compact, half
-        self.nodes = {n.name: n for n in graph.node}
-        self.initializers = {t.name: t for t in graph.initializer}
-        self.outputs: dict[tuple, str] = {}
-        self.added: dict[str, list[onnx.NodeProto]] = defaultdict(list)
-
-    def rewire(self, use: Use) -> None:
-        """Point the use's node input at the output of its (possibly dual) QDQ chain."""
-        source = use.tensor if use.before is None else self._ensure(use.before, use.tensor, use.node, False)
-        compact = self.compact and use.tensor in self.initializers
-        self.nodes[use.node].input[use.index] = self._ensure(use, source, use.node, compact)
-
-    def finish(self) -> None:
-        """Insert the new nodes before their consumers and drop initializers nothing reads."""
-        ordered = []
-        for node in self.graph.node:
-            ordered.extend(self.added.get(node.name, []))
-            ordered.append(node)
-        del self.graph.node[:]
-        self.graph.node.extend(ordered)
-        read = {name for node in self.graph.node for name in node.input} | {o.name for o in self.graph.output}
-        kept = [t for t in self.graph.initializer if t.name in read]
-        del self.graph.initializer[:]
-        self.graph.initializer.extend(kept)
-
-    def _ensure(self, use: Use, source: str, consumer: str, compact: bool) -> str:
-        """The output of `use`'s quantize-dequantize of `source`, created on first need."""
-        if use.key in self.outputs:
-            return self.outputs[use.key]
-        name = self._unique(f"{use.tensor}_{_format_label(use.spec)}")
-        output = self.outputs[use.key] = f"{name}_qdq"
-        new = self.added[consumer]
-        if use.tensor in self.half:
-            source = self._cast(new, source, f"{name}_float", onnx.TensorProto.FLOAT)
-            output = f"{name}_qdq_float"
-        new.extend(self._qdq_nodes(use, source, name, output, compact))
-        if use.tensor in self.half:
-            self._cast(new, output, self.outputs[use.key], onnx.TensorProto.FLOAT16)
-        return self.outputs[use.key]
-
-    @staticmethod
-    def _cast(new: list[onnx.NodeProto], source: str, output: str, to: int) -> str:
-        new.append(onnx.helper.make_node("Cast", [source], [output], name=f"{output}_cast", to=to))
-        return output
-
-    def _qdq_nodes(self, use: Use, source: str, name: str, output: str, compact: bool) -> list[onnx.NodeProto]:
-        """The Q/DQ nodes of one (tensor, format); their initializers are appended to the graph."""
-        scale, zero_point = self.qparams.get((use.tensor, use.spec), (None, None))
-        qdq = make_qdq(source, output, use.spec, name, scale, zero_point)
-        if compact and (uses_standard_ops(use.spec) or use.choice == "int32"):
-            codes = _stored_codes(self.initializers[use.tensor], use.spec, scale, zero_point, f"{name}_stored")
-            self.graph.initializer.append(codes)
-            dequantize = qdq.nodes[-1]
-            dequantize.input[0] = codes.name
-            if dequantize.domain:  # an int32 bias: DequantizeLinear reads int32 codes natively
-                dequantize.domain, dequantize.op_type = "", "DequantizeLinear"
-            qdq.nodes = [dequantize]
-        elif compact:
-            logger.info("%s stays a float initializer: %s has no compact form onnxruntime can run", use.tensor, use.spec)
-        self.graph.initializer.extend(qdq.initializers)
-        return qdq.nodes
-
-    def _unique(self, base: str) -> str:
-        """A name prefix no initializer or earlier QDQ uses."""
-        used = set(self.initializers) | {output[: -len("_qdq")] for output in self.outputs.values()}
-        name, k = base, 1
-        while name in used:
-            k += 1
-            name = f"{base}_{k}"
-        return name
-
-
-def _stored_codes(tensor: onnx.TensorProto, spec: FormatSpec, scale: np.ndarray, zero_point: np.ndarray, name: str) -> onnx.TensorProto:
-    """The codes QuantizeLinear would produce for a weight, as an initializer of the code type."""
-    values = torch.from_numpy(numpy_helper.to_array(tensor).astype(np.float32))
-    scale, zero_point = torch.as_tensor(np.asarray(scale)), torch.as_tensor(np.asarray(zero_point))
-    if isinstance(spec, IntSpec):
-        codes = int_codes(values, scale, zero_point, spec).numpy()
-    else:
-        codes = float_codes(values, spec, scale, zero_point).float().numpy()
-    return numpy_helper.from_array(codes.astype(CODE_DTYPES[spec.dtype]), name)
-
-
-def _format_label(spec: FormatSpec) -> str:
+def format_label(spec: FormatSpec) -> str:
     """A short readable name of a format for node and tensor names."""
     if isinstance(spec, (IntSpec, FloatSpec)):
         return spec.dtype
@@ -381,7 +275,7 @@ def _format_label(spec: FormatSpec) -> str:
 def summarize(original: onnx.ModelProto, quantized: onnx.ModelProto, uses: list[Use], changes: list[str], seconds: float) -> dict[str, Any]:
     """Tensors per format and role, model sizes and what normalisation (and equalisation) changed."""
     distinct = {(u.tensor, u.spec): u for u in _with_producer_formats(uses)}.values()
-    per_format = Counter((use.role, _format_label(use.spec)) for use in distinct)
+    per_format = Counter((use.role, format_label(use.spec)) for use in distinct)
     return {
         "tensors_per_format": [{"role": r, "format": f, "tensors": n} for (r, f), n in sorted(per_format.items())],
         "quantized_nodes": len({u.node for u in uses}),

@@ -2,7 +2,8 @@
 model out that stock onnxruntime runs."""
 
 from .api import QuantizeResult, quantize_model
+from .calibrate import QParams, calibrate
 from .insert import insert_qdq
-from .plan import QParams, Use, calibrate, format_summary, plan
+from .plan import Use, format_summary, plan
 
 __all__ = ["QParams", "QuantizeResult", "Use", "calibrate", "format_summary", "insert_qdq", "plan", "quantize_model"]

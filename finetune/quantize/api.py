@@ -17,8 +17,9 @@ from finetune.onnx.fold import fold_constants
 from finetune.onnx.io import load_model
 from finetune.onnx.normalize import normalize_model
 
+from .calibrate import calibrate
 from .insert import insert_qdq
-from .plan import calibrate, plan, summarize, upgrade_opset
+from .plan import plan, summarize, upgrade_opset
 
 logger = logging.getLogger(__name__)
 

@@ -15,7 +15,8 @@ from onnx import numpy_helper
 from finetune.formats import FormatSpec, IntSpec, float_codes, int_codes
 from finetune.onnx.qdq import CODE_DTYPES, make_qdq, uses_standard_ops
 
-from .plan import QParams, Use, format_label, tensor_types_and_ranks
+from .calibrate import QParams
+from .plan import Use, format_label, tensor_types_and_ranks
 
 logger = logging.getLogger(__name__)
 

@@ -6,15 +6,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections import Counter, defaultdict
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import onnx
-from onnx import numpy_helper
 
-from finetune.calibrate import CalibrationData, Observer, collect_statistics, make_observer
 from finetune.config import FormatChoice, QuantConfig
 from finetune.formats import FloatSpec, FormatSpec, IntSpec, MXSpec
 from finetune.onnx.normalize import DEFAULT_DOMAINS, default_opset, normalize_model
@@ -156,12 +153,17 @@ def tensor_types_and_ranks(model: onnx.ModelProto) -> tuple[dict[str, int], dict
 def upgrade_opset(model: onnx.ModelProto, uses: list[Use], changes: list[str]) -> onnx.ModelProto:
     """Raise the opset to what the planned standard Q/DQ need: 13 per channel, 19 FP8, 21 for
     int4/int16 and blocked scales."""
-    needed = max((_opset_for(u.spec) for u in _with_producer_formats(uses)), default=PER_CHANNEL_OPSET)
+    needed = max((_opset_for(u.spec) for u in with_producer_formats(uses)), default=PER_CHANNEL_OPSET)
     if (default_opset(model) or 0) >= needed:
         return model
     upgraded, more = normalize_model(model, min_opset=needed)
     changes.extend(more)
     return upgraded
+
+
+def with_producer_formats(uses: list[Use]) -> list[Use]:
+    """The uses and, before each, the producer-format use it reads through (dual quant)."""
+    return [step for use in uses for step in ((use.before, use) if use.before else (use,))]
 
 
 def _opset_for(spec: FormatSpec) -> int:
@@ -170,94 +172,6 @@ def _opset_for(spec: FormatSpec) -> int:
     if spec.dtype in ("int4", "uint4", "int16", "uint16") or getattr(spec, "block_size", None):
         return STANDARD_QDQ_OPSET
     return FP8_OPSET if spec.dtype.startswith("float8") else PER_CHANNEL_OPSET
-
-
-# --- calibrate ------------------------------------------------------------------------------------
-
-QParams = dict[tuple[str, FormatSpec], tuple[np.ndarray, np.ndarray]]
-
-
-def calibrate(model: onnx.ModelProto, uses: list[Use], data: Any, providers: list[str] | None) -> QParams:
-    """Scale and zero point of every (tensor, format) that needs them: weights from their values,
-    activations from one streamed onnxruntime pass over the data, int32 biases from s_in * s_w."""
-    initializers = {t.name: t for t in model.graph.initializer}
-    observers: dict[tuple[str, FormatSpec], Observer] = {}
-    for use in _with_producer_formats(uses):
-        if _needs_calibration(use) and (use.tensor, use.spec) not in observers:
-            observers[(use.tensor, use.spec)] = _observer(use)
-    weights = {key: obs for key, obs in observers.items() if key[0] in initializers}
-    for (tensor, _), observer in weights.items():
-        observer.update(numpy_helper.to_array(initializers[tensor]))
-    activations = {key: obs for key, obs in observers.items() if key[0] not in initializers}
-    if activations:
-        if data is None:
-            raise ValueError(
-                f"{len(activations)} activation tensors need calibration data (INT/FP8 formats); pass --data, "
-                "or --random-data to calibrate on random inputs"
-            )
-        _collect(model, data, activations, providers)
-    qparams = {key: observer.scale_zero_point() for key, observer in observers.items()}
-    qparams.update(_int32_bias_qparams(uses, qparams))
-    return qparams
-
-
-def _with_producer_formats(uses: list[Use]) -> list[Use]:
-    """The uses and, before each, the producer-format use it reads through (dual quant)."""
-    return [step for use in uses for step in ((use.before, use) if use.before else (use,))]
-
-
-def _needs_calibration(use: Use) -> bool:
-    """INT and FP8 formats need scales; int32 biases derive theirs, block formats and BF16/FP16 none."""
-    if use.choice == "int32":
-        return False
-    return isinstance(use.spec, IntSpec) or (isinstance(use.spec, FloatSpec) and use.spec.dtype.startswith("float8"))
-
-
-def _observer(use: Use) -> Observer:
-    options = {"percentile": use.choice.percentile} if use.choice.calibration == "percentile" else {}
-    return make_observer(use.choice.calibration, use.spec, **options)
-
-
-def _collect(model: onnx.ModelProto, data: Any, observers: dict[tuple[str, FormatSpec], Observer], providers: list[str] | None) -> None:
-    """One pass over the data; a tensor observed in several formats is exposed once."""
-    by_tensor: dict[str, list[Observer]] = defaultdict(list)
-    for (tensor, _), observer in observers.items():
-        by_tensor[tensor].append(observer)
-    fan_out = {tensor: _FanOut(group) for tensor, group in by_tensor.items()}
-    feeds = data if isinstance(data, CalibrationData) else CalibrationData(data, model)
-    logger.info("calibrating %d activation tensors", len(fan_out))
-    collect_statistics(model, feeds, fan_out, providers)
-
-
-class _FanOut:
-    """Feeds one tensor's batches to every observer that wants it."""
-
-    def __init__(self, observers: list[Observer]) -> None:
-        self.observers = observers
-
-    def update(self, x: np.ndarray) -> None:
-        for observer in self.observers:
-            observer.update(x)
-
-
-def _int32_bias_qparams(uses: list[Use], qparams: QParams) -> QParams:
-    """Bias scale = input scale * weight scale (per output channel when the weight is), zero point 0."""
-    result: QParams = {}
-    by_node: dict[str, dict[str, Use]] = defaultdict(dict)
-    for use in uses:
-        by_node[use.node][use.role] = use
-    for node, roles in by_node.items():
-        bias = roles.get("bias")
-        if bias is None or bias.choice != "int32":
-            continue
-        activation, weight = roles.get("activation"), roles.get("weight")
-        if activation is None or weight is None:
-            raise ValueError(f"node {node!r}: an int32 bias needs a quantized input and weight")
-        s_in, _ = qparams[(activation.tensor, activation.spec)]
-        s_w, _ = qparams[(weight.tensor, weight.spec)]
-        scale = (s_in * s_w).astype(np.float32)
-        result[(bias.tensor, bias.spec)] = (scale, np.zeros_like(scale))
-    return result
 
 
 def format_label(spec: FormatSpec) -> str:
@@ -274,7 +188,7 @@ def format_label(spec: FormatSpec) -> str:
 
 def summarize(original: onnx.ModelProto, quantized: onnx.ModelProto, uses: list[Use], changes: list[str], seconds: float) -> dict[str, Any]:
     """Tensors per format and role, model sizes and what normalisation (and equalisation) changed."""
-    distinct = {(u.tensor, u.spec): u for u in _with_producer_formats(uses)}.values()
+    distinct = {(u.tensor, u.spec): u for u in with_producer_formats(uses)}.values()
     per_format = Counter((use.role, format_label(use.spec)) for use in distinct)
     return {
         "tensors_per_format": [{"role": r, "format": f, "tensors": n} for (r, f), n in sorted(per_format.items())],

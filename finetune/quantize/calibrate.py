@@ -1,0 +1,100 @@
+"""Calibration of the planned formats that need scales (INT, FP8): weights from their values,
+activations from one onnxruntime pass that feeds every observer of a tensor, int32 biases from
+their input and weight scales."""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from finetune.calibrate import CalibrationData, Observer, collect_statistics, make_observer
+from finetune.formats import FloatSpec, FormatSpec, IntSpec
+
+from .plan import Use, with_producer_formats
+
+logger = logging.getLogger(__name__)
+
+QParams = dict[tuple[str, FormatSpec], tuple[np.ndarray, np.ndarray]]
+
+
+def calibrate(model: onnx.ModelProto, uses: list[Use], data: Any, providers: list[str] | None) -> QParams:
+    """Scale and zero point of every (tensor, format) that needs them: weights from their values,
+    activations from one streamed onnxruntime pass over the data, int32 biases from s_in * s_w."""
+    initializers = {t.name: t for t in model.graph.initializer}
+    observers: dict[tuple[str, FormatSpec], Observer] = {}
+    for use in with_producer_formats(uses):
+        if _needs_calibration(use) and (use.tensor, use.spec) not in observers:
+            observers[(use.tensor, use.spec)] = _observer(use)
+    weights = {key: obs for key, obs in observers.items() if key[0] in initializers}
+    for (tensor, _), observer in weights.items():
+        observer.update(numpy_helper.to_array(initializers[tensor]))
+    activations = {key: obs for key, obs in observers.items() if key[0] not in initializers}
+    if activations:
+        if data is None:
+            raise ValueError(
+                f"{len(activations)} activation tensors need calibration data (INT/FP8 formats); pass --data, "
+                "or --random-data to calibrate on random inputs"
+            )
+        _collect(model, data, activations, providers)
+    qparams = {key: observer.scale_zero_point() for key, observer in observers.items()}
+    qparams.update(_int32_bias_qparams(uses, qparams))
+    return qparams
+
+
+def _needs_calibration(use: Use) -> bool:
+    """INT and FP8 formats need scales; int32 biases derive theirs, block formats and BF16/FP16 none."""
+    if use.choice == "int32":
+        return False
+    return isinstance(use.spec, IntSpec) or (isinstance(use.spec, FloatSpec) and use.spec.dtype.startswith("float8"))
+
+
+def _observer(use: Use) -> Observer:
+    options = {"percentile": use.choice.percentile} if use.choice.calibration == "percentile" else {}
+    return make_observer(use.choice.calibration, use.spec, **options)
+
+
+def _collect(model: onnx.ModelProto, data: Any, observers: dict[tuple[str, FormatSpec], Observer], providers: list[str] | None) -> None:
+    """One pass over the data; a tensor observed in several formats is exposed once."""
+    by_tensor: dict[str, list[Observer]] = defaultdict(list)
+    for (tensor, _), observer in observers.items():
+        by_tensor[tensor].append(observer)
+    fan_out = {tensor: _FanOut(group) for tensor, group in by_tensor.items()}
+    feeds = data if isinstance(data, CalibrationData) else CalibrationData(data, model)
+    logger.info("calibrating %d activation tensors", len(fan_out))
+    collect_statistics(model, feeds, fan_out, providers)
+
+
+class _FanOut:
+    """Feeds one tensor's batches to every observer that wants it."""
+
+    def __init__(self, observers: list[Observer]) -> None:
+        self.observers = observers
+
+    def update(self, x: np.ndarray) -> None:
+        for observer in self.observers:
+            observer.update(x)
+
+
+def _int32_bias_qparams(uses: list[Use], qparams: QParams) -> QParams:
+    """Bias scale = input scale * weight scale (per output channel when the weight is), zero point 0."""
+    result: QParams = {}
+    by_node: dict[str, dict[str, Use]] = defaultdict(dict)
+    for use in uses:
+        by_node[use.node][use.role] = use
+    for node, roles in by_node.items():
+        bias = roles.get("bias")
+        if bias is None or bias.choice != "int32":
+            continue
+        activation, weight = roles.get("activation"), roles.get("weight")
+        if activation is None or weight is None:
+            raise ValueError(f"node {node!r}: an int32 bias needs a quantized input and weight")
+        s_in, _ = qparams[(activation.tensor, activation.spec)]
+        s_w, _ = qparams[(weight.tensor, weight.spec)]
+        scale = (s_in * s_w).astype(np.float32)
+        result[(bias.tensor, bias.spec)] = (scale, np.zeros_like(scale))
+    return result

@@ -1,9 +1,12 @@
 """Post-training quantization: a float ONNX model, a config and calibration data in, a QDQ ONNX
-model out that stock onnxruntime runs."""
+model out that stock onnxruntime runs. plan (which tensor gets which format) -> calibrate (scales
+of INT/FP8 tensors) -> insert (the quantize-dequantize nodes); api runs them in turn and summary
+reports what they did."""
 
 from .api import QuantizeResult, quantize_model
 from .calibrate import QParams, calibrate
 from .insert import insert_qdq
-from .plan import Use, format_summary, plan
+from .plan import Use, plan
+from .summary import format_summary
 
 __all__ = ["QParams", "QuantizeResult", "Use", "calibrate", "format_summary", "insert_qdq", "plan", "quantize_model"]

@@ -19,7 +19,8 @@ from finetune.onnx.normalize import normalize_model
 
 from .calibrate import calibrate
 from .insert import insert_qdq
-from .plan import plan, summarize, upgrade_opset
+from .plan import plan, upgrade_opset
+from .summary import summarize
 
 logger = logging.getLogger(__name__)
 

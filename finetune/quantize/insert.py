@@ -16,7 +16,8 @@ from finetune.formats import FormatSpec, IntSpec, float_codes, int_codes
 from finetune.onnx.qdq import CODE_DTYPES, make_qdq, uses_standard_ops
 
 from .calibrate import QParams
-from .plan import Use, format_label, tensor_types_and_ranks
+from .plan import Use, tensor_types_and_ranks
+from .summary import format_label
 
 logger = logging.getLogger(__name__)
 

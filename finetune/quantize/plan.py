@@ -1,19 +1,17 @@
-"""Post-training quantization: a float ONNX model, a config and calibration data in, a QDQ ONNX
-model out that stock onnxruntime runs. Plan (which tensor gets which format) -> calibrate (scales
-of INT/FP8 tensors) -> insert the quantize-dequantize nodes."""
+"""The quantization plan: which input of which node gets which format (one Use each, with its
+role, per-channel and block axes, the producer's format under dual quant and int32 bias
+granularity), and the opset the planned quantize-dequantize nodes need."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from collections import Counter
 from dataclasses import dataclass
-from typing import Any
 
 import onnx
 
 from finetune.config import FormatChoice, QuantConfig
-from finetune.formats import FloatSpec, FormatSpec, IntSpec, MXSpec
+from finetune.formats import FormatSpec, IntSpec
 from finetune.onnx.normalize import DEFAULT_DOMAINS, default_opset, normalize_model
 from finetune.onnx.qdq import STANDARD_QDQ_OPSET, uses_standard_ops
 
@@ -40,9 +38,6 @@ class Use:
     def key(self) -> tuple:
         """Identifies the quantize-dequantize chain this input reads: tensor and formats in order."""
         return (self.tensor, self.spec) if self.before is None else (self.tensor, self.before.spec, self.spec)
-
-
-# --- plan -----------------------------------------------------------------------------------------
 
 
 def plan(model: onnx.ModelProto, config: QuantConfig) -> list[Use]:
@@ -150,6 +145,11 @@ def tensor_types_and_ranks(model: onnx.ModelProto) -> tuple[dict[str, int], dict
     return types, ranks
 
 
+def with_producer_formats(uses: list[Use]) -> list[Use]:
+    """The uses and, before each, the producer-format use it reads through (dual quant)."""
+    return [step for use in uses for step in ((use.before, use) if use.before else (use,))]
+
+
 def upgrade_opset(model: onnx.ModelProto, uses: list[Use], changes: list[str]) -> onnx.ModelProto:
     """Raise the opset to what the planned standard Q/DQ need: 13 per channel, 19 FP8, 21 for
     int4/int16 and blocked scales."""
@@ -161,50 +161,9 @@ def upgrade_opset(model: onnx.ModelProto, uses: list[Use], changes: list[str]) -
     return upgraded
 
 
-def with_producer_formats(uses: list[Use]) -> list[Use]:
-    """The uses and, before each, the producer-format use it reads through (dual quant)."""
-    return [step for use in uses for step in ((use.before, use) if use.before else (use,))]
-
-
 def _opset_for(spec: FormatSpec) -> int:
     if not uses_standard_ops(spec):
         return PER_CHANNEL_OPSET
     if spec.dtype in ("int4", "uint4", "int16", "uint16") or getattr(spec, "block_size", None):
         return STANDARD_QDQ_OPSET
     return FP8_OPSET if spec.dtype.startswith("float8") else PER_CHANNEL_OPSET
-
-
-def format_label(spec: FormatSpec) -> str:
-    """A short readable name of a format for node and tensor names."""
-    if isinstance(spec, (IntSpec, FloatSpec)):
-        return spec.dtype
-    if isinstance(spec, MXSpec):
-        return f"mx_{spec.element_dtype}"
-    return f"{spec.bfp_method}{spec.bit_width}"
-
-
-# --- report ---------------------------------------------------------------------------------------
-
-
-def summarize(original: onnx.ModelProto, quantized: onnx.ModelProto, uses: list[Use], changes: list[str], seconds: float) -> dict[str, Any]:
-    """Tensors per format and role, model sizes and what normalisation (and equalisation) changed."""
-    distinct = {(u.tensor, u.spec): u for u in with_producer_formats(uses)}.values()
-    per_format = Counter((use.role, format_label(use.spec)) for use in distinct)
-    return {
-        "tensors_per_format": [{"role": r, "format": f, "tensors": n} for (r, f), n in sorted(per_format.items())],
-        "quantized_nodes": len({u.node for u in uses}),
-        "model_bytes_before": original.ByteSize(),
-        "model_bytes_after": quantized.ByteSize(),
-        "normalization": changes,
-        "seconds": round(seconds, 3),
-    }
-
-
-def format_summary(summary: dict[str, Any]) -> str:
-    """The summary as the table the CLI prints."""
-    lines = [f"{'role':<12}{'format':<18}{'tensors':>8}"]
-    lines += [f"{row['role']:<12}{row['format']:<18}{row['tensors']:>8}" for row in summary["tensors_per_format"]]
-    before, after = summary["model_bytes_before"], summary["model_bytes_after"]
-    lines.append(f"quantized nodes: {summary['quantized_nodes']}; model size {before:,} -> {after:,} bytes "
-                 f"({after / before:.2f}x); {summary['seconds']:.2f} s")
-    return "\n".join(lines)

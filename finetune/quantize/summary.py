@@ -1,0 +1,46 @@
+"""What a quantization did, for people: short labels of formats (also used in node names), the
+summary dict (tensors per format and role, model sizes, normalisation changes) and its table."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import onnx
+
+from finetune.formats import FloatSpec, FormatSpec, IntSpec, MXSpec
+
+from .plan import Use, with_producer_formats
+
+
+def format_label(spec: FormatSpec) -> str:
+    """A short readable name of a format for node and tensor names."""
+    if isinstance(spec, (IntSpec, FloatSpec)):
+        return spec.dtype
+    if isinstance(spec, MXSpec):
+        return f"mx_{spec.element_dtype}"
+    return f"{spec.bfp_method}{spec.bit_width}"
+
+
+def summarize(original: onnx.ModelProto, quantized: onnx.ModelProto, uses: list[Use], changes: list[str], seconds: float) -> dict[str, Any]:
+    """Tensors per format and role, model sizes and what normalisation (and equalisation) changed."""
+    distinct = {(u.tensor, u.spec): u for u in with_producer_formats(uses)}.values()
+    per_format = Counter((use.role, format_label(use.spec)) for use in distinct)
+    return {
+        "tensors_per_format": [{"role": r, "format": f, "tensors": n} for (r, f), n in sorted(per_format.items())],
+        "quantized_nodes": len({u.node for u in uses}),
+        "model_bytes_before": original.ByteSize(),
+        "model_bytes_after": quantized.ByteSize(),
+        "normalization": changes,
+        "seconds": round(seconds, 3),
+    }
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    """The summary as the table the CLI prints."""
+    lines = [f"{'role':<12}{'format':<18}{'tensors':>8}"]
+    lines += [f"{row['role']:<12}{row['format']:<18}{row['tensors']:>8}" for row in summary["tensors_per_format"]]
+    before, after = summary["model_bytes_before"], summary["model_bytes_after"]
+    lines.append(f"quantized nodes: {summary['quantized_nodes']}; model size {before:,} -> {after:,} bytes "
+                 f"({after / before:.2f}x); {summary['seconds']:.2f} s")
+    return "\n".join(lines)

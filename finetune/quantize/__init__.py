@@ -4,9 +4,6 @@ of INT/FP8 tensors) -> insert (the quantize-dequantize nodes); api runs them in 
 reports what they did."""
 
 from .api import QuantizeResult, quantize_model
-from .calibrate import QParams, calibrate
-from .insert import insert_qdq
-from .plan import Use, plan
 from .summary import format_summary
 
-__all__ = ["QParams", "QuantizeResult", "Use", "calibrate", "format_summary", "insert_qdq", "plan", "quantize_model"]
+__all__ = ["QuantizeResult", "format_summary", "quantize_model"]  # the steps stay in their modules: quantize.plan is the module

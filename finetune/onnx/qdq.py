@@ -5,21 +5,15 @@ from __future__ import annotations
 
 import dataclasses
 
-import ml_dtypes
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
 from finetune.formats import BFPSpec, FloatSpec, FormatSpec, IntSpec, MXSpec
 
+from .dtypes import numpy_dtype
 from .functions import BFP, CUSTOM_DOMAIN, DEQUANTIZE, MX, QUANTIZE
 
-CODE_DTYPES: dict[str, type] = {
-    "int4": ml_dtypes.int4, "uint4": ml_dtypes.uint4, "int8": np.int8, "uint8": np.uint8,
-    "int16": np.int16, "uint16": np.uint16, "int32": np.int32, "uint32": np.uint32,
-    "float16": np.float16, "bfloat16": ml_dtypes.bfloat16,
-    "float8_e4m3fn": ml_dtypes.float8_e4m3fn, "float8_e5m2": ml_dtypes.float8_e5m2,
-}
 # Code types the standard QuantizeLinear/DequantizeLinear (opset 21) take; the rest use our ops.
 STANDARD_CODES = ("int4", "uint4", "int8", "uint8", "int16", "uint16", "float8_e4m3fn", "float8_e5m2")
 STANDARD_QDQ_OPSET = 21  # int4/uint4, int16 and blocked scales need QuantizeLinear-21
@@ -60,7 +54,7 @@ def make_qdq(
     zero_point = np.zeros(scale.shape, np.float32) if zero_point is None else np.asarray(zero_point)
     initializers = [
         numpy_helper.from_array(scale, f"{name}_scale"),
-        numpy_helper.from_array(zero_point.astype(CODE_DTYPES[spec.dtype]), f"{name}_zero_point"),
+        numpy_helper.from_array(zero_point.astype(numpy_dtype(spec.dtype)), f"{name}_zero_point"),
     ]
     inputs = [f"{name}_scale", f"{name}_zero_point"]
     attributes = _linear_attributes(spec, scale)

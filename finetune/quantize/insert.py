@@ -13,7 +13,8 @@ import torch
 from onnx import numpy_helper
 
 from finetune.formats import FormatSpec, IntSpec, float_codes, int_codes
-from finetune.onnx.qdq import CODE_DTYPES, make_qdq, uses_standard_ops
+from finetune.onnx.dtypes import numpy_dtype
+from finetune.onnx.qdq import make_qdq, uses_standard_ops
 
 from .calibrate import QParams
 from .plan import Use, tensor_types_and_ranks
@@ -121,4 +122,4 @@ def _stored_codes(tensor: onnx.TensorProto, spec: FormatSpec, scale: np.ndarray,
         codes = int_codes(values, scale, zero_point, spec).numpy()
     else:
         codes = float_codes(values, spec, scale, zero_point).float().numpy()
-    return numpy_helper.from_array(codes.astype(CODE_DTYPES[spec.dtype]), name)
+    return numpy_helper.from_array(codes.astype(numpy_dtype(spec.dtype)), name)

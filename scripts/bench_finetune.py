@@ -37,6 +37,7 @@ from finetune.config import FastFinetune, load_config
 from finetune.lift import lift_model
 from finetune.onnx import attach_custom_ops
 from finetune.onnx.normalize import normalize_model
+from finetune.onnx.session import inference_session
 from finetune.quantize import quantize_model
 from finetune.recon import find_units, finetune_model
 from finetune.zoo import digits_split, efficientnet_lite0, export_onnx, photo_crops, train_digits_cnn, train_digits_transformer
@@ -105,10 +106,7 @@ def load_case_data(directory: Path) -> tuple[list[dict[str, np.ndarray]], dict[s
 
 def session(model: onnx.ModelProto | Path) -> ort.InferenceSession:
     """onnxruntime CPU with graph optimisations off, so the simulated numerics stay exact."""
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    source = str(model) if isinstance(model, Path) else model.SerializeToString()
-    return ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
+    return inference_session(model)
 
 
 def logits(model: onnx.ModelProto | Path, x: np.ndarray) -> np.ndarray:

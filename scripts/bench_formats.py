@@ -39,6 +39,7 @@ from finetune.formats import (
 )
 from finetune.onnx import attach_custom_ops
 from finetune.onnx.qdq import STANDARD_QDQ_OPSET, make_qdq
+from finetune.onnx.session import inference_session
 
 Case = tuple[FormatSpec, np.ndarray | None, np.ndarray | None]
 
@@ -85,9 +86,7 @@ def onnx_session(case: Case, shape: tuple[int, ...]) -> ort.InferenceSession:
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, shape)], qdq.initializers)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", STANDARD_QDQ_OPSET)])
     model.ir_version = 10
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    return ort.InferenceSession(attach_custom_ops(model).SerializeToString(), options, providers=["CPUExecutionProvider"])
+    return inference_session(attach_custom_ops(model), optimization="all")
 
 
 def run(shape: tuple[int, ...], repeats: int, names: list[str] | None) -> dict:

@@ -18,10 +18,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-import onnxruntime as ort
 import torch
 
 from finetune.config import available_presets
+from finetune.onnx.session import inference_session
 from finetune.quantize import quantize_model
 from finetune.zoo import (
     digits_split,
@@ -41,10 +41,7 @@ Metric = Callable[[np.ndarray], float]
 
 def session_outputs(model: object, feeds: dict[str, np.ndarray], batch: int = 32) -> np.ndarray:
     """The first output over the feeds in batches, at ORT_DISABLE_ALL (exact simulated numerics)."""
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    source = model.SerializeToString() if hasattr(model, "SerializeToString") else str(model)
-    session = ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
+    session = inference_session(model)
     (name, values), = feeds.items()
     return np.concatenate([session.run(None, {name: values[i : i + batch]})[0] for i in range(0, len(values), batch)])
 

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import torch
 from onnx import TensorProto, helper, numpy_helper
 from torch import nn
 
 from finetune.onnx import attach_custom_ops
+from finetune.onnx.session import inference_session
 
 # float32 results of Conv / MatMul / LayerNorm / Softmax depend on the summation order, which
 # differs between torch (oneDNN) and onnxruntime (MLAS): a few ulp of the largest partial sums.
@@ -46,9 +46,7 @@ def tensor(name: str, shape: Sequence[int | str | None] | None, elem_type: int =
 def run_ort(model: onnx.ModelProto, inputs: Sequence[np.ndarray]) -> list[np.ndarray]:
     """Outputs of onnxruntime on CPU with graph optimisations off, so QDQ numerics stay simulated
     exactly (no fusion into integer kernels, DESIGN decision 5); custom ops get their bodies."""
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    session = ort.InferenceSession(attach_custom_ops(model).SerializeToString(), options, providers=["CPUExecutionProvider"])
+    session = inference_session(attach_custom_ops(model))
     names = [i.name for i in session.get_inputs()]
     return session.run(None, dict(zip(names, inputs)))
 

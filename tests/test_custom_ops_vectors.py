@@ -11,15 +11,12 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from finetune.onnx import CUSTOM_DOMAIN, QUARK_DOMAIN, attach_custom_ops
+from finetune.onnx.session import inference_session
 
 from .vectors import VectorSet, assert_same_values, load_vector_sets
 
 VECTOR_SETS = load_vector_sets()
 DOMAINS = [QUARK_DOMAIN, CUSTOM_DOMAIN]
-LEVELS = {
-    "disable_all": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
-    "enable_all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
-}
 BFP = "BFPQuantizeDequantize"
 MX = "MXQuantizeDequantize"
 MX9 = {"bfp_method": "to_bfp_prime", "bit_width": 16, "block_size": 16, "rounding_mode": 2}
@@ -41,15 +38,12 @@ def one_node_model(
     return model
 
 
-def session(model: onnx.ModelProto, level: str = "enable_all") -> ort.InferenceSession:
+def session(model: onnx.ModelProto, level: str = "all") -> ort.InferenceSession:
     """A CPU session over the model with its custom ops attached, nothing registered."""
-    options = ort.SessionOptions()
-    options.graph_optimization_level = LEVELS[level]
-    attached = attach_custom_ops(model).SerializeToString()
-    return ort.InferenceSession(attached, options, providers=["CPUExecutionProvider"])
+    return inference_session(attach_custom_ops(model), optimization=level)
 
 
-def run(model: onnx.ModelProto, feeds: dict[str, np.ndarray], level: str = "enable_all") -> list[np.ndarray]:
+def run(model: onnx.ModelProto, feeds: dict[str, np.ndarray], level: str = "all") -> list[np.ndarray]:
     """All outputs of the attached model for the given inputs."""
     return session(model, level).run(None, feeds)
 
@@ -62,7 +56,7 @@ def qdq(x: np.ndarray, op_type: str, attributes: dict, **model_options) -> np.nd
 # ---------------------------------------------------------------- reference vectors
 
 
-@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("level", ["disable", "all"])
 @pytest.mark.parametrize("domain", DOMAINS)
 @pytest.mark.parametrize("vectors", VECTOR_SETS, ids=lambda v: v.name)
 def test_vectors(vectors: VectorSet, domain: str, level: str) -> None:
@@ -256,7 +250,7 @@ def broadcast(parameter: np.ndarray, rank: int, axis: int) -> np.ndarray:
     return parameter.reshape([-1] + [1] * (rank - 1 - axis % rank)) if parameter.ndim else parameter
 
 
-@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("level", ["disable", "all"])
 @pytest.mark.parametrize("dtype, zero_point, axis", [
     (np.int32, np.array(-7, np.int32), 1),
     (np.int32, np.array([3, -2**31 + 5, 2**31 - 9], np.int32), 1),

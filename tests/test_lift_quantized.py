@@ -7,12 +7,12 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 import torch
 
 from finetune.config import available_presets
 from finetune.lift import FakeQuantize, lift_model
+from finetune.onnx.session import inference_session
 from finetune.quantize import quantize_model
 from finetune.zoo import efficientnet_lite0, export_onnx, magika_onnx_path, magika_samples, photo_crops
 
@@ -59,10 +59,7 @@ def every_value(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> dict[st
     names = [output for node in model.graph.node for output in node.output if output]
     del exposed.graph.output[:]
     exposed.graph.output.extend(onnx.helper.make_empty_tensor_value_info(output) for output in names)
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    session = ort.InferenceSession(exposed.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    return {**feeds, **dict(zip(names, session.run(None, feeds)))}
+    return {**feeds, **dict(zip(names, inference_session(exposed).run(None, feeds)))}
 
 
 def assert_quantizers_exact(model: onnx.ModelProto, quantizers: dict[str, FakeQuantize], values: dict[str, np.ndarray]) -> None:

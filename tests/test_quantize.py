@@ -12,13 +12,13 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 import torch
 
 from finetune.config import available_presets, load_config
 from finetune.lift import lift_model
 from finetune.onnx.normalize import default_opset
+from finetune.onnx.session import inference_session
 from finetune.quantize import quantize_model
 from finetune.zoo import digits_split, train_digits_cnn
 
@@ -38,10 +38,7 @@ def digits(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 
 def run(model: onnx.ModelProto | Path, x: np.ndarray) -> np.ndarray:
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    source = str(model) if isinstance(model, Path) else model.SerializeToString()
-    return ort.InferenceSession(source, options, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    return inference_session(model).run(None, {"x": x})[0]
 
 
 def accuracy(logits: np.ndarray, labels: np.ndarray) -> float:

@@ -2,7 +2,7 @@
 power-of-two MinMSE, Entropy) and the onnxruntime pass that feeds them."""
 
 from .collect import collect_statistics
-from .data import CalibrationData, Feed, InputInfo, model_inputs, random_data
+from .data import CalibrationData, Feed, InputInfo, model_inputs, random_data, sample_count
 from .observers import (
     METHODS,
     EntropyObserver,
@@ -18,5 +18,5 @@ from .observers import (
 __all__ = [
     "METHODS", "CalibrationData", "EntropyObserver", "Feed", "HistogramObserver", "InputInfo", "MSEObserver",
     "MinMaxObserver", "Observer", "PercentileObserver", "collect_statistics", "make_observer", "model_inputs",
-    "qparams", "random_data",
+    "qparams", "random_data", "sample_count",
 ]

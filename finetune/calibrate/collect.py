@@ -1,6 +1,6 @@
 """Run a model over calibration data in onnxruntime and stream the observed tensors into observers.
 
-The session runs at ORT_DISABLE_ALL (DESIGN.md decision 5): even ORT_ENABLE_BASIC folds
+The session runs at ORT_DISABLE_ALL (finetune.onnx.session; DESIGN.md decision 5): even ORT_ENABLE_BASIC folds
 BatchNormalization into Conv weights and fuses Conv+Add/Mul, which rounds differently and removes
 intermediate tensors, while calibration must see each tensor exactly as the float graph computes it
 op by op, as the QDQ model and the lifted torch model will.
@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
-import tempfile
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 import onnx
@@ -20,7 +18,8 @@ import onnxruntime as ort
 from onnx import numpy_helper
 from tqdm.auto import tqdm  # installed with lightning, a dependency of finetune
 
-from finetune.onnx.io import PROTOBUF_LIMIT, load_model
+from finetune.onnx.io import load_model
+from finetune.onnx.session import inference_session
 
 from .data import Feed
 from .observers import Observer
@@ -28,7 +27,6 @@ from .observers import Observer
 logger = logging.getLogger(__name__)
 
 LOG_EVERY = 50  # batches between progress log lines
-EXTERNAL_DATA_BYTES = PROTOBUF_LIMIT  # augmented models this large run from a file with external data
 
 
 def collect_statistics(
@@ -50,8 +48,8 @@ def collect_statistics(
     if not fed and not computed:
         return observers
     _expose(augmented, computed)
-    with _session(augmented, providers) as session:
-        batches = _stream(session, data, observers, fed, computed, progress, log_every)
+    session = inference_session(augmented, providers)
+    batches = _stream(session, data, observers, fed, computed, progress, log_every)
     if batches == 0:
         raise ValueError("the calibration data gave no batches")
     return observers
@@ -79,24 +77,6 @@ def _expose(model: onnx.ModelProto, names: list[str]) -> None:
     for name in names:
         if name not in present:
             model.graph.output.append(known.get(name, onnx.ValueInfoProto(name=name)))
-
-
-@contextmanager
-def _session(model: onnx.ModelProto, providers: Sequence[str] | None) -> Iterator[ort.InferenceSession]:
-    """An exact-numerics session; a model over the protobuf limit is written with external data to a
-    temporary folder (deleted afterwards) and loaded by path."""
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    providers = list(providers or ["CPUExecutionProvider"])
-    if model.ByteSize() < EXTERNAL_DATA_BYTES:
-        yield ort.InferenceSession(model.SerializeToString(), options, providers=providers)
-        return
-    with tempfile.TemporaryDirectory(prefix="finetune-calibrate-") as folder:
-        path = os.path.join(folder, "augmented.onnx")
-        onnx.save_model(
-            model, path, save_as_external_data=True, all_tensors_to_one_file=True, location="augmented.data"
-        )
-        yield ort.InferenceSession(path, options, providers=providers)
 
 
 def _stream(

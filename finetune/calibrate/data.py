@@ -126,7 +126,7 @@ class CalibrationData:
         """Feeds up to `limit` samples; the last one is cut along a dynamic leading dimension."""
         remaining = limit
         for feed in feeds:
-            count = _sample_count(feed)
+            count = sample_count(feed)
             if count > remaining:
                 feed = self._cut(feed, remaining)
             yield feed
@@ -341,6 +341,6 @@ def _shape_text(shape: tuple[int | None, ...]) -> str:
     return "[" + ", ".join("?" if d is None else str(d) for d in shape) + "]"
 
 
-def _sample_count(feed: Feed) -> int:
+def sample_count(feed: Feed) -> int:
     """Samples in a feed: the leading dimension of its first input of rank >= 1 (1 for scalars)."""
     return next((array.shape[0] for array in feed.values() if array.ndim), 1)

@@ -13,23 +13,17 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 
 from finetune.calibrate import CalibrationData
-from finetune.calibrate.data import _sample_count
+from finetune.calibrate import sample_count
 from finetune.onnx.io import load_model
+from finetune.onnx.session import OPTIMIZATION
 
 from .command import run_command, tool_parser
 from .session import DEFAULT_PROVIDERS, make_session
 
 logger = logging.getLogger(__name__)
 
-# onnxruntime graph optimisation levels; above basic it fuses DequantizeLinear -> MatMul into
-# kernels that quantize activations, which changes a QDQ model's results (DESIGN decision 5).
-OPTIMIZATION = {
-    "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL, "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
-    "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED, "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
-}
 
 
 def run_inference(
@@ -39,9 +33,7 @@ def run_inference(
     """Run `model` on every sample of the .npy/.npz folder `data` and write output `output` (the
     first by default) of sample k to `out`/k.npy (six digits); returns the files written."""
     model = load_model(model)
-    options = ort.SessionOptions()
-    options.graph_optimization_level = OPTIMIZATION[optimization]
-    session = make_session(model, providers, options)
+    session = make_session(model, providers, optimization)
     names = [o.name for o in session.get_outputs()]
     if output is not None and output not in names:
         raise ValueError(f"the model has no output {output!r}; its outputs are {names}")
@@ -51,7 +43,7 @@ def run_inference(
     written: list[Path] = []
     for feed in CalibrationData(Path(data), model):
         (result,) = session.run([output], feed)
-        for sample in _samples(result, _sample_count(feed), output):
+        for sample in _samples(result, sample_count(feed), output):
             written.append(_save(folder / f"{len(written):06d}.npy", sample))
     logger.info("wrote %d output(s) %r to %s", len(written), output, folder)
     stale = sorted(set(folder.glob("*.npy")) - set(written))

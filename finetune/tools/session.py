@@ -4,10 +4,8 @@ provider has no kernel for instead of onnxruntime's first NOT_IMPLEMENTED error.
 from __future__ import annotations
 
 import os
-import tempfile
 from collections import defaultdict
 from collections.abc import Sequence
-from pathlib import Path
 
 import onnx
 import onnxruntime as ort
@@ -15,21 +13,20 @@ from onnx import TensorProto, helper
 
 from finetune.onnx import attach_custom_ops
 from finetune.onnx.fold import infer_types, tensor_types
-from finetune.onnx.io import PROTOBUF_LIMIT, load_model, save_model_atomic
+from finetune.onnx.io import load_model
+from finetune.onnx.session import DEFAULT_PROVIDERS, EXACT, inference_session
 
-DEFAULT_PROVIDERS = ("CPUExecutionProvider",)
 Signature = tuple[str, str, tuple[int, ...], tuple[int, ...]]
 
 
 def make_session(
-    model: str | os.PathLike | onnx.ModelProto, providers: Sequence[str] = DEFAULT_PROVIDERS,
-    options: ort.SessionOptions | None = None,
+    model: str | os.PathLike | onnx.ModelProto, providers: Sequence[str] = DEFAULT_PROVIDERS, optimization: str = EXACT,
 ) -> ort.InferenceSession:
     """A session on `providers` for the model with its custom ops attached; a provider lacking
     kernels raises ValueError listing every node concerned."""
     model = attach_custom_ops(load_model(model))
     try:
-        return _session(model, list(providers), options)
+        return inference_session(model, providers, optimization)
     except Exception as error:  # onnxruntime raises its own exception types, one per status code
         if "NOT_IMPLEMENTED" not in str(error):
             raise
@@ -37,16 +34,6 @@ def make_session(
         raise ValueError(
             f"onnxruntime's {providers[0]} has no kernel for some nodes of the model:\n{describe_missing(missing)}"
         ) from error
-
-
-def _session(model: onnx.ModelProto, providers: list[str], options: ort.SessionOptions | None) -> ort.InferenceSession:
-    """A session from memory, or from a temporary file with external data for models over 2 GB."""
-    if model.ByteSize() < PROTOBUF_LIMIT:
-        return ort.InferenceSession(model.SerializeToString(), options, providers=providers)
-    with tempfile.TemporaryDirectory() as folder:
-        path = Path(folder) / "model.onnx"
-        save_model_atomic(model, path)
-        return ort.InferenceSession(str(path), options, providers=providers)
 
 
 def missing_kernels(model: onnx.ModelProto, provider: str = "CPUExecutionProvider") -> dict[str, list[str]]:
@@ -97,10 +84,8 @@ def _has_kernel(model: onnx.ModelProto, node: onnx.NodeProto, types: dict[str, i
         helper.make_graph([node], "probe", inputs, outputs), opset_imports=list(model.opset_import),
         ir_version=model.ir_version, functions=list(model.functions),
     )
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     try:
-        ort.InferenceSession(probe.SerializeToString(), options, providers=[provider])
+        inference_session(probe, [provider])
     except Exception as error:  # onnxruntime raises its own exception types, one per status code
         if "NOT_IMPLEMENTED" in str(error):
             return False

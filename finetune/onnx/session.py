@@ -1,0 +1,46 @@
+"""onnxruntime sessions, made in one place: from memory, or through a temporary file with external
+data for models over protobuf's 2 GB; by default at ORT_DISABLE_ALL, the level that keeps a QDQ
+model's simulated numerics exact (above it, DequantizeLinear -> MatMul fuses into kernels that
+quantize activations: DESIGN decision 5)."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+import onnx
+import onnxruntime as ort
+
+from .io import PROTOBUF_LIMIT, load_model, save_model_atomic
+
+DEFAULT_PROVIDERS = ("CPUExecutionProvider",)
+OPTIMIZATION = {
+    "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL, "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+    "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED, "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+}
+EXACT = "disable"
+
+
+def session_options(optimization: str = EXACT) -> ort.SessionOptions:
+    """Session options at one of the OPTIMIZATION levels (default: the exact one)."""
+    options = ort.SessionOptions()
+    options.graph_optimization_level = OPTIMIZATION[optimization]
+    return options
+
+
+def inference_session(
+    model: str | os.PathLike | onnx.ModelProto, providers: Sequence[str] | None = None, optimization: str = EXACT,
+) -> ort.InferenceSession:
+    """A session for a model path or proto on `providers` (CPU by default)."""
+    options = session_options(optimization)
+    providers = list(providers or DEFAULT_PROVIDERS)
+    if not isinstance(model, onnx.ModelProto):
+        return ort.InferenceSession(str(model), options, providers=providers)
+    if model.ByteSize() < PROTOBUF_LIMIT:
+        return ort.InferenceSession(model.SerializeToString(), options, providers=providers)
+    with tempfile.TemporaryDirectory(prefix="finetune-session-") as folder:  # onnxruntime has read it when it returns
+        path = Path(folder) / "model.onnx"
+        save_model_atomic(load_model(model), path)
+        return ort.InferenceSession(str(path), options, providers=providers)

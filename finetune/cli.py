@@ -11,6 +11,7 @@ from pathlib import Path
 
 from finetune.calibrate import CalibrationData, random_data
 from finetune.config import QuantConfig, available_presets, load_config
+from finetune.files import write_text_atomic
 from finetune.onnx import attach_custom_ops
 from finetune.onnx.io import load_model, save_model_atomic
 from finetune.pipeline import quantize_and_finetune, save_run_config, with_finetune
@@ -45,7 +46,7 @@ def quantize(args: argparse.Namespace) -> None:
     result = quantize_and_finetune(args.model, config, data, args.output.parent, _report_name(args.output))
     save_model_atomic(result.model, args.output)
     summary_path = args.output.with_name(args.output.name + ".summary.json")
-    _write_text_atomic(summary_path, json.dumps(result.summary, indent=1))
+    write_text_atomic(summary_path, json.dumps(result.summary, indent=1))
     save_run_config(config, _config_path(args.output))
     print(format_summary(result.summary))
     if result.report is not None:
@@ -101,12 +102,6 @@ def _calibration_data(args: argparse.Namespace) -> object:
     if args.data:
         return CalibrationData(args.data, load_model(args.model), limit=args.data_size)
     return None
-
-
-def _write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
 
 
 def build_parser() -> argparse.ArgumentParser:

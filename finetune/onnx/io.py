@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 
 import onnx
+
+from finetune.files import write_atomic
 
 PROTOBUF_LIMIT = 2**31 - 1
 
@@ -31,16 +32,8 @@ def save_model_atomic(model: onnx.ModelProto, path: str | os.PathLike) -> None:
     """Write a model so that `path` holds either the old file or the complete new one, never a
     partial write; models over 2 GB store their tensors as external data beside it."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     external = model.ByteSize() >= PROTOBUF_LIMIT
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        onnx.save_model(
-            model, tmp_name, save_as_external_data=external, all_tensors_to_one_file=True,
-            location=f"{path.name}.data" if external else None,
-        )
-        os.replace(tmp_name, path)
-    finally:
-        if os.path.exists(tmp_name):
-            os.unlink(tmp_name)
+    write_atomic(path, lambda tmp: onnx.save_model(
+        model, str(tmp), save_as_external_data=external, all_tensors_to_one_file=True,
+        location=f"{path.name}.data" if external else None,
+    ))

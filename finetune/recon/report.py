@@ -7,12 +7,14 @@ import json
 from pathlib import Path
 from typing import Any
 
+from finetune.files import write_atomic, write_text_atomic
+
 
 def write_report(report: dict[str, Any], output_dir: Path, name: str) -> tuple[Path, Path]:
     """Write `<name>.json` and `<name>.png` into `output_dir`; returns their paths."""
     output_dir.mkdir(parents=True, exist_ok=True)
     json_path, png_path = output_dir / f"{name}.json", output_dir / f"{name}.png"
-    json_path.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+    write_text_atomic(json_path, json.dumps(report, indent=1) + "\n")
     plot_losses(report["units"], png_path)
     return json_path, png_path
 
@@ -39,7 +41,7 @@ def plot_losses(units: list[dict[str, Any]], path: Path) -> None:
     axes.set_title("per-unit reconstruction loss before and after fine-tuning")
     axes.legend()
     figure.tight_layout()
-    figure.savefig(path, metadata={"Software": None})
+    write_atomic(path, lambda tmp: figure.savefig(tmp, format="png", metadata={"Software": None}))
     plt.close(figure)
 
 

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import numpy as np
 from skimage.io import imread
+
+from finetune.files import write_text_atomic
 from skimage.metrics import peak_signal_noise_ratio, structural_similarity
 
 from .command import run_command, tool_parser
@@ -198,7 +200,7 @@ def run(args: argparse.Namespace) -> None:
         print(to_json(report))
         return
     if args.json:
-        Path(args.json).write_text(to_json(report) + "\n")
+        write_text_atomic(args.json, to_json(report) + "\n")
     print(format_table(report))
 
 

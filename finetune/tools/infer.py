@@ -16,6 +16,7 @@ import onnx
 
 from finetune.calibrate import CalibrationData
 from finetune.calibrate import sample_count
+from finetune.files import write_atomic
 from finetune.onnx.io import load_model
 from finetune.onnx.session import OPTIMIZATION
 
@@ -63,10 +64,12 @@ def _samples(result: np.ndarray, batch: int, output: str) -> list[np.ndarray]:
 
 def _save(path: Path, array: np.ndarray) -> Path:
     """Write an .npy file atomically."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as handle:
-        np.save(handle, array, allow_pickle=False)
-    tmp.replace(path)
+
+    def write(tmp: Path) -> None:
+        with tmp.open("wb") as handle:  # a handle: np.save would add ".npy" to the temporary's name
+            np.save(handle, array, allow_pickle=False)
+
+    write_atomic(path, write)
     return path
 
 

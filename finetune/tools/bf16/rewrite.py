@@ -48,9 +48,9 @@ from finetune.onnx.normalize import (
 )
 from finetune.onnx.qdq import make_qdq
 
-from .command import run_command, tool_parser
-from .optimize import NameSource, optimize
-from .session import describe_missing, missing_kernels
+from ..command import run_command, tool_parser
+from ..optimize import NameSource, optimize
+from ..session import describe_missing, missing_kernels
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,26 @@
+"""FP32/FP16 -> BF16 model conversion in four formats (with_cast, bf16, simulate_bf16, customqdq):
+the package re-exports the conversion API and the command-line entry points."""
+
+from .rewrite import (
+    BF16_MAX,
+    FORMATS,
+    add_arguments,
+    bf16_values,
+    convert,
+    convert_file,
+    detect_source,
+    main,
+    run,
+)
+
+__all__ = [
+    "BF16_MAX",
+    "FORMATS",
+    "add_arguments",
+    "bf16_values",
+    "convert",
+    "convert_file",
+    "detect_source",
+    "main",
+    "run",
+]

@@ -34,7 +34,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import torch
-from onnx import TensorProto, defs, helper, numpy_helper
+from onnx import TensorProto, helper, numpy_helper
 
 from finetune.formats import BF16, float_quantize_dequantize
 from finetune.onnx import attach_custom_ops
@@ -51,6 +51,7 @@ from finetune.onnx.qdq import make_qdq
 from ..command import run_command, tool_parser
 from ..optimize import NameSource, optimize
 from ..session import describe_missing, missing_kernels
+from .schemas import BF16_OPSET, Schemas
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +65,6 @@ FORMAT_HELP = {
     "customqdq": "bfloat16 quantize-dequantize pairs (com.finetune ExtendedQuantizeLinear/ExtendedDequantizeLinear, "
                  "function bodies attached) on every float tensor between nodes and on weights",
 }
-BF16_OPSET = 22  # the opset from which Conv, the pooling ops and most others accept bfloat16
 BF16_MAX = float(ml_dtypes.finfo(ml_dtypes.bfloat16).max)
 
 # Forms of one float tensor: as stored in the original type, rounded to bfloat16 values but in
@@ -206,42 +206,6 @@ def bf16_values(array: np.ndarray, bound: float = BF16_MAX) -> np.ndarray:
     return np.clip(rounded, -bound, bound)
 
 
-# ---------------------------------------------------------------- op schemas
-
-
-class _Schemas:
-    """Type constraints of node inputs and outputs at the opset where bfloat16 is widely allowed."""
-
-    def __init__(self, opset: int) -> None:
-        self.opset = max(opset, BF16_OPSET)
-
-    def schema(self, node: onnx.NodeProto) -> defs.OpSchema | None:
-        """The default-domain schema of the node's op, None for other domains and unknown ops."""
-        if node.domain not in DEFAULT_DOMAINS:
-            return None
-        try:
-            return defs.get_schema(node.op_type, self.opset, "")
-        except defs.SchemaError:
-            return None
-
-    def type_str(self, node: onnx.NodeProto, index: int, is_input: bool) -> str | None:
-        """The formal type (a parameter like 'T' or a type like 'tensor(float)') of an input or output."""
-        schema = self.schema(node)
-        formals = [] if schema is None else schema.inputs if is_input else schema.outputs
-        if index < len(formals):
-            return formals[index].type_str
-        variadic = formals and formals[-1].option == defs.OpSchema.FormalParameterOption.Variadic
-        return formals[-1].type_str if variadic else None
-
-    def allows_bf16(self, node: onnx.NodeProto, index: int, is_input: bool = True) -> bool:
-        """Whether the schema lets this input (or output) be bfloat16."""
-        type_str = self.type_str(node, index, is_input)
-        if type_str is None:
-            return False
-        constraints = {c.type_param_str: set(c.allowed_type_strs) for c in self.schema(node).type_constraints}
-        return "tensor(bfloat16)" in constraints.get(type_str, {type_str})
-
-
 # ---------------------------------------------------------------- the shared traversal
 
 
@@ -277,11 +241,11 @@ class _Format:
         """The form a graph output needs."""
         return ROUNDED
 
-    def output_form(self, schemas: _Schemas, node: onnx.NodeProto, index: int, bf16_params: set[str], retyped: bool) -> str:
+    def output_form(self, schemas: Schemas, node: onnx.NodeProto, index: int, bf16_params: set[str], retyped: bool) -> str:
         """The form of a node's output."""
         return SOURCE
 
-    def retype(self, schemas: _Schemas, node: onnx.NodeProto) -> bool:
+    def retype(self, schemas: Schemas, node: onnx.NodeProto) -> bool:
         """Switch attributes that name the source type to bfloat16; whether any was switched."""
         return False
 
@@ -309,7 +273,7 @@ class _Rewriter:
 
     def __init__(self, model: onnx.ModelProto, fmt: _Format) -> None:
         self.model, self.graph, self.fmt = model, model.graph, fmt
-        self.schemas = _Schemas(default_opset(model))
+        self.schemas = Schemas(default_opset(model))
         types = tensor_types(model)
         self.types = {name: t.elem_type for name, t in types.items()}
         self.ranks = {name: len(t.shape.dim) for name, t in types.items() if t.HasField("shape")}
@@ -500,11 +464,11 @@ class _DirectBF16(_Format):
     def output_need(self) -> str | None:
         return SOURCE
 
-    def output_form(self, schemas: _Schemas, node: onnx.NodeProto, index: int, bf16_params: set[str], retyped: bool) -> str:
+    def output_form(self, schemas: Schemas, node: onnx.NodeProto, index: int, bf16_params: set[str], retyped: bool) -> str:
         param = schemas.type_str(node, index, False)
         return BFLOAT16 if retyped or (param is not None and param in bf16_params) else SOURCE
 
-    def retype(self, schemas: _Schemas, node: onnx.NodeProto) -> bool:
+    def retype(self, schemas: Schemas, node: onnx.NodeProto) -> bool:
         if not schemas.allows_bf16(node, 0, is_input=False):
             return False
         retyped = False

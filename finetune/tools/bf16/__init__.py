@@ -1,11 +1,10 @@
 """FP32/FP16 -> BF16 model conversion in four formats (with_cast, bf16, simulate_bf16, customqdq):
 the package re-exports the conversion API and the command-line entry points."""
 
+from .numerics import BF16_MAX, bf16_values
 from .rewrite import (
-    BF16_MAX,
     FORMATS,
     add_arguments,
-    bf16_values,
     convert,
     convert_file,
     detect_source,

@@ -33,10 +33,9 @@ import ml_dtypes
 import numpy as np
 import onnx
 import onnxruntime as ort
-import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from finetune.formats import BF16, float_quantize_dequantize
+from finetune.formats import BF16
 from finetune.onnx import attach_custom_ops
 from finetune.onnx.fold import drop_unused_initializers, infer_types, tensor_types
 from finetune.onnx.io import PROTOBUF_LIMIT, load_model, save_model_atomic
@@ -51,6 +50,7 @@ from finetune.onnx.qdq import make_qdq
 from ..command import run_command, tool_parser
 from ..optimize import NameSource, optimize
 from ..session import describe_missing, missing_kernels
+from .numerics import BF16_MAX, SOURCES, Source, bf16_values
 from .schemas import BF16_OPSET, Schemas
 
 logger = logging.getLogger(__name__)
@@ -65,7 +65,6 @@ FORMAT_HELP = {
     "customqdq": "bfloat16 quantize-dequantize pairs (com.finetune ExtendedQuantizeLinear/ExtendedDequantizeLinear, "
                  "function bodies attached) on every float tensor between nodes and on weights",
 }
-BF16_MAX = float(ml_dtypes.finfo(ml_dtypes.bfloat16).max)
 
 # Forms of one float tensor: as stored in the original type, rounded to bfloat16 values but in
 # the original type, or of type bfloat16.
@@ -79,22 +78,6 @@ BOUNDED_OPS = frozenset({
     "Split", "Identity", "Dropout", "Expand", "Tile", "DepthToSpace", "SpaceToDepth", "Sigmoid", "Tanh",
     "Softmax", "Erf", "Sin", "Cos", "HardSigmoid", "Sign",
 })
-
-
-@dataclasses.dataclass(frozen=True)
-class Source:
-    """The float type a model is converted from."""
-
-    name: str
-    elem_type: int
-    dtype: type
-    bound: float  # the largest bfloat16 value that this type holds as a finite number
-
-
-SOURCES = {
-    "float32": Source("float32", TensorProto.FLOAT, np.float32, BF16_MAX),
-    "float16": Source("float16", TensorProto.FLOAT16, np.float16, 65280.0),
-}
 
 
 def add_arguments(parser: argparse.ArgumentParser, choose_source: bool) -> None:
@@ -195,15 +178,6 @@ def _report_cpu_kernels(model: onnx.ModelProto) -> None:
     if missing:
         logger.warning("the bf16 model targets GPU execution providers; onnxruntime's CPU provider (the only one "
                        "here) lacks kernels for:\n%s", describe_missing(missing))
-
-
-# ---------------------------------------------------------------- numerics of weights
-
-
-def bf16_values(array: np.ndarray, bound: float = BF16_MAX) -> np.ndarray:
-    """float32 array of the bfloat16 values of `array` (RNE, saturating), clamped to ±bound; NaN stays."""
-    rounded = float_quantize_dequantize(torch.from_numpy(np.asarray(array, np.float32).copy()), BF16).numpy()
-    return np.clip(rounded, -bound, bound)
 
 
 # ---------------------------------------------------------------- the shared traversal

@@ -140,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(run=tune)
     convert = commands.add_parser(
         "convert-bf16", help="convert a float32/float16 model to bfloat16 (with_cast, bf16, simulate_bf16, customqdq)",
-        description=bf16.rewrite.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=bf16.cli.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     bf16.add_arguments(convert, choose_source=True)
     infer.add_arguments(commands.add_parser(

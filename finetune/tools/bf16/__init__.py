@@ -1,15 +1,13 @@
 """FP32/FP16 -> BF16 model conversion in four formats (with_cast, bf16, simulate_bf16, customqdq):
 the package re-exports the conversion API and the command-line entry points."""
 
+from .cli import add_arguments, main, run
 from .numerics import BF16_MAX, bf16_values
 from .rewrite import (
     FORMATS,
-    add_arguments,
     convert,
     convert_file,
     detect_source,
-    main,
-    run,
 )
 
 __all__ = [

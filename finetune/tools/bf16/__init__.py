@@ -2,13 +2,9 @@
 the package re-exports the conversion API and the command-line entry points."""
 
 from .cli import add_arguments, main, run
+from .convert import convert, convert_file, detect_source
 from .numerics import BF16_MAX, bf16_values
-from .rewrite import (
-    FORMATS,
-    convert,
-    convert_file,
-    detect_source,
-)
+from .rewrite import FORMATS
 
 __all__ = [
     "BF16_MAX",

@@ -1,38 +1,25 @@
-"""The conversion of a model to bfloat16: its entry points (`convert`, `convert_file`), the graph
-walk shared by every format and the four formats themselves."""
+"""The graph walk shared by every bfloat16 format, and the four formats that plug into it."""
 
 from __future__ import annotations
 
 import dataclasses
-import logging
-import os
 from collections import defaultdict
-from pathlib import Path
 
 import ml_dtypes
 import numpy as np
 import onnx
-import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
 from finetune.formats import BF16
 from finetune.onnx import attach_custom_ops
 from finetune.onnx.fold import drop_unused_initializers, infer_types, tensor_types
-from finetune.onnx.io import PROTOBUF_LIMIT, load_model, save_model_atomic
-from finetune.onnx.normalize import (
-    DEFAULT_DOMAINS,
-    MIN_OPSET,
-    default_opset,
-    normalize_model,
-)
+from finetune.onnx.io import PROTOBUF_LIMIT
+from finetune.onnx.normalize import DEFAULT_DOMAINS, default_opset
 from finetune.onnx.qdq import make_qdq
 
-from ..optimize import NameSource, optimize
-from ..session import describe_missing, missing_kernels
-from .numerics import BF16_MAX, SOURCES, Source, bf16_values
-from .schemas import BF16_OPSET, Schemas
-
-logger = logging.getLogger(__name__)
+from ..optimize import NameSource
+from .numerics import BF16_MAX, Source, bf16_values
+from .schemas import Schemas
 
 FORMATS = ("with_cast", "bf16", "simulate_bf16", "customqdq")
 
@@ -48,79 +35,6 @@ BOUNDED_OPS = frozenset({
     "Split", "Identity", "Dropout", "Expand", "Tile", "DepthToSpace", "SpaceToDepth", "Sigmoid", "Tanh",
     "Softmax", "Erf", "Sin", "Cos", "HardSigmoid", "Sign",
 })
-
-
-def convert_file(
-    input_path: str | os.PathLike, output_path: str | os.PathLike, fmt: str = "with_cast", source: str = "auto",
-) -> onnx.ModelProto:
-    """Convert the model at `input_path` and write it atomically to `output_path` (never the input)."""
-    input_path, output_path = Path(input_path), Path(output_path)
-    if output_path.exists() and input_path.exists() and output_path.resolve() == input_path.resolve():
-        raise ValueError(f"the output {output_path} is the input model; give another path, the input is never modified")
-    model = convert(load_model(input_path), fmt, source)
-    save_model_atomic(model, output_path)
-    logger.info("wrote %s (%s)", output_path, fmt)
-    return model
-
-
-def convert(model: onnx.ModelProto, fmt: str = "with_cast", source: str = "auto") -> onnx.ModelProto:
-    """A `fmt` bfloat16 version of a float32 or float16 (`source`, or `auto` to detect) model; the input is untouched."""
-    if fmt not in FORMATS:
-        raise ValueError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
-    _refuse_subgraphs(model)
-    model, changes = normalize_model(model, BF16_OPSET if fmt == "bf16" else MIN_OPSET)
-    if fmt == "bf16" and default_opset(model) < BF16_OPSET:
-        raise ValueError(f"the bf16 format needs opset >= {BF16_OPSET} (bfloat16 Conv, pooling, ...): "
-                         + "; ".join(changes))
-    kind = SOURCES[detect_source(model) if source == "auto" else source]
-    _check_source(model, kind)
-    optimize(model)
-    _FORMATS[fmt](kind).apply(model)
-    if fmt == "bf16":
-        _report_cpu_kernels(model)
-    return model
-
-
-def detect_source(model: onnx.ModelProto) -> str:
-    """float16 if the model has more float16 than float32 tensors, else float32."""
-    counts = _float_counts(model)
-    return "float16" if counts[TensorProto.FLOAT16] > counts[TensorProto.FLOAT] else "float32"
-
-
-def _float_counts(model: onnx.ModelProto) -> dict[int, int]:
-    """How many declared tensors (inputs, outputs, value_info, initializers) have each element type."""
-    counts: dict[int, int] = defaultdict(int)
-    for tensor_type in tensor_types(model).values():
-        counts[tensor_type.elem_type] += 1
-    return counts
-
-
-def _check_source(model: onnx.ModelProto, source: Source) -> None:
-    """Refuse a model with no tensor of the source type, naming the tool that fits it."""
-    if _float_counts(model)[source.elem_type]:
-        return
-    other = "float16" if source.name == "float32" else "float32"
-    tool = f"convert_{'fp16' if other == 'float16' else 'fp32'}_to_bf16"
-    raise ValueError(f"the model has no {source.name} tensors; for a {other} model use {tool} (or --from {other})")
-
-
-def _refuse_subgraphs(model: onnx.ModelProto) -> None:
-    """Control-flow bodies would keep their float tensors; refuse them by name rather than convert half a model."""
-    nodes = [n.name or n.op_type for n in model.graph.node
-             if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in n.attribute)]
-    if nodes:
-        raise ValueError(f"nodes with subgraphs (If/Loop/Scan) are not supported by the bf16 conversion: {nodes}")
-
-
-def _report_cpu_kernels(model: onnx.ModelProto) -> None:
-    """Without a GPU provider, log which nodes of a bf16 model onnxruntime's CPU provider cannot run."""
-    gpu = [p for p in ort.get_available_providers() if p not in ("CPUExecutionProvider", "AzureExecutionProvider")]
-    if gpu:
-        return
-    missing = missing_kernels(model, "CPUExecutionProvider")
-    if missing:
-        logger.warning("the bf16 model targets GPU execution providers; onnxruntime's CPU provider (the only one "
-                       "here) lacks kernels for:\n%s", describe_missing(missing))
 
 
 # ---------------------------------------------------------------- the shared traversal
@@ -420,6 +334,6 @@ class _DirectBF16(_Format):
         drop_unused_initializers(model)
 
 
-_FORMATS: dict[str, type[_Format]] = {
+FORMAT_TYPES: dict[str, type[_Format]] = {
     "with_cast": _WithCast, "bf16": _DirectBF16, "simulate_bf16": _SimulateBF16, "customqdq": _CustomQDQ,
 }

@@ -3,8 +3,8 @@ the package re-exports the conversion API and the command-line entry points."""
 
 from .cli import add_arguments, main, run
 from .convert import convert, convert_file, detect_source
+from .formats import FORMATS
 from .numerics import BF16_MAX, bf16_values
-from .rewrite import FORMATS
 
 __all__ = [
     "BF16_MAX",

@@ -31,7 +31,7 @@ from pathlib import Path
 from ..command import run_command, tool_parser
 from .numerics import SOURCES
 from .convert import convert_file
-from .rewrite import FORMATS
+from .formats import FORMATS
 
 FORMAT_HELP = {
     "with_cast": "Cast to bfloat16 and back on every float tensor between nodes and on weights; runs on onnxruntime CPU (default)",

@@ -1,27 +1,25 @@
-"""The graph walk shared by every bfloat16 format, and the four formats that plug into it."""
+"""The graph walk every bfloat16 format shares: a format (`Format`) says how weights are stored and
+which form of a float tensor each use needs; `Rewriter` walks the graph once and inserts the
+format's conversion nodes (built with `Chain`) right after each producer, once per tensor and form."""
 
 from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
 
-import ml_dtypes
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from finetune.formats import BF16
-from finetune.onnx import attach_custom_ops
-from finetune.onnx.fold import drop_unused_initializers, infer_types, tensor_types
+from finetune.onnx.fold import infer_types, tensor_types
 from finetune.onnx.io import PROTOBUF_LIMIT
 from finetune.onnx.normalize import DEFAULT_DOMAINS, default_opset
 from finetune.onnx.qdq import make_qdq
 
 from ..optimize import NameSource
-from .numerics import BF16_MAX, Source, bf16_values
+from .numerics import Source
 from .schemas import Schemas
-
-FORMATS = ("with_cast", "bf16", "simulate_bf16", "customqdq")
 
 # Forms of one float tensor: as stored in the original type, rounded to bfloat16 values but in
 # the original type, or of type bfloat16.
@@ -37,11 +35,8 @@ BOUNDED_OPS = frozenset({
 })
 
 
-# ---------------------------------------------------------------- the shared traversal
-
-
 @dataclasses.dataclass
-class _Tensor:
+class Tensor:
     """A float tensor of the source type: its native form, whether it is a (converted) weight and
     whether its values are already within the saturation bound."""
 
@@ -51,7 +46,7 @@ class _Tensor:
     bounded: bool = False
 
 
-class _Format:
+class Format:
     """One conversion format: how weights are stored, which form each use needs, and the nodes
     that turn one form of a tensor into another. The traversal in `apply` is shared."""
 
@@ -80,7 +75,7 @@ class _Format:
         """Switch attributes that name the source type to bfloat16; whether any was switched."""
         return False
 
-    def convert(self, rewriter: _Rewriter, tensor: _Tensor, src: str, dst: str, form: str) -> list[onnx.NodeProto]:
+    def convert(self, rewriter: Rewriter, tensor: Tensor, src: str, dst: str, form: str) -> list[onnx.NodeProto]:
         """Nodes (or initializers added to the rewriter) making `dst`, the `form` of the tensor, from `src`."""
         raise NotImplementedError
 
@@ -89,7 +84,7 @@ class _Format:
 
     def apply(self, model: onnx.ModelProto) -> None:
         """Convert the model in place."""
-        _Rewriter(model, self).run()
+        Rewriter(model, self).run()
         self.finish(model)
         infer_types(model)
         model.ir_version = max(model.ir_version, helper.find_min_ir_version_for(list(model.opset_import), True))
@@ -97,19 +92,19 @@ class _Format:
             onnx.checker.check_model(model)
 
 
-class _Rewriter:
+class Rewriter:
     """Walks the graph once: stores weights in their converted form, gives each node input the
     form its format needs (creating conversions right after the producer, once per tensor and
     form), and reroutes graph outputs so they carry the form the format wants."""
 
-    def __init__(self, model: onnx.ModelProto, fmt: _Format) -> None:
+    def __init__(self, model: onnx.ModelProto, fmt: Format) -> None:
         self.model, self.graph, self.fmt = model, model.graph, fmt
         self.schemas = Schemas(default_opset(model))
         types = tensor_types(model)
         self.types = {name: t.elem_type for name, t in types.items()}
         self.ranks = {name: len(t.shape.dim) for name, t in types.items() if t.HasField("shape")}
         self.names = NameSource(model)
-        self.tensors: dict[str, _Tensor] = {}
+        self.tensors: dict[str, Tensor] = {}
         self.versions: dict[tuple[str, str], str] = {}
         self.producer: dict[str, int] = {}
         self.after: dict[int | None, list[onnx.NodeProto]] = defaultdict(list)
@@ -124,7 +119,7 @@ class _Rewriter:
         self._weights()
         for info in self.graph.input:
             if self.is_source(info.name):
-                self._register(_Tensor(info.name, SOURCE), None)
+                self._register(Tensor(info.name, SOURCE), None)
         outputs = {o.name for o in self.graph.output}
         for index, node in enumerate(self.graph.node):
             bf16_params = self._inputs(node)
@@ -133,7 +128,7 @@ class _Rewriter:
                 if self.is_source(name):
                     bounded = node.op_type in BOUNDED_OPS and node.domain in DEFAULT_DOMAINS
                     form = self.fmt.output_form(self.schemas, node, j, bf16_params, retyped)
-                    self._register(_Tensor(name, form, bounded=bounded), index)
+                    self._register(Tensor(name, form, bounded=bounded), index)
                     if name in outputs:
                         self._reroute_output(node, j)
         nodes = list(self.after[None])
@@ -149,9 +144,9 @@ class _Rewriter:
                 continue
             original = numpy_helper.to_array(tensor)
             self.graph.initializer[position].CopyFrom(numpy_helper.from_array(self.fmt.weight(original), tensor.name))
-            self._register(_Tensor(tensor.name, self.fmt.weight_form, original, bounded=True), None)
+            self._register(Tensor(tensor.name, self.fmt.weight_form, original, bounded=True), None)
 
-    def _register(self, tensor: _Tensor, producer: int | None) -> None:
+    def _register(self, tensor: Tensor, producer: int | None) -> None:
         self.tensors[tensor.name] = tensor
         self.versions[(tensor.name, tensor.form)] = tensor.name
         if producer is not None:
@@ -170,7 +165,7 @@ class _Rewriter:
                 bf16_params.add(self.schemas.type_str(node, i, True))
         return bf16_params
 
-    def version(self, tensor: _Tensor, form: str) -> str:
+    def version(self, tensor: Tensor, form: str) -> str:
         """The name of the tensor in `form`, converting (once) from its native form."""
         key = (tensor.name, form)
         if key not in self.versions:
@@ -204,10 +199,10 @@ class _Rewriter:
         return self.constants[key]
 
 
-class _Chain:
+class Chain:
     """A chain of conversion nodes from one tensor, each reading the previous output."""
 
-    def __init__(self, rewriter: _Rewriter, src: str) -> None:
+    def __init__(self, rewriter: Rewriter, src: str) -> None:
         self.rewriter, self.current, self.nodes = rewriter, src, []
         self.stem = src
 
@@ -238,102 +233,3 @@ class _Chain:
         """The nodes, the last one writing `dst`."""
         self.nodes[-1].output[0] = dst
         return self.nodes
-
-
-class _WithCast(_Format):
-    """Cast to bfloat16 and back on every float tensor between nodes and on weights."""
-
-    def convert(self, rewriter: _Rewriter, tensor: _Tensor, src: str, dst: str, form: str) -> list[onnx.NodeProto]:
-        chain = _Chain(rewriter, src)
-        if not tensor.bounded:
-            chain.saturate(self.source.bound, self.source.elem_type)
-        chain.cast(TensorProto.BFLOAT16)
-        chain.cast(self.source.elem_type)
-        return chain.ending_in(dst)
-
-
-class _CustomQDQ(_Format):
-    """bfloat16 ExtendedQuantizeLinear/ExtendedDequantizeLinear pairs of the com.finetune domain."""
-
-    def convert(self, rewriter: _Rewriter, tensor: _Tensor, src: str, dst: str, form: str) -> list[onnx.NodeProto]:
-        chain = _Chain(rewriter, src)
-        if not tensor.bounded and self.source.bound < BF16_MAX:  # the quantizer saturates at BF16_MAX itself
-            chain.saturate(self.source.bound, self.source.elem_type)
-        chain.qdq()
-        if self.source.elem_type != TensorProto.FLOAT:  # the dequantizer yields float32
-            chain.cast(self.source.elem_type)
-        return chain.ending_in(dst)
-
-    def finish(self, model: onnx.ModelProto) -> None:
-        model.CopyFrom(attach_custom_ops(model))
-
-
-class _SimulateBF16(_Format):
-    """Weights rounded to bfloat16 values, stored in the original type; activations untouched."""
-
-    weight_form = ROUNDED
-
-    def weight(self, array: np.ndarray) -> np.ndarray:
-        return bf16_values(array, self.source.bound).astype(self.source.dtype)
-
-    def need(self, bf16_position: bool) -> str | None:
-        return None
-
-    def output_need(self) -> str | None:
-        return None
-
-
-class _DirectBF16(_Format):
-    """The model in bfloat16: weights converted, internal tensors retyped, Casts at the boundary."""
-
-    def weight(self, array: np.ndarray) -> np.ndarray:
-        return array  # the bfloat16 copy is made per use, the original serves float-only inputs
-
-    def need(self, bf16_position: bool) -> str | None:
-        return BFLOAT16 if bf16_position else SOURCE
-
-    def output_need(self) -> str | None:
-        return SOURCE
-
-    def output_form(self, schemas: Schemas, node: onnx.NodeProto, index: int, bf16_params: set[str], retyped: bool) -> str:
-        param = schemas.type_str(node, index, False)
-        return BFLOAT16 if retyped or (param is not None and param in bf16_params) else SOURCE
-
-    def retype(self, schemas: Schemas, node: onnx.NodeProto) -> bool:
-        if not schemas.allows_bf16(node, 0, is_input=False):
-            return False
-        retyped = False
-        for attribute in node.attribute:
-            if attribute.name in ("to", "dtype") and attribute.type == onnx.AttributeProto.INT \
-                    and attribute.i == self.source.elem_type:
-                attribute.i = TensorProto.BFLOAT16
-                retyped = True
-            elif node.op_type == "ConstantOfShape" and attribute.name == "value" \
-                    and attribute.t.data_type == self.source.elem_type:
-                values = bf16_values(numpy_helper.to_array(attribute.t)).astype(ml_dtypes.bfloat16)
-                attribute.t.CopyFrom(numpy_helper.from_array(values, attribute.t.name))
-                retyped = True
-        return retyped
-
-    def convert(self, rewriter: _Rewriter, tensor: _Tensor, src: str, dst: str, form: str) -> list[onnx.NodeProto]:
-        if form == BFLOAT16 and tensor.weight is not None:
-            values = bf16_values(tensor.weight).astype(ml_dtypes.bfloat16)
-            rewriter.graph.initializer.append(numpy_helper.from_array(values, dst))
-            return []
-        chain = _Chain(rewriter, src)
-        if form == BFLOAT16:
-            chain.saturate(self.source.bound, self.source.elem_type)
-            chain.cast(TensorProto.BFLOAT16)
-        else:
-            if self.source.bound < BF16_MAX:  # float16 cannot hold every bfloat16 value
-                chain.saturate(self.source.bound, TensorProto.BFLOAT16)
-            chain.cast(self.source.elem_type)
-        return chain.ending_in(dst)
-
-    def finish(self, model: onnx.ModelProto) -> None:
-        drop_unused_initializers(model)
-
-
-FORMAT_TYPES: dict[str, type[_Format]] = {
-    "with_cast": _WithCast, "bf16": _DirectBF16, "simulate_bf16": _SimulateBF16, "customqdq": _CustomQDQ,
-}

@@ -98,11 +98,9 @@ class Rewriter:
     form), and reroutes graph outputs so they carry the form the format wants."""
 
     def __init__(self, model: onnx.ModelProto, fmt: Format) -> None:
-        self.model, self.graph, self.fmt = model, model.graph, fmt
+        self.graph, self.fmt = model.graph, fmt
         self.schemas = Schemas(default_opset(model))
-        types = tensor_types(model)
-        self.types = {name: t.elem_type for name, t in types.items()}
-        self.ranks = {name: len(t.shape.dim) for name, t in types.items() if t.HasField("shape")}
+        self.types = {name: t.elem_type for name, t in tensor_types(model).items()}
         self.names = NameSource(model)
         self.tensors: dict[str, Tensor] = {}
         self.versions: dict[tuple[str, str], str] = {}

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 
-import ml_dtypes
 import numpy as np
 import torch
 from onnx import TensorProto
 
 from finetune.formats import BF16, float_quantize_dequantize
 
-BF16_MAX = float(ml_dtypes.finfo(ml_dtypes.bfloat16).max)
+BF16_MAX = BF16.max_value  # the bound finetune.formats saturates bfloat16 at, for both tools and quantizer
 
 
 @dataclasses.dataclass(frozen=True)

@@ -34,7 +34,8 @@ from .convert import convert_file
 from .formats import FORMATS
 
 FORMAT_HELP = {
-    "with_cast": "Cast to bfloat16 and back on every float tensor between nodes and on weights; runs on onnxruntime CPU (default)",
+    "with_cast": "Cast to bfloat16 and back on every float tensor between nodes and on weights; "
+                 "runs on onnxruntime CPU (default)",
     "bf16": "the model itself in bfloat16, Casts only at the graph inputs and outputs; for GPU execution providers: "
             "onnxruntime's CPU provider has no bfloat16 kernels for most ops (MatMul, Gemm, Conv, Add, Relu, ...) "
             "and the nodes lacking one are listed",

@@ -19,8 +19,8 @@ from finetune.onnx.normalize import MIN_OPSET, default_opset, normalize_model
 
 from ..optimize import optimize
 from ..session import describe_missing, missing_kernels
-from .numerics import SOURCES, Source
 from .formats import FORMAT_TYPES, FORMATS
+from .numerics import SOURCES, Source
 from .schemas import BF16_OPSET
 
 logger = logging.getLogger(__name__)

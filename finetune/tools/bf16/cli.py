@@ -29,9 +29,9 @@ import argparse
 from pathlib import Path
 
 from ..command import run_command, tool_parser
-from .numerics import SOURCES
 from .convert import convert_file
 from .formats import FORMATS
+from .numerics import SOURCES
 
 FORMAT_HELP = {
     "with_cast": "Cast to bfloat16 and back on every float tensor between nodes and on weights; "

@@ -13,6 +13,7 @@ from onnx import helper, numpy_helper
 from finetune.lift import LiftedModule, ParamSource
 from finetune.onnx import attach_custom_ops
 from finetune.onnx.io import load_model
+from finetune.onnx.normalize import constant_of_shape_value
 
 
 def export_model(module: LiftedModule, original_model: str | Path | onnx.ModelProto) -> onnx.ModelProto:
@@ -73,9 +74,7 @@ def _constant_of_shape_tensor(
     if index is None:
         return None
     node = graph.node[index]
-    shape = numpy_helper.to_array(tensors[node.input[0]])
-    fill = next((numpy_helper.to_array(a.t) for a in node.attribute if a.name == "value"), np.zeros(1, np.float32))
-    value = np.full(tuple(int(d) for d in shape), fill.reshape(-1)[0], dtype=fill.dtype)
+    value = constant_of_shape_value(node, numpy_helper.to_array(tensors[node.input[0]]))
     constant = helper.make_node("Constant", [], [name], name=node.name, value=numpy_helper.from_array(value, name))
     graph.node[index].CopyFrom(constant)
     return graph.node[index].attribute[0].t

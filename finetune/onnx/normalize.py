@@ -92,11 +92,14 @@ def _constant_value(node: onnx.NodeProto, graph: onnx.GraphProto) -> np.ndarray 
         return _constant_attribute(node)
     if node.op_type == "ConstantOfShape":
         shape = _initializer(graph, node.input[0])
-        if shape is None:
-            return None
-        fill = next((numpy_helper.to_array(a.t) for a in node.attribute if a.name == "value"), np.zeros(1, np.float32))
-        return np.full(tuple(int(d) for d in shape), fill.reshape(-1)[0], dtype=fill.dtype)
+        return None if shape is None else constant_of_shape_value(node, shape)
     return None
+
+
+def constant_of_shape_value(node: onnx.NodeProto, shape: np.ndarray) -> np.ndarray:
+    """What a ConstantOfShape node produces for a given shape (its `value`, by default float 0)."""
+    fill = next((numpy_helper.to_array(a.t) for a in node.attribute if a.name == "value"), np.zeros(1, np.float32))
+    return np.full(tuple(int(d) for d in shape), fill.reshape(-1)[0], dtype=fill.dtype)
 
 
 def _constant_attribute(node: onnx.NodeProto) -> np.ndarray | None:

@@ -21,7 +21,8 @@ from onnx2torch.onnx_node import OnnxNode
 from torch import fx, nn
 
 from finetune.onnx.io import load_model
-from finetune.onnx.normalize import DEFAULT_DOMAINS, normalize_model
+from finetune.onnx.domains import DEFAULT_DOMAINS
+from finetune.onnx.normalize import normalize_model
 
 from . import ops  # noqa: F401  (registers the converters)
 from .fake_quant import FakeQuantize

@@ -14,7 +14,7 @@ from onnx import helper, numpy_helper
 
 from finetune.formats import FloatSpec, IntSpec, dequantize_linear, float_codes, int_codes
 from finetune.onnx.dtypes import to_torch
-from finetune.onnx.normalize import DEFAULT_DOMAINS
+from finetune.onnx.domains import DEFAULT_DOMAINS
 
 from .qdq import is_quantizer
 

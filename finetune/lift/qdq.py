@@ -8,7 +8,7 @@ from __future__ import annotations
 from onnx2torch.onnx_node import OnnxNode
 
 from finetune.onnx import CUSTOM_DOMAIN, QUARK_DOMAIN
-from finetune.onnx.normalize import DEFAULT_DOMAINS
+from finetune.onnx.domains import DEFAULT_DOMAINS
 
 CUSTOM_DOMAINS = (CUSTOM_DOMAIN, QUARK_DOMAIN)
 QUANTIZE_TO_DEQUANTIZE = {"QuantizeLinear": "DequantizeLinear", "ExtendedQuantizeLinear": "ExtendedDequantizeLinear"}

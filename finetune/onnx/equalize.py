@@ -19,7 +19,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from .normalize import DEFAULT_DOMAINS, infer_shapes, keep_only
+from .domains import DEFAULT_DOMAINS
+from .normalize import infer_shapes, keep_only
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,8 @@ import onnx
 from onnx import helper, numpy_helper, shape_inference
 from onnx.reference import ReferenceEvaluator
 
-from .normalize import DEFAULT_DOMAINS, default_opset, keep_only
+from .domains import DEFAULT_DOMAINS
+from .normalize import default_opset, keep_only
 
 # Ops never folded: random ops differ per run, and folding a Q/DQ pair would erase quantization.
 NOT_FOLDED = frozenset({

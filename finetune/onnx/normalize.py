@@ -11,11 +11,11 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper, shape_inference, version_converter
 
+from .domains import DEFAULT_DOMAINS, MIN_OPSET
+from .io import PROTOBUF_LIMIT
+
 logger = logging.getLogger(__name__)
 
-MIN_OPSET = 13  # the oldest default-domain opset kept; older models are upgraded to it
-DEFAULT_DOMAINS = ("", "ai.onnx")
-_PROTOBUF_LIMIT = 2**31 - 1
 
 # Constant attributes other than a tensor, with the numpy type of their value.
 _CONSTANT_ATTRIBUTES: dict[str, type] = {
@@ -180,7 +180,7 @@ def _name_nodes(model: onnx.ModelProto) -> list[str]:
 
 def infer_shapes(model: onnx.ModelProto) -> list[str]:
     """Run onnx shape inference with data propagation; failures are reported, not raised."""
-    if model.ByteSize() > _PROTOBUF_LIMIT:
+    if model.ByteSize() > PROTOBUF_LIMIT:
         return ["skipped shape inference: the model is larger than 2 GB"]
     before = len(model.graph.value_info)
     try:

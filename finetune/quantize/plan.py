@@ -12,7 +12,8 @@ import onnx
 
 from finetune.config import FormatChoice, QuantConfig
 from finetune.formats import FormatSpec, IntSpec
-from finetune.onnx.normalize import DEFAULT_DOMAINS, default_opset, normalize_model
+from finetune.onnx.domains import DEFAULT_DOMAINS
+from finetune.onnx.normalize import default_opset, normalize_model
 from finetune.onnx.qdq import STANDARD_QDQ_OPSET, uses_standard_ops
 
 logger = logging.getLogger(__name__)

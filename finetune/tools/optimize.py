@@ -12,7 +12,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from finetune.onnx.fold import drop_unused_initializers, fold_constants, infer_types
-from finetune.onnx.normalize import DEFAULT_DOMAINS
+from finetune.onnx.domains import DEFAULT_DOMAINS
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from .domain import REDUCE_AXES_INPUT_OPSET, RESHAPE_ALLOWZERO_OPSET
+from ..domains import REDUCE_AXES_INPUT_OPSET, RESHAPE_ALLOWZERO_OPSET
 
 FLT_MAX = float(np.finfo(np.float32).max)
 FLT_MIN = 2.0**-126  # smallest normal float32

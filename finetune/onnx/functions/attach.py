@@ -14,7 +14,8 @@ from onnx import TensorProto, helper
 
 from .arithmetic import Body
 from .blocks import BlockBody
-from .domain import CASTLIKE_OPSET, DOMAIN_VERSION, DOMAINS, MIN_OPSET, OVERLOAD_IR_VERSION
+from ..domains import CASTLIKE_OPSET, DEFAULT_DOMAINS, DOMAIN_VERSION, DOMAINS, MIN_OPSET, OVERLOAD_IR_VERSION
+from ..normalize import default_opset
 from .linear import LinearSpec
 from .nodes import check_allowed, node_spec
 
@@ -93,7 +94,7 @@ def _value_types(model: onnx.ModelProto) -> dict[str, int]:
                 types[info.name] = info.type.tensor_type.elem_type
         types.update({tensor.name: tensor.data_type for tensor in graph.initializer})
         for node in graph.node:
-            if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
+            if node.op_type == "Constant" and node.domain in DEFAULT_DOMAINS:
                 for attribute in node.attribute:
                     if attribute.type == onnx.AttributeProto.TENSOR:
                         types[node.output[0]] = attribute.t.data_type
@@ -102,7 +103,7 @@ def _value_types(model: onnx.ModelProto) -> dict[str, int]:
 
 def _default_opset(model: onnx.ModelProto) -> int:
     """The model's default-domain opset, at least MIN_OPSET."""
-    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), None)
+    opset = default_opset(model)
     if opset is None or opset < MIN_OPSET:
         raise ValueError(
             f"custom-op function bodies need default-domain opset >= {MIN_OPSET}; the model imports {opset}"

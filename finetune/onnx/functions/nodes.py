@@ -13,7 +13,7 @@ from onnx import TensorProto, helper
 from finetune.formats import BFPSpec, MXSpec
 
 from .bfp import BFPBody
-from .domain import BFP, DEQUANTIZE, MX, QUANTIZE
+from ..domains import BFP, DEQUANTIZE, MX, QUANTIZE
 from .linear import CODE_TYPES, DequantizeSpec, QuantizeSpec
 from .mx import MXBody
 

@@ -15,7 +15,8 @@ from onnx import TensorProto
 
 from finetune.onnx.fold import tensor_types
 from finetune.onnx.io import load_model, save_model_atomic
-from finetune.onnx.normalize import MIN_OPSET, default_opset, normalize_model
+from finetune.onnx.domains import MIN_OPSET
+from finetune.onnx.normalize import default_opset, normalize_model
 
 from ..optimize import optimize
 from ..session import describe_missing, missing_kernels

@@ -14,7 +14,8 @@ from onnx import TensorProto, helper, numpy_helper
 from finetune.formats import BF16
 from finetune.onnx.fold import infer_types, tensor_types
 from finetune.onnx.io import PROTOBUF_LIMIT
-from finetune.onnx.normalize import DEFAULT_DOMAINS, default_opset
+from finetune.onnx.domains import DEFAULT_DOMAINS
+from finetune.onnx.normalize import default_opset
 from finetune.onnx.qdq import make_qdq
 
 from ..optimize import NameSource

@@ -6,7 +6,7 @@ from __future__ import annotations
 import onnx
 from onnx import defs
 
-from finetune.onnx.normalize import DEFAULT_DOMAINS
+from finetune.onnx.domains import DEFAULT_DOMAINS
 
 BF16_OPSET = 22  # the opset from which Conv, the pooling ops and most others accept bfloat16
 

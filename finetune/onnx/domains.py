@@ -1,8 +1,10 @@
-"""The custom-op domains, op names and the opset and IR versions the function bodies depend on, in
-one place that every other module of the package imports."""
+"""Domains and versions every ONNX module agrees on: the default domain's two names, our custom-op
+domains and op names, the oldest default-domain opset handled (the function bodies are written for
+it, so normalisation upgrades older models to it) and the opset and IR versions the bodies need."""
 
 from __future__ import annotations
 
+DEFAULT_DOMAINS = ("", "ai.onnx")
 CUSTOM_DOMAIN = "com.finetune"
 QUARK_DOMAIN = "com.amd.quark"
 DOMAINS = (CUSTOM_DOMAIN, QUARK_DOMAIN)

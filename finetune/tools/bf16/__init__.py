@@ -5,7 +5,7 @@
 weight rounding, and `cli` the command line with the user-facing description of the formats."""
 
 from .cli import add_arguments, main, run
-from .convert import convert, convert_file, detect_source
+from .conversion import convert, convert_file, detect_source
 from .formats import FORMATS
 from .numerics import BF16_MAX, bf16_values
 

@@ -29,7 +29,7 @@ import argparse
 from pathlib import Path
 
 from ..command import run_command, tool_parser
-from .convert import convert_file
+from .conversion import convert_file
 from .formats import FORMATS
 from .numerics import SOURCES
 

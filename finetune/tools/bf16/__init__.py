@@ -1,6 +1,6 @@
 """FP32/FP16 -> BF16 model conversion in four formats (with_cast, bf16, simulate_bf16, customqdq).
 
-`convert` holds the entry points, `formats` the four formats, `rewrite` the graph walk they share,
+`conversion` holds the entry points, `formats` the four formats, `rewrite` the graph walk they share,
 `schemas` which node inputs may be bfloat16, `numerics` the source types, saturation bounds and
 weight rounding, and `cli` the command line with the user-facing description of the formats."""
 

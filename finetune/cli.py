@@ -11,19 +11,20 @@ from pathlib import Path
 
 from finetune.calibrate import CalibrationData, random_data
 from finetune.config import QuantConfig, available_presets, load_config
-from finetune.files import write_text_atomic
+from finetune.files import check_output, write_text_atomic
 from finetune.onnx import attach_custom_ops
 from finetune.onnx.io import load_model, save_model_atomic
 from finetune.pipeline import quantize_and_finetune, save_run_config, with_finetune
 from finetune.quantize import format_summary
 from finetune.tools import bf16, evaluate, infer
-from finetune.tools.command import run_command
+from finetune.tools.command import add_common_flags, run_command
 
 logger = logging.getLogger(__name__)
 
 
 def attach_ops(args: argparse.Namespace) -> None:
     """Add function bodies for com.finetune / com.amd.quark nodes so stock onnxruntime runs them."""
+    check_output(args.output, args.input)
     model = load_model(args.input)
     save_model_atomic(attach_custom_ops(model), args.output)
     logger.info("wrote %s", args.output)
@@ -31,6 +32,7 @@ def attach_ops(args: argparse.Namespace) -> None:
 
 def quantize(args: argparse.Namespace) -> None:
     """Quantize a float model with a preset or YAML config and calibration data."""
+    check_output(args.output, args.model, args.data)
     overrides: dict = {"preset": args.config}
     if args.op_types:
         overrides["op_types"] = args.op_types
@@ -61,6 +63,7 @@ def tune(args: argparse.Namespace) -> None:
     from finetune.recon import finetune_model  # lightning takes seconds to import: only for this command
     from finetune.recon.report import format_report
 
+    check_output(args.output, args.model, args.float_model, args.data)
     config = load_config(args.config) if args.config else QuantConfig()
     if config.fast_finetune is None:
         logger.info("no fast_finetune section in the config: starting from the defaults (AdaRound)")
@@ -106,7 +109,7 @@ def _calibration_data(args: argparse.Namespace) -> object:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="finetune", description="Quantize ONNX models and recover their accuracy.")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
+    add_common_flags(parser)
     commands = parser.add_subparsers(dest="command", required=True)
     attach = commands.add_parser(
         "attach-ops",

@@ -15,14 +15,19 @@ def write_atomic(path: str | os.PathLike, write: Callable[[Path], None]) -> None
     """Call `write(tmp)` on a temporary file beside `path`, then rename it over `path`: a reader,
     or a run killed half-way, sees the old file or the complete new one, and no temporary is left."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as error:
+        raise OSError(error.errno, f"cannot write {path}: {error.strerror or error}") from error
     os.close(fd)
     tmp = Path(tmp_name)
     try:
         os.chmod(tmp, NEW_FILE_MODE & ~_umask())  # mkstemp makes 0600; a model is no more private than its report
         write(tmp)
         os.replace(tmp, path)
+    except OSError as error:  # name the user's file, not the temporary
+        raise OSError(error.errno, f"cannot write {path}: {error.strerror or error}") from error
     finally:
         tmp.unlink(missing_ok=True)
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 from skimage.io import imread
 
-from finetune.files import write_text_atomic
+from finetune.files import check_output, write_text_atomic
 from skimage.metrics import peak_signal_noise_ratio, structural_similarity
 
 from .command import run_command, tool_parser
@@ -195,6 +195,8 @@ def to_json(report: dict) -> str:
 
 def run(args: argparse.Namespace) -> None:
     """Print the table, or the JSON with `--json` (to a file with `--json PATH`)."""
+    if args.json not in (None, "-"):
+        check_output(args.json, args.baseline_results_folder, args.quantized_results_folder)
     report = evaluate_folders(args.baseline_results_folder, args.quantized_results_folder)
     if args.json == "-":
         print(to_json(report))

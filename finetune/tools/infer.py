@@ -40,8 +40,9 @@ def run_inference(
         raise ValueError(f"the model has no output {output!r}; its outputs are {names}")
     output = output or names[0]
     folder = Path(out)
-    folder.mkdir(parents=True, exist_ok=True)
-    written: list[Path] = []
+    if folder.resolve() == Path(data).resolve():
+        raise ValueError(f"--out {folder} is the data folder; outputs go to a folder of their own")
+    written: list[Path] = []  # the folder appears with the first output: bad data leaves no empty folder behind
     for feed in CalibrationData(Path(data), model):
         (result,) = session.run([output], feed)
         for sample in _samples(result, sample_count(feed), output):

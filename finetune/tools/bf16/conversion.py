@@ -13,6 +13,7 @@ import onnx
 import onnxruntime as ort
 from onnx import TensorProto
 
+from finetune.files import check_output
 from finetune.onnx.fold import tensor_types
 from finetune.onnx.io import load_model, save_model_atomic
 from finetune.onnx.domains import MIN_OPSET
@@ -31,9 +32,7 @@ def convert_file(
     input_path: str | os.PathLike, output_path: str | os.PathLike, fmt: str = "with_cast", source: str = "auto",
 ) -> onnx.ModelProto:
     """Convert the model at `input_path` and write it atomically to `output_path` (never the input)."""
-    input_path, output_path = Path(input_path), Path(output_path)
-    if output_path.exists() and input_path.exists() and output_path.resolve() == input_path.resolve():
-        raise ValueError(f"the output {output_path} is the input model; give another path, the input is never modified")
+    output_path = check_output(output_path, input_path)
     model = convert(load_model(input_path), fmt, source)
     save_model_atomic(model, output_path)
     logger.info("wrote %s (%s)", output_path, fmt)

@@ -42,7 +42,7 @@ from finetune.formats import BFPSpec, FloatSpec, FormatSpec, IntSpec, MXSpec
 from finetune.formats.floats import FLOAT_TYPES
 from finetune.formats.integer import INT_RANGES
 
-PRESET_DIR = Path(__file__).parent / "configs"
+PRESET_DIR = Path(__file__).parent.parent / "configs"
 DEFAULT_OP_TYPES = ("Conv", "ConvTranspose", "Gemm", "MatMul")
 AUTO = "auto"
 ALL = "all"

@@ -1,0 +1,33 @@
+"""The quantization config: its schema, formats, fine-tuning settings, YAML presets and AMD Quark
+option names (being split out of `quant`, which still holds all of it)."""
+
+from .quant import (
+    ALL,
+    AUTO,
+    DEFAULT_LR,
+    DEFAULT_OP_TYPES,
+    DEVICE_HELP,
+    DEVICE_PATTERN,
+    PRESET_DIR,
+    ConfigError,
+    EarlyStop,
+    FastFinetune,
+    FormatChoice,
+    Override,
+    QuantConfig,
+    available_presets,
+    deep_merge,
+    family_keys,
+    from_mapping,
+    join_path,
+    load_config,
+    save_config,
+    to_dict,
+    top_level_keys,
+)
+
+__all__ = [
+    "ALL", "AUTO", "DEFAULT_LR", "DEFAULT_OP_TYPES", "DEVICE_HELP", "DEVICE_PATTERN", "PRESET_DIR", "ConfigError",
+    "EarlyStop", "FastFinetune", "FormatChoice", "Override", "QuantConfig", "available_presets", "deep_merge",
+    "family_keys", "from_mapping", "join_path", "load_config", "save_config", "to_dict", "top_level_keys",
+]

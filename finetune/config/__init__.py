@@ -9,7 +9,6 @@ from .quant import (
     DEVICE_HELP,
     DEVICE_PATTERN,
     PRESET_DIR,
-    ConfigError,
     EarlyStop,
     FastFinetune,
     FormatChoice,
@@ -18,13 +17,12 @@ from .quant import (
     available_presets,
     deep_merge,
     family_keys,
-    from_mapping,
-    join_path,
     load_config,
     save_config,
     to_dict,
     top_level_keys,
 )
+from .schema import ConfigError, from_mapping, join_path
 
 __all__ = [
     "ALL", "AUTO", "DEFAULT_LR", "DEFAULT_OP_TYPES", "DEVICE_HELP", "DEVICE_PATTERN", "PRESET_DIR", "ConfigError",

@@ -1,22 +1,17 @@
 """The quantization config: its schema, formats, fine-tuning settings, YAML presets and AMD Quark
 option names (being split out of `quant`, which still holds all of it)."""
 
+from .formats import ALL, AUTO, DEFAULT_OP_TYPES, FormatChoice, Override, family_keys
 from .quant import (
-    ALL,
-    AUTO,
     DEFAULT_LR,
-    DEFAULT_OP_TYPES,
     DEVICE_HELP,
     DEVICE_PATTERN,
     PRESET_DIR,
     EarlyStop,
     FastFinetune,
-    FormatChoice,
-    Override,
     QuantConfig,
     available_presets,
     deep_merge,
-    family_keys,
     load_config,
     save_config,
     to_dict,

@@ -1,14 +1,10 @@
 """The quantization config: its schema, formats, fine-tuning settings, YAML presets and AMD Quark
 option names (being split out of `quant`, which still holds all of it)."""
 
+from .finetune import DEFAULT_LR, DEVICE_HELP, DEVICE_PATTERN, EarlyStop, FastFinetune
 from .formats import ALL, AUTO, DEFAULT_OP_TYPES, FormatChoice, Override, family_keys
 from .quant import (
-    DEFAULT_LR,
-    DEVICE_HELP,
-    DEVICE_PATTERN,
     PRESET_DIR,
-    EarlyStop,
-    FastFinetune,
     QuantConfig,
     available_presets,
     deep_merge,

@@ -33,63 +33,12 @@ from typing import Any, Literal
 
 import yaml
 
+from .finetune import FastFinetune
 from .formats import ALL, DEFAULT_OP_TYPES, Bias, FormatChoice, NodeFormats, Override, resolve_bias
 from .schema import INHERIT, ConfigError, Section, from_mapping, join_path
 
 PRESET_DIR = Path(__file__).parent.parent / "configs"
 CONFIG_FORMATS = ("auto", "finetune", "quark")
-
-
-@dataclass(frozen=True)
-class EarlyStop(Section):
-    """Stop a unit's optimisation once its loss has not improved by `min_delta` for `patience`
-    iterations, counting only after `warmup` iterations (defaults: off, 100, 0.0, 0)."""
-
-    enabled: bool = False
-    patience: int = field(default=100, metadata={"min": 1})
-    min_delta: float = field(default=0.0, metadata={"min": 0})
-    warmup: int = field(default=0, metadata={"min": 0})
-
-
-DEFAULT_LR = {"adaround": 0.1, "adaquant": 1e-3}  # adaquant: Quark says 1e-5, which barely moves 4-bit weights
-DEVICE_PATTERN = r"cpu|(?:cuda|hip)(?::\d+)?"
-DEVICE_HELP = "cpu, cuda, cuda:N, hip or hip:N"
-
-
-@dataclass(frozen=True)
-class FastFinetune(Section):
-    """AdaRound / AdaQuant reconstruction after quantization (run by the fine-tuning stage).
-
-    Defaults: adaround, 1000 iterations, lr 0.1 for adaround and 1e-3 for adaquant (decaying
-    along a cosine), batches of 16 samples, all calibration data (data_size null), no early stop,
-    seed 0, cpu, the default op types, no bias update (adaquant only), output quantizers left out
-    (a layer's activation is always in its unit), drop_ratio 0.5 (share of unit inputs taken from
-    the quantized rather than the float model), 2 GiB of cached activations in memory, layer-wise
-    units (`block`: the layers of one exporter scope tuned together, as in BRECQ)."""
-
-    algorithm: Literal["adaround", "adaquant"] = "adaround"
-    iterations: int = field(default=1000, metadata={"min": 1})
-    lr: float | None = field(default=None, metadata={"above": 0})
-    batch_size: int = field(default=16, metadata={"min": 1})
-    data_size: int | None = field(default=None, metadata={"min": 1})
-    early_stop: EarlyStop = field(default_factory=EarlyStop)
-    seed: int = 0
-    device: str = field(default="cpu", metadata={"pattern": DEVICE_PATTERN, "pattern_help": DEVICE_HELP})
-    op_types: tuple[str, ...] = DEFAULT_OP_TYPES
-    update_bias: bool = False
-    include_output_quant: bool = False
-    drop_ratio: float = field(default=0.5, metadata={"min": 0, "max": 1})
-    cache_budget_bytes: int = field(default=2**31, metadata={"min": 1})
-    unit: Literal["layer", "block"] = "layer"
-
-    def _check(self) -> None:
-        if self.lr is None:
-            object.__setattr__(self, "lr", DEFAULT_LR[self.algorithm])
-        if self.update_bias and self.algorithm != "adaquant":
-            raise ConfigError("update_bias", "applies to algorithm adaquant only (adaround learns roundings)")
-        if self.include_output_quant and self.unit == "block":
-            raise ConfigError("include_output_quant", "applies to unit: layer only (a block ends where one value is live; "
-                              "the quantizers reading it belong to the next block)")
 
 
 @dataclass(frozen=True)

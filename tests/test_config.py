@@ -38,7 +38,7 @@ from finetune.formats import (
     MXINT8,
     IntSpec,
 )
-from finetune.quark_config import from_quark
+from finetune.config.quark import from_quark
 
 CONV_WEIGHT = {"rank": 4, "output_axis": 0, "input_axis": 1}
 

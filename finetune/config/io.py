@@ -1,7 +1,7 @@
 """Configs in and out of files: load_config reads a preset (bundled in finetune/configs), a
 YAML/JSON file or a mapping into a QuantConfig, merging `preset:` bases underneath; save_config and
 to_dict write one back. A mapping with AMD Quark's option names (`quant_format`, `activation_type`,
-`extra_options`, ...) is recognised and converted by `finetune.quark_config.from_quark`;
+`extra_options`, ...) is recognised and converted by `finetune.quark.from_quark`;
 `config_format` forces either."""
 
 from __future__ import annotations
@@ -52,10 +52,10 @@ def load_config(source: QuantConfig | Mapping[str, Any] | str | Path, config_for
 def _config_from_mapping(
     data: Mapping[str, Any], config_format: str, base_dir: Path, seen: tuple[Path, ...]
 ) -> QuantConfig:
-    from finetune import quark_config
+    from finetune.config import quark
 
-    if config_format == "quark" or (config_format == "auto" and quark_config.is_quark_style(data)):
-        return quark_config.from_quark(data)
+    if config_format == "quark" or (config_format == "auto" and quark.is_quark_style(data)):
+        return quark.from_quark(data)
     return from_mapping(QuantConfig, _resolve_preset(data, base_dir, seen))
 
 
@@ -69,11 +69,11 @@ def _resolve_preset(data: Mapping[str, Any], base_dir: Path, seen: tuple[Path, .
     path = _locate(name, base_dir, "preset")
     if path in seen:
         raise ConfigError("preset", f"presets include each other in a cycle: {' -> '.join(map(str, (*seen, path)))}")
-    from finetune import quark_config
+    from finetune.config import quark
 
     base = _read_yaml(path)
-    if quark_config.is_quark_style(base):
-        base = to_dict(quark_config.from_quark(base))
+    if quark.is_quark_style(base):
+        base = to_dict(quark.from_quark(base))
     base = _resolve_preset(base, path.parent, (*seen, path))
     return deep_merge(base, {k: v for k, v in data.items() if k != "preset"})
 

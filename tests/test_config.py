@@ -20,6 +20,7 @@ from finetune.config import (
     Override,
     QuantConfig,
     available_presets,
+    from_quark,
     load_config,
     save_config,
     to_dict,
@@ -38,7 +39,6 @@ from finetune.formats import (
     MXINT8,
     IntSpec,
 )
-from finetune.config.quark import from_quark
 
 CONV_WEIGHT = {"rank": 4, "output_axis": 0, "input_axis": 1}
 

@@ -1,7 +1,7 @@
 """Configs in and out of files: load_config reads a preset (bundled in finetune/configs), a
 YAML/JSON file or a mapping into a QuantConfig, merging `preset:` bases underneath; save_config and
 to_dict write one back. A mapping with AMD Quark's option names (`quant_format`, `activation_type`,
-`extra_options`, ...) is recognised and converted by `finetune.quark.from_quark`;
+`extra_options`, ...) is recognised, translated by `quark` and validated like any other mapping;
 `config_format` forces either."""
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ from typing import Any
 
 import yaml
 
+from . import quark
 from .formats import FormatChoice
-from .quant import QuantConfig
+from .quant import QuantConfig, top_level_keys
 from .schema import INHERIT, ConfigError, from_mapping
 
 PRESET_DIR = Path(__file__).parent.parent / "configs"
@@ -52,11 +53,29 @@ def load_config(source: QuantConfig | Mapping[str, Any] | str | Path, config_for
 def _config_from_mapping(
     data: Mapping[str, Any], config_format: str, base_dir: Path, seen: tuple[Path, ...]
 ) -> QuantConfig:
-    from finetune.config import quark
-
-    if config_format == "quark" or (config_format == "auto" and quark.is_quark_style(data)):
-        return quark.from_quark(data)
+    if config_format == "quark" or (config_format == "auto" and _is_quark_style(data)):
+        return from_quark(data)
     return from_mapping(QuantConfig, _resolve_preset(data, base_dir, seen))
+
+
+def _is_quark_style(data: Mapping[str, Any]) -> bool:
+    """Whether a config mapping uses Quark's option names; mixing them with ours is an error."""
+    ours = [k for k in data if k in top_level_keys()]
+    theirs = [k for k in data if k in quark.TOP_KEYS]
+    if ours and theirs:
+        problem = f"mixes finetune keys ({', '.join(ours)}) with Quark option names ({', '.join(theirs)})"
+        raise ConfigError("", f"{problem}; use one or the other")
+    return bool(theirs)
+
+
+def from_quark(options: Mapping[str, Any]) -> QuantConfig:
+    """The QuantConfig equivalent to a Quark `QuantizationConfig` given by its option names (or a
+    `Config` mapping with only `global_quant_config`); errors name the Quark option."""
+    mapping, explain = quark.translate(options)
+    try:
+        return from_mapping(QuantConfig, mapping)
+    except ConfigError as error:
+        raise explain(error) from None
 
 
 def _resolve_preset(data: Mapping[str, Any], base_dir: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
@@ -69,11 +88,9 @@ def _resolve_preset(data: Mapping[str, Any], base_dir: Path, seen: tuple[Path, .
     path = _locate(name, base_dir, "preset")
     if path in seen:
         raise ConfigError("preset", f"presets include each other in a cycle: {' -> '.join(map(str, (*seen, path)))}")
-    from finetune.config import quark
-
     base = _read_yaml(path)
-    if quark.is_quark_style(base):
-        base = to_dict(quark.from_quark(base))
+    if _is_quark_style(base):
+        base = to_dict(from_quark(base))
     base = _resolve_preset(base, path.parent, (*seen, path))
     return deep_merge(base, {k: v for k, v in data.items() if k != "preset"})
 

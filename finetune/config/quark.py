@@ -1,6 +1,7 @@
-"""AMD Quark for ONNX configs mapped onto finetune's QuantConfig, so users can bring the configs
-they already have: the option names of Quark's `QuantizationConfig` and its `extra_options`, as
-Quark's public documentation gives them, in a dict or a YAML/JSON file.
+"""AMD Quark for ONNX configs translated into finetune's config mapping (which `io` validates into
+a QuantConfig), so users can bring the configs they already have: the option names of Quark's
+`QuantizationConfig` and its `extra_options`, as Quark's public documentation gives them, in a
+dict or a YAML/JSON file.
 
 Enum-like values may be enum members or strings such as "QInt8", "QuantType.QInt8",
 "ExtendedQuantType.QBFloat16", "CalibrationMethod.MinMax", "PowerOfTwoMethod.MinMSE" or
@@ -18,21 +19,12 @@ import difflib
 import enum
 import logging
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from finetune.config import (
-    ALL,
-    AUTO,
-    DEFAULT_OP_TYPES,
-    DEVICE_PATTERN,
-    ConfigError,
-    QuantConfig,
-    family_keys,
-    from_mapping,
-    join_path,
-    top_level_keys,
-)
+from .finetune import DEVICE_HELP, DEVICE_PATTERN
+from .formats import ALL, AUTO, DEFAULT_OP_TYPES, family_keys
+from .schema import ConfigError, join_path
 
 log = logging.getLogger(__name__)
 
@@ -167,31 +159,20 @@ AUTO_MP_ACCEPTED_ONLY = {
 TENSOR_OVERRIDE_KEYS = ("quant_type", "axis", "symmetric")
 TENSOR_OVERRIDE_ACCEPTED_ONLY = dict.fromkeys(("scale", "zero_point", "rmin", "rmax", "reduce_range"), (None,))
 
-
-def is_quark_style(data: Mapping[str, Any]) -> bool:
-    """Whether a config mapping uses Quark's option names; mixing them with ours is an error."""
-    known = (*TOP_MAPPED, *TOP_NO_EFFECT, *TOP_ACCEPTED_ONLY, "global_quant_config", "global_config")
-    ours = [k for k in data if k in top_level_keys()]
-    theirs = [k for k in data if k in known]
-    if ours and theirs:
-        problem = f"mixes finetune keys ({', '.join(ours)}) with Quark option names ({', '.join(theirs)})"
-        raise ConfigError("", f"{problem}; use one or the other")
-    return bool(theirs)
+# Every option name a Quark config may hold at its top level (finding one marks a Quark config).
+TOP_KEYS = (*TOP_MAPPED, *TOP_NO_EFFECT, *TOP_ACCEPTED_ONLY, "global_quant_config", "global_config")
 
 
-def from_quark(options: Mapping[str, Any]) -> QuantConfig:
-    """The QuantConfig equivalent to a Quark `QuantizationConfig` given by its option names (or a
-    `Config` mapping with only `global_quant_config`); errors name the Quark option."""
+def translate(options: Mapping[str, Any]) -> tuple[dict[str, Any], Callable[[ConfigError], ConfigError]]:
+    """The finetune config mapping equivalent to a Quark `QuantizationConfig` given by its option
+    names (or a `Config` mapping with only `global_quant_config`), and the function that restates
+    an error found while validating that mapping at the Quark option its key came from."""
     options = _unwrap(options)
     check_options(options, TOP_MAPPED, TOP_NO_EFFECT, TOP_ACCEPTED_ONLY, "")
     extra = _mapping(options.get("extra_options"), "extra_options")
     check_options(extra, EXTRA_MAPPED, EXTRA_NO_EFFECT, EXTRA_ACCEPTED_ONLY, "extra_options")
     translation = _Translation(options, extra)
-    mapping = translation.mapping()
-    try:
-        return from_mapping(QuantConfig, mapping)
-    except ConfigError as error:
-        raise translation.explain(error) from None
+    return translation.mapping(), translation.explain
 
 
 def _unwrap(options: Any) -> Mapping[str, Any]:
@@ -535,6 +516,6 @@ class _Translation:
         if value is None:
             return
         if not isinstance(value, str) or not re.fullmatch(DEVICE_PATTERN, value):
-            raise ConfigError(path, f"must be cpu, cuda, cuda:N, hip or hip:N; got {value!r}")
+            raise ConfigError(path, f"must be {DEVICE_HELP}; got {value!r}")
         if value != device:
             log.warning("%s=%s: unit inputs are computed by torch on the fast_finetune device %s", path, value, device)

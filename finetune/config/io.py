@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from . import quark
+from . import quark, quark_options
 from .formats import FormatChoice
 from .quant import QuantConfig, top_level_keys
 from .schema import INHERIT, ConfigError, from_mapping
@@ -61,7 +61,7 @@ def _config_from_mapping(
 def _is_quark_style(data: Mapping[str, Any]) -> bool:
     """Whether a config mapping uses Quark's option names; mixing them with ours is an error."""
     ours = [k for k in data if k in top_level_keys()]
-    theirs = [k for k in data if k in quark.TOP_KEYS]
+    theirs = [k for k in data if k in quark_options.TOP_KEYS]
     if ours and theirs:
         problem = f"mixes finetune keys ({', '.join(ours)}) with Quark option names ({', '.join(theirs)})"
         raise ConfigError("", f"{problem}; use one or the other")

@@ -1,22 +1,14 @@
 """AMD Quark for ONNX configs translated into finetune's config mapping (which `io` validates into
 a QuantConfig), so users can bring the configs they already have: the option names of Quark's
 `QuantizationConfig` and its `extra_options`, as Quark's public documentation gives them, in a
-dict or a YAML/JSON file.
+dict or a YAML/JSON file. Which options exist and what their values mean is in `quark_options`.
 
-Enum-like values may be enum members or strings such as "QInt8", "QuantType.QInt8",
-"ExtendedQuantType.QBFloat16", "CalibrationMethod.MinMax", "PowerOfTwoMethod.MinMSE" or
-"VitisQuantFormat.BFPFixNeuron" (any module prefix, case-insensitive). Options are either mapped,
-accepted without effect (they steer logging, execution providers, memory or features that are off;
-listed in the log), or accepted only at the value that matches what finetune does (otherwise an
-error saying there is no equivalent). Anything else is an unknown option and an error. Absent
-options take Quark's documented defaults where those change the numbers (symmetry, calibration,
-fast-finetune batch size) and finetune's defaults otherwise (weight storage, op types).
+Absent options take Quark's documented defaults where those change the numbers (symmetry,
+calibration, fast-finetune batch size) and finetune's defaults otherwise (weight storage, op types).
 """
 
 from __future__ import annotations
 
-import difflib
-import enum
 import logging
 import re
 from collections.abc import Callable, Mapping
@@ -24,143 +16,33 @@ from typing import Any
 
 from .finetune import DEVICE_HELP, DEVICE_PATTERN
 from .formats import ALL, AUTO, DEFAULT_OP_TYPES, family_keys
-from .schema import ConfigError, join_path
+from .quark_options import (
+    AUTO_MP_ACCEPTED_ONLY,
+    AUTO_MP_MAPPED,
+    AUTO_MP_NO_EFFECT,
+    CALIBRATE_METHODS,
+    EXTRA_ACCEPTED_ONLY,
+    EXTRA_MAPPED,
+    EXTRA_NO_EFFECT,
+    FAST_FT_ACCEPTED_ONLY,
+    FAST_FT_KEYS,
+    FAST_FT_MAPPED,
+    FAST_FT_NO_EFFECT,
+    QUANT_FORMATS,
+    QUANT_TYPES,
+    QUARK_BLOCK_AXIS,
+    QUARK_FAST_FT_BATCH_SIZE,
+    TENSOR_OVERRIDE_ACCEPTED_ONLY,
+    TENSOR_OVERRIDE_KEYS,
+    TOP_ACCEPTED_ONLY,
+    TOP_MAPPED,
+    TOP_NO_EFFECT,
+    check_options,
+    enum_value,
+)
+from .schema import ConfigError
 
 log = logging.getLogger(__name__)
-
-_OFF = (False, None)
-_EMPTY = (None, [], (), {}, "")
-
-_TYPE_MEMBERS: dict[str, tuple[str, str | None]] = {
-    "QInt4": ("int", "int4"), "QUInt4": ("int", "uint4"), "QInt8": ("int", "int8"), "QUInt8": ("int", "uint8"),
-    "QInt16": ("int", "int16"), "QUInt16": ("int", "uint16"), "QInt32": ("int", "int32"), "QUInt32": ("int", "uint32"),
-    "QFloat16": ("float", "float16"), "QBFloat16": ("float", "bfloat16"), "QFLOAT8E4M3FN": ("float", "float8_e4m3fn"),
-    "QBFP": ("bfp", None), "QMX": ("mx", None),
-}
-_TYPE_ENUMS = ("QuantType", "ExtendedQuantType", "VitisQuantType")
-QUANT_TYPES = {f"{e}.{m}": v for e in _TYPE_ENUMS for m, v in _TYPE_MEMBERS.items()}
-
-# Quark calibration method -> (our calibration, power-of-two scales); None: no equivalent here.
-CALIBRATE_METHODS: dict[str, tuple[str, bool] | None] = {
-    "CalibrationMethod.MinMax": ("minmax", False),
-    "CalibrationMethod.Entropy": ("entropy", False),
-    "CalibrationMethod.Percentile": ("percentile", False),
-    "CalibrationMethod.Distribution": None,
-    "PowerOfTwoMethod.NonOverflow": ("minmax", True),
-    "PowerOfTwoMethod.MinMSE": ("pot_minmse", True),
-    "LayerWiseMethod.LayerWisePercentile": None,
-    "ExtendedCalibrationMethod.MinMSE": ("mse", False),
-}
-
-# Quark quant format -> the type it forces on activations and weights ("" for none); None: no equivalent.
-QUANT_FORMATS: dict[str, str | None] = {
-    "QuantFormat.QDQ": "", "ExtendedQuantFormat.QDQ": "", "VitisQuantFormat.QDQ": "",
-    "VitisQuantFormat.BFPFixNeuron": "QBFP", "VitisQuantFormat.MXFixNeuron": "QMX",
-    "QuantFormat.QOperator": None, "VitisQuantFormat.FixNeuron": None,
-}
-
-TOP_MAPPED = (
-    "quant_format", "calibrate_method", "activation_type", "weight_type", "op_types_to_quantize",
-    "extra_op_types_to_quantize", "nodes_to_exclude", "per_channel", "include_fast_ft", "include_auto_mp",
-    "include_cle", "extra_options",
-)
-TOP_NO_EFFECT = (
-    "execution_providers", "specific_tensor_precision", "use_external_data_format", "debug_mode", "print_summary",
-    "ignore_warnings", "log_severity_level",
-)
-TOP_ACCEPTED_ONLY: dict[str, tuple[Any, ...]] = {
-    **dict.fromkeys(
-        (
-            "input_nodes", "output_nodes", "nodes_to_quantize", "subgraphs_to_exclude",
-            "random_data_reader_input_shape",
-        ),
-        _EMPTY,
-    ),
-    **dict.fromkeys(
-        (
-            "reduce_range", "optimize_model", "use_dynamic_quant", "enable_npu_cnn", "enable_npu_transformer",
-            "enable_dpu", "convert_fp16_to_fp32", "convert_nchw_to_nhwc", "include_sq",
-            "include_rotation", "crypto_mode",
-        ),
-        _OFF,
-    ),
-}
-
-EXTRA_MAPPED = (
-    "ActivationSymmetric", "WeightSymmetric", "CalibTensorRangeSymmetric", "Percentile", "WeightCalibrateMethod",
-    "Int32Bias", "QuantizeBias", "BFPAttributes", "MXAttributes", "RefineBlockAxis", "MixedPrecisionTensor",
-    "TensorQuantOverrides", "AutoMixprecision", "EnableDualQuantNodePairs", "FastFinetune", "OpTypesToQuantize",
-    "ExtraOpTypesToQuantize", "QuantizeAllOpTypes", "WeightsOnly", "AddQDQPairToWeight",
-)
-EXTRA_NO_EFFECT = (
-    "ExecutionProviders", "DebugMode", "PrintSummary", "IgnoreWarnings", "TmpDir", "CalibWorkerNum",
-    "CalibOptimizeMem", "CalibOptimizeDisk", "SaveTensorHistFig", "EvalMetrics", "EvalDataReader",
-    "FillAllValueInfo", "RemoveInputInit", "UseQDQVitisCustomOps", "SkipPreprocess", "CopyBiasInit", "UseFP32Scale",
-    "CalibMovingAverageConstant", "OpTypesToExcludeOutputQuantization", "NodesToExcludeOutputQuantization",
-    "CLESteps", "CLETotalLayerDiffThreshold", "CLEScaleAppendBias", "SmoothAlpha", "RMatrixDim", "UseRandomHad",
-    "RConfigPath", "GPTQParams", "MatMulNBitsParams", "LWPMetric", "ActivationBitWidth", "PercentileCandidates",
-)
-EXTRA_ACCEPTED_ONLY: dict[str, tuple[Any, ...]] = {
-    "AdjustBiasScale": (True, None),
-    "MinMSEMode": ("All", None),
-    "MinMSEModePof2Scale": ("All", None),
-    **dict.fromkeys(
-        (
-            "RandomDataReaderInputShape", "RandomDataReaderInputDataRange", "CalibDataSize",
-            "QDQOpTypePerChannelSupportToAxis", "ConvertOpsetVersion", "RemoveQDQBetweenOps", "CopySharedInit",
-            "CalibPassthroughOpTypes", "FixShapes", "PreprocessYAML", "SaveAndRestore", "UserCustomOpLibPath",
-            "EncryptionAlgorithm", "NumBins", "MinMSEModeFloatScale", "SimplifyModelOptions",
-        ),
-        _EMPTY,
-    ),
-    **dict.fromkeys(
-        (
-            "UseRandomData", "CalibMovingAverage", "Int16Scale", "UseUnsignedReLU", "Int16Bias", "QuantizeFP16",
-            "ActivationScaled", "WeightScaled", "SimplifyModel", "EnableSubgraph", "ForceQuantizeNoInputCheck",
-            "MatMulConstBOnly", "DedicatedQDQPair", "ConvertBNToConv", "ConvertReduceMeanToGlobalAvgPool",
-            "SplitLargeKernelPool", "ConvertSplitToSlice", "FuseInstanceNorm", "FuseL2Norm", "FuseGelu",
-            "FuseLayerNorm", "ConvertClipToRelu", "SimulateDPU", "ConvertLeakyReluToDPUVersion",
-            "ConvertSigmoidToHardSigmoid", "ConvertHardSigmoidToDPUVersion", "ConvertAvgPoolToDPUVersion",
-            "ConvertClipToDPUVersion", "ConvertReduceMeanToDPUVersion", "ConvertSoftmaxToDPUVersion",
-            "NPULimitationCheck", "MaxLoopNum", "AdjustShiftCut", "AdjustShiftBias", "AdjustShiftRead",
-            "AdjustShiftWrite", "AdjustHardSigmoid", "AdjustShiftSwish", "AlignConcat", "AlignPool", "AlignPad",
-            "AlignSlice", "AlignTranspose", "AlignReshape", "ReplaceClip6Relu", "RemoveQDQConvClip",
-            "RemoveQDQConvRelu", "RemoveQDQConvLeakyRelu", "RemoveQDQConvPRelu", "RemoveQDQConvGelu",
-            "RemoveQDQMulAdd", "RemoveQDQInstanceNorm", "RemoveFusedQDQ", "FoldBatchNorm", "BF16WithClip",
-            "BF16QDQToCast", "FoldRelu", "AlignEltwiseQuantType", "EnableVaimlBF16", "UseGPTQ", "UseMatMulNBits",
-            "ConvertFP16ToFP32", "ConvertNCHWToNHWC", "CryptoMode",
-        ),
-        _OFF,
-    ),
-}
-
-# FastFinetune key -> fast_finetune key; EarlyStop and InferDevice are handled on their own.
-FAST_FT_KEYS = {
-    "OptimAlgorithm": "algorithm", "NumIterations": "iterations", "LearningRate": "lr", "BatchSize": "batch_size",
-    "DataSize": "data_size", "FixedSeed": "seed", "OptimDevice": "device", "TargetOpType": "op_types",
-    "UpdateBias": "update_bias", "OutputQDQ": "include_output_quant", "DropRatio": "drop_ratio",
-}
-FAST_FT_MAPPED = (*FAST_FT_KEYS, "EarlyStop", "InferDevice")
-FAST_FT_NO_EFFECT = ("LogPeriod", "MemOptLevel")
-FAST_FT_ACCEPTED_ONLY = {"NumBatches": (1, None), "LRAdjust": _EMPTY, "SelectiveUpdate": _OFF}
-QUARK_FAST_FT_BATCH_SIZE = 1
-QUARK_BLOCK_AXIS = 1
-
-AUTO_MP_MAPPED = (
-    "TargetOpType", "TargetQuantType", "ActTargetQuantType", "WeightTargetQuantType", "BiasTargetQuantType",
-    "DualQuantNodes",
-)
-AUTO_MP_NO_EFFECT = ("DataSize", "OutputIndex", "NoInputQDQShared", "AutoMixUseFastFT")
-AUTO_MP_ACCEPTED_ONLY = {
-    "L2Target": (None,), "Top1AccTarget": (None,), "EvaluateFunction": (None,), "NumTarget": (0, None),
-    "TargetTensors": _EMPTY, "TargetIndices": _EMPTY, "ExcludeIndices": _EMPTY,
-}
-
-TENSOR_OVERRIDE_KEYS = ("quant_type", "axis", "symmetric")
-TENSOR_OVERRIDE_ACCEPTED_ONLY = dict.fromkeys(("scale", "zero_point", "rmin", "rmax", "reduce_range"), (None,))
-
-# Every option name a Quark config may hold at its top level (finding one marks a Quark config).
-TOP_KEYS = (*TOP_MAPPED, *TOP_NO_EFFECT, *TOP_ACCEPTED_ONLY, "global_quant_config", "global_config")
 
 
 def translate(options: Mapping[str, Any]) -> tuple[dict[str, Any], Callable[[ConfigError], ConfigError]]:
@@ -194,64 +76,6 @@ def _mapping(value: Any, path: str) -> Mapping[str, Any]:
     if not isinstance(value, Mapping):
         raise ConfigError(path, f"expected a mapping, got {value!r}")
     return value
-
-
-def check_options(
-    options: Mapping[str, Any],
-    mapped: tuple[str, ...],
-    no_effect: tuple[str, ...],
-    accepted_only: Mapping[str, tuple[Any, ...]],
-    path: str,
-) -> None:
-    """Every option is known; one without an equivalent must hold the value matching what finetune
-    does; those accepted without effect are logged."""
-    known = (*mapped, *no_effect, *accepted_only)
-    for key, value in options.items():
-        where = join_path(path, str(key))
-        if key not in known:
-            raise ConfigError(where, f"unknown Quark option{_suggestion(str(key), known)}")
-        if key in accepted_only and value not in accepted_only[key]:
-            accepted = " or ".join(map(repr, accepted_only[key]))
-            raise ConfigError(where, f"{value!r} has no equivalent in finetune (accepted: {accepted})")
-        if key in no_effect:
-            log.info("Quark option %s accepted without effect in finetune", where)
-
-
-def _suggestion(key: str, known: tuple[str, ...]) -> str:
-    """A likely intended option name, or the whole list when it is short."""
-    close = [k for k in known if k.lower() == key.lower()] or difflib.get_close_matches(key, known, n=1)
-    if close:
-        return f" (did you mean {close[0]}?)"
-    return f"; known: {', '.join(known)}" if len(known) <= 20 else ""
-
-
-def enum_value(value: Any, table: Mapping[str, Any], path: str) -> Any:
-    """Look an enum-like Quark value (enum member or string, any module prefix, any case) up in
-    `table`, whose keys are "Enum.Member"; a None entry means there is no equivalent here."""
-    text = f"{type(value).__name__}.{value.name}" if isinstance(value, enum.Enum) else value
-    if not isinstance(text, str):
-        raise ConfigError(path, f"expected one of {_listing(table)}; got {value!r}")
-    *prefix, member = text.lower().split(".")
-    hits = [k for k in table if _names(k, prefix, member)]
-    if not hits:
-        raise ConfigError(path, f"expected one of {_listing(table)}; got {value!r}")
-    if len({repr(table[k]) for k in hits}) > 1:
-        raise ConfigError(path, f"{value!r} is ambiguous; write one of {', '.join(hits)}")
-    if table[hits[0]] is None:
-        raise ConfigError(path, f"{hits[0]} has no equivalent in finetune")
-    return table[hits[0]]
-
-
-def _names(key: str, prefix: list[str], member: str) -> bool:
-    """Whether the table key "Enum.Member" is `member` (of the enum that ends `prefix`, if any)."""
-    enum_name, key_member = key.lower().split(".")
-    return key_member == member and (not prefix or prefix[-1] == enum_name)
-
-
-def _listing(table: Mapping[str, Any]) -> str:
-    members = dict.fromkeys(k.split(".")[1] for k in table)
-    enums = dict.fromkeys(k.split(".")[0] for k in table)
-    return f"{', '.join(members)} (of {', '.join(enums)})"
 
 
 class _Translation:

@@ -11,7 +11,9 @@ from .formats import DEFAULT_OP_TYPES
 from .schema import ConfigError, Section
 
 DEFAULT_LR = {"adaround": 0.1, "adaquant": 1e-3}  # adaquant: Quark says 1e-5, which barely moves 4-bit weights
-DEVICE_PATTERN = r"cpu|(?:cuda|hip)(?::\d+)?"
+# The device-string syntax, for the config check and for resolving it to a torch device: "cpu", or
+# a `kind` (cuda, or hip on ROCm builds of torch) with an optional device `index`.
+DEVICE_PATTERN = r"cpu|(?P<kind>cuda|hip)(?::(?P<index>\d+))?"
 DEVICE_HELP = "cpu, cuda, cuda:N, hip or hip:N"
 
 

@@ -7,17 +7,17 @@ import re
 
 import torch
 
-_DEVICE = re.compile(r"(cpu)|(cuda|hip)(?::(\d+))?")
+from finetune.config import DEVICE_HELP, DEVICE_PATTERN
 
 
 def resolve_device(name: str) -> torch.device:
     """The torch device for a config's device string, checked against this machine."""
-    match = _DEVICE.fullmatch(name)
+    match = re.fullmatch(DEVICE_PATTERN, name)
     if match is None:
-        raise ValueError(f"device {name!r} is not one of cpu, cuda, cuda:N, hip, hip:N")
-    if match.group(1):
+        raise ValueError(f"device {name!r} is not one of {DEVICE_HELP}")
+    if match["kind"] is None:
         return torch.device("cpu")
-    kind, index = match.group(2), int(match.group(3) or 0)
+    kind, index = match["kind"], int(match["index"] or 0)
     if kind == "hip" and torch.version.hip is None:
         raise ValueError(f"device {name!r} is not available: this torch {torch.__version__} is not a ROCm build; "
                          f"available: {', '.join(available_devices())}")

@@ -67,11 +67,9 @@ def with_finetune(config: QuantConfig, overrides: Mapping[str, Any]) -> QuantCon
 
 def save_run_config(config: QuantConfig, path: str | Path) -> None:
     """Write the run's complete config as YAML, headed by the command and the library versions."""
-    path = Path(path)
-    save_config(config, path)
     header = (
         f"# finetune {version('finetune')}, torch {torch.__version__}, onnxruntime {onnxruntime.__version__}, "
         f"onnx {onnx.__version__}, lightning {version('lightning')}\n"
         f"# command: {' '.join(sys.argv)}\n"
     )
-    path.write_text(header + path.read_text(encoding="utf-8"), encoding="utf-8")
+    save_config(config, path, header)

@@ -14,6 +14,8 @@ from typing import Any
 
 import yaml
 
+from finetune.files import write_text_atomic
+
 from . import quark, quark_options
 from .formats import FormatChoice
 from .quant import QuantConfig, top_level_keys
@@ -152,7 +154,7 @@ def to_dict(config: Any) -> Any:
     return config
 
 
-def save_config(config: QuantConfig, path: str | Path) -> None:
-    """Write the config as YAML (complete, no preset reference), readable by load_config."""
-    text = yaml.safe_dump(to_dict(config), sort_keys=False, allow_unicode=True)
-    Path(path).write_text(text, encoding="utf-8")
+def save_config(config: QuantConfig, path: str | Path, header: str = "") -> None:
+    """Write the config as YAML (complete, no preset reference), readable by load_config, after
+    `header` (comment lines), in one atomic write."""
+    write_text_atomic(path, header + yaml.safe_dump(to_dict(config), sort_keys=False, allow_unicode=True))

@@ -16,8 +16,7 @@ import torch
 from torch import nn
 
 from finetune.config import FastFinetune
-from finetune.formats import IntSpec
-from finetune.formats.blocks import broadcast_param
+from finetune.formats import IntSpec, broadcast_param
 from finetune.lift import FakeQuantize, lift_model
 from finetune.quantize import quantize_model
 from finetune.recon import api as recon_api

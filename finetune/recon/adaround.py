@@ -9,8 +9,7 @@ from typing import Self
 import torch
 from torch import nn
 
-from finetune.formats import IntSpec
-from finetune.formats.blocks import broadcast_param
+from finetune.formats import IntSpec, broadcast_param
 from finetune.lift import FakeQuantize, LiftedModule
 
 from .units import Unit

@@ -1,10 +1,10 @@
-"""Which initializers become trainable parameters, and how a parameter's value maps back to the
-initializer it came from (float values as they are, integer or float8 codes through their
-dequantization)."""
+"""Which initializers become trainable parameters (after folding the ops that compute a weight from
+initializers), and how a parameter's value maps back to the initializer it came from (float values
+as they are, integer or float8 codes through their dequantization)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -13,8 +13,9 @@ import torch
 from onnx import helper, numpy_helper
 
 from finetune.formats import FloatSpec, IntSpec, dequantize_linear, float_codes, int_codes
-from finetune.onnx.dtypes import to_torch
 from finetune.onnx.domains import DEFAULT_DOMAINS
+from finetune.onnx.dtypes import to_torch
+from finetune.onnx.fold import fold_constants, foldable
 
 from .qdq import is_quantizer
 
@@ -82,15 +83,22 @@ def trainable_initializers(graph: onnx.GraphProto) -> set[str]:
     return found
 
 
-def computed_weights(graph: onnx.GraphProto, foldable: Callable[[onnx.NodeProto], bool]) -> set[str]:
+def fold_computed_weights(model: onnx.ModelProto) -> list[str]:
+    """Fold the ops that compute a layer's weight or bias from initializers alone, ahead of its
+    quantizers (Transpose(W), as some exporters write it), into initializers, in place, so lifting
+    makes that weight trainable; returns the changes made (none when nothing computes a weight)."""
+    computed = _computed_weights(model.graph)
+    return fold_constants(model, only=computed) if computed else []
+
+
+def _computed_weights(graph: onnx.GraphProto) -> set[str]:
     """Outputs of the nodes that compute a layer's weight or bias from initializers alone, ahead of
-    its quantizers (Transpose(W), as some exporters write it), when `foldable` accepts them all:
-    folded into an initializer, such a weight becomes trainable."""
+    its quantizers, when folding may replace them all."""
     producers = {output: node for node in graph.node for output in node.output}
     initializers = {t.name for t in graph.initializer}
     found: set[str] = set()
     for source in _weight_sources(graph, producers):
-        found |= _constant_producers(source, producers, initializers, foldable)
+        found |= _constant_producers(source, producers, initializers)
     return found
 
 
@@ -104,10 +112,9 @@ def _weight_sources(graph: onnx.GraphProto, producers: dict[str, onnx.NodeProto]
                     yield _behind_quantizers(node.input[index], producers)
 
 
-def _constant_producers(value: str, producers: dict[str, onnx.NodeProto], initializers: set[str],
-                        foldable: Callable[[onnx.NodeProto], bool]) -> set[str]:
+def _constant_producers(value: str, producers: dict[str, onnx.NodeProto], initializers: set[str]) -> set[str]:
     """Outputs of the nodes computing `value` from initializers, or none when a graph input, a
-    node `foldable` refuses or nothing at all (an initializer) is behind it."""
+    node folding may not replace or nothing at all (an initializer) is behind it."""
     outputs: set[str] = set()
     stack = [value]
     while stack:

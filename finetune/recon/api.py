@@ -20,8 +20,7 @@ from finetune.calibrate import CalibrationData
 from finetune.config import FastFinetune, to_dict
 from finetune.export import export_model
 from finetune.lift import LiftedModule, lift_model
-from finetune.lift.params import computed_weights
-from finetune.onnx.fold import fold_constants, foldable
+from finetune.lift.params import fold_computed_weights
 from finetune.onnx.io import load_model
 
 from .adaround import check_int_weights
@@ -52,7 +51,8 @@ def finetune_model(
     begin = time.perf_counter()
     device = resolve_device(config.device)
     original = load_model(qdq_model)
-    _fold_computed_weights(original)
+    for change in fold_computed_weights(original):  # so a weight computed from constants is tuned too
+        logger.info("weights computed from constants: %s", change)
     module = lift_model(original)
     units = find_units(module, config.op_types, config.include_output_quant, config.unit)
     if not units:
@@ -71,16 +71,6 @@ def finetune_model(
     if output_dir is not None:
         write_report(report, Path(output_dir), name)
     return tuned, report
-
-
-def _fold_computed_weights(model: onnx.ModelProto) -> None:
-    """Fold the ops that compute a layer's weight from initializers ahead of its quantizers
-    (Transpose(W) in some exporters' QDQ models) into one initializer, in place, so it is tuned too."""
-    computed = computed_weights(model.graph, foldable)
-    if not computed:
-        return
-    for change in fold_constants(model, only=computed):
-        logger.info("weights computed from constants: %s", change)
 
 
 def _reference(module: LiftedModule, float_model: str | Path | onnx.ModelProto | None) -> LiftedModule:

@@ -13,7 +13,7 @@ from finetune.config import ConfigError, FastFinetune
 from finetune.lift import FakeQuantize, lift_model
 from finetune.quantize import quantize_model
 from finetune.recon import cut, find_units, finetune_model
-from finetune.recon.loop import _dropped_quantization
+from finetune.recon.qdrop import dropped_quantization
 from finetune.zoo import export_onnx
 
 from .lift_helpers import (
@@ -128,7 +128,7 @@ def test_inside_a_block_each_activation_quantizer_drops_per_element(models: dict
     quantized = quantizer(x)
     outputs = []
     for _ in range(2):
-        with _dropped_quantization(train, FastFinetune(drop_ratio=0.25, seed=5), 3):
+        with dropped_quantization(train, FastFinetune(drop_ratio=0.25, seed=5), 3):
             outputs.append(quantizer(x))
     kept = outputs[0] == quantized
     assert torch.equal(outputs[0], outputs[1]) and torch.equal(torch.where(kept, quantized, x), outputs[0])

@@ -12,11 +12,9 @@ import importlib.util
 import logging
 import math
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from lightning.fabric import Fabric
@@ -25,11 +23,12 @@ from torch import fx
 from tqdm.auto import tqdm
 
 from finetune.config import EarlyStop, FastFinetune
-from finetune.lift import FakeQuantize, LiftedModule
+from finetune.lift import LiftedModule
 
 from .adaround import REG_WEIGHT, SoftRounding, beta
 from .cache import CachedValue
-from .units import Unit, constant_nodes
+from .qdrop import Batches, dropped_quantization
+from .units import Unit
 
 logger = logging.getLogger(__name__)
 
@@ -136,7 +135,7 @@ class Tuner:
                 for rounding, _ in roundings:
                     installed.enter_context(rounding)
                 if unit.op_type == "block":
-                    installed.enter_context(_dropped_quantization(train, config, k))
+                    installed.enter_context(dropped_quantization(train, config, k))
                 for step in range(config.iterations):
                     loss = self._step(model, optimizer, batches.next(self.fabric.device), power, roundings, step)
                     if schedule is not None:
@@ -206,75 +205,6 @@ class Tuner:
         if not iterations:
             self.progress.update(self.config.iterations)
         return UnitResult(unit.name, unit.op_type, before, after, status, iterations, seconds, tried)
-
-
-class Batches:
-    """Random training batches of a unit, reproducible from the seed and the unit index: rows
-    drawn without replacement, the input mixed per element from the quantized (probability
-    drop_ratio, in steps of 1/256) and float inputs, QDrop-style.
-
-    Rows come from the chunks shaped like the first beyond the leading axis: a value laid out
-    sequence-first, (tokens, batch, ...), has a smaller second axis in a last, partial batch, and
-    its rows cannot join the others (they still count in the loss before and after)."""
-
-    def __init__(self, inputs: CachedValue, float_inputs: CachedValue, targets: CachedValue, config: FastFinetune, k: int) -> None:
-        self.inputs, self.float_inputs, self.targets = inputs, float_inputs, targets
-        self.rows = _rows_shaped_like_the_first(inputs, targets)
-        self.size = min(config.batch_size, len(self.rows))
-        self.threshold = qdrop_threshold(config.drop_ratio)
-        self.generator = np.random.default_rng([config.seed, k])
-
-    def next(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """The next (input, target) batch on `device`."""
-        rows = np.sort(self.rows[self.generator.permutation(len(self.rows))[: self.size]])
-        x = self.inputs.gather(rows)
-        if self.threshold < 256:
-            x = mix_quantized(self.generator, self.threshold, x, self.float_inputs.gather(rows))
-        return x.to(device), self.targets.gather(rows).to(device)
-
-
-@contextlib.contextmanager
-def _dropped_quantization(train: fx.GraphModule, config: FastFinetune, k: int) -> Iterator[None]:
-    """QDrop inside a block while it trains: each activation quantizer keeps its quantized value
-    per element with probability drop_ratio (in steps of 1/256) and passes the float value
-    otherwise (seeded by the unit index, so reruns repeat). Weight quantizers, which read
-    constants, are left alone."""
-    constant = constant_nodes(train.graph)
-    quantizers = [train.get_submodule(n.target) for n in train.graph.nodes
-                  if n.op == "call_module" and n not in constant and isinstance(train.get_submodule(n.target), FakeQuantize)]
-    generator = np.random.default_rng([config.seed, k, 1])
-    threshold = qdrop_threshold(config.drop_ratio)
-
-    def mix(_module: torch.nn.Module, args: tuple[torch.Tensor, ...], quantized: torch.Tensor) -> torch.Tensor:
-        return mix_quantized(generator, threshold, quantized, args[0])
-
-    hooks = [quantizer.register_forward_hook(mix) for quantizer in quantizers] if config.drop_ratio < 1 else []
-    try:
-        yield
-    finally:
-        for hook in hooks:
-            hook.remove()
-
-
-def qdrop_threshold(drop_ratio: float) -> int:
-    """The byte value below which a random byte keeps the quantized value (256: always)."""
-    return round(drop_ratio * 256)
-
-
-def mix_quantized(generator: np.random.Generator, threshold: int, quantized: torch.Tensor, float_value: torch.Tensor) -> torch.Tensor:
-    """QDrop: per element the quantized value where a random byte is below `threshold`, else the
-    float value. Random bytes cost half as much as float draws (9 against 18 ms for a
-    16x32x112x112 activation)."""
-    noise = np.frombuffer(generator.bytes(quantized.numel()), dtype=np.uint8).reshape(quantized.shape)
-    return torch.where(torch.from_numpy(noise < threshold).to(quantized.device), quantized, float_value)
-
-
-def _rows_shaped_like_the_first(*values: CachedValue) -> np.ndarray:
-    """Rows (over all chunks) of the chunks whose values have the first chunk's trailing shapes."""
-    first = [np.shape(value.chunks[0])[1:] for value in values]
-    offsets = values[0].offsets
-    return np.concatenate([np.arange(offsets[c], offsets[c + 1]) for c in range(len(values[0].chunks))
-                           if all(np.shape(v.chunks[c])[1:] == shape for v, shape in zip(values, first))])
 
 
 def evaluate(train: fx.GraphModule, inputs: CachedValue, targets: CachedValue, device: torch.device) -> tuple[float, float]:

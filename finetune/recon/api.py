@@ -8,7 +8,7 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,7 @@ from finetune.onnx.io import load_model
 
 from .adaround import check_int_weights
 from .cache import ActivationCache
+from .callbacks import builtin_callbacks
 from .device import resolve_device
 from .loop import Tuner, UnitResult
 from .partition import cut
@@ -44,10 +45,12 @@ def finetune_model(
     float_model: str | Path | onnx.ModelProto | None = None,
     output_dir: str | Path | None = None,
     name: str = "finetune",
+    callbacks: Sequence[Any] = (),
 ) -> tuple[onnx.ModelProto, dict[str, Any]]:
     """The QDQ model with tuned weights, and the report. `data` is anything CalibrationData reads;
     the float targets come from `float_model` or, without one, from the QDQ model with its
-    quantizers off. With `output_dir`, `<name>.json`, `<name>.png` and `<name>.logs/` go there."""
+    quantizers off. With `output_dir`, `<name>.json`, `<name>.png` and `<name>.logs/` go there.
+    `callbacks` join the built-in ones in the Fabric that runs the units (hooks: see recon.callbacks)."""
     begin = time.perf_counter()
     device = resolve_device(config.device)
     original = load_model(qdq_model)
@@ -62,7 +65,8 @@ def finetune_model(
     reference = _reference(module, float_model)
     log_dir = Path(output_dir) / f"{name}.logs" if output_dir is not None else None
     with _deterministic(config.seed, device), ActivationCache(config.cache_budget_bytes) as cache:
-        results, timing = _run(module, reference, units, original, data, config, device, cache, log_dir)
+        results, timing = _run(module, reference, units, original, data, config, device, cache,
+                               [*builtin_callbacks(config, log_dir), *callbacks])
         cache_stats = {"peak_bytes_in_memory": cache.peak_in_memory, "peak_bytes_on_disk": cache.peak_on_disk,
                        "spilled_arrays": cache.spilled}
     module.cpu()
@@ -87,7 +91,8 @@ def _reference(module: LiftedModule, float_model: str | Path | onnx.ModelProto |
 
 
 def _run(module: LiftedModule, reference: LiftedModule, units: list[Unit], original: onnx.ModelProto, data: Any,
-         config: FastFinetune, device: torch.device, cache: ActivationCache, log_dir: Path | None) -> tuple[list[UnitResult], dict[str, float]]:
+         config: FastFinetune, device: torch.device, cache: ActivationCache,
+         callbacks: list[Any]) -> tuple[list[UnitResult], dict[str, float]]:
     """Cache the inputs, then tune unit after unit, advancing the float and the quantized stream to each."""
     feeds = CalibrationData(data, original, limit=config.data_size)
     inputs = cache_inputs(feeds, [info.name for info in feeds.inputs], cache)
@@ -99,19 +104,15 @@ def _run(module: LiftedModule, reference: LiftedModule, units: list[Unit], origi
     placeholders = [n.name for n in module.graph.nodes if n.op == "placeholder"]
     floats = FloatStream(reference, units, inputs, cache, device, quantizers_off=reference is module)
     stream = QuantizedStream(plan, placeholders, inputs, cache, device)
-    tuner = Tuner(config, device, len(units), log_dir)
-    results = []
-    try:
+    with Tuner(config, device, units, callbacks) as tuner:
         for k, unit in enumerate(units):
             float_inputs, targets = floats.advance(k)
             unit_inputs = stream.before(k, unit)
-            results.append(tuner.tune(k, unit, module, plan.train[k], unit_inputs, float_inputs, targets, starts))
+            tuner.tune(k, module, plan.train[k], unit_inputs, float_inputs, targets, starts)
             cache.release(float_inputs.name)
             cache.release(targets.name)
             stream.after(k)
-    finally:
-        tuner.close()
-    return results, {"float_pass_seconds": floats.seconds, "quantized_stream_seconds": stream.seconds, "samples": samples}
+    return tuner.results, {"float_pass_seconds": floats.seconds, "quantized_stream_seconds": stream.seconds, "samples": samples}
 
 
 def _float_weights(module: LiftedModule, reference: LiftedModule, units: list[Unit]) -> dict[str, torch.Tensor]:

@@ -1,6 +1,6 @@
-"""Each unit's optimisation, run by Lightning Fabric: device placement, seeding, backward and
-CSV (and TensorBoard, when installed) logs, with early stopping on the reconstruction loss, one
-progress bar over all units, and a revert of any unit whose loss got worse.
+"""Each unit's optimisation, run by Lightning Fabric: device placement, seeding and backward, a
+revert of any unit whose loss got worse, and the moments of the run told to Fabric's callbacks
+(early stopping, logs and the progress bar among them: see callbacks).
 
 Fabric rather than a Trainer per unit: on the digits units a Trainer step cost 2.8-5.5 ms
 against 1.6-1.9 ms for Fabric and 1.5 ms for a bare loop (2 CPU cores; see the issue 5 report)."""
@@ -8,21 +8,18 @@ against 1.6-1.9 ms for Fabric and 1.5 ms for a bare loop (2 CPU cores; see the i
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import logging
-import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
+from typing import Any, Self
 
 import torch
 import torch.nn.functional as F
 from lightning.fabric import Fabric
-from lightning.fabric.loggers import CSVLogger, Logger, TensorBoardLogger
 from torch import fx
-from tqdm.auto import tqdm
 
-from finetune.config import EarlyStop, FastFinetune
+from finetune.config import FastFinetune
 from finetune.lift import LiftedModule
 
 from .adaround import REG_WEIGHT, SoftRounding, beta
@@ -33,7 +30,6 @@ from .units import Unit
 logger = logging.getLogger(__name__)
 
 Roundings = list[tuple[SoftRounding, torch.Tensor]]  # AdaRound's soft rounding of each quantized weight, and the weight
-LOG_EVERY = 10  # iterations between logged rows and progress-bar loss updates
 
 
 @dataclass
@@ -50,57 +46,41 @@ class UnitResult:
     rejected_loss: float | None = None  # the tuned loss of a reverted unit
 
 
-class Patience:
-    """Early stopping on the reconstruction loss: stop after `patience` iterations without an
-    improvement of at least `min_delta`, counting only after `warmup` iterations."""
-
-    def __init__(self, settings: EarlyStop) -> None:
-        self.settings = settings
-        self.best = math.inf
-        self.wait = 0
-
-    def stop(self, step: int, loss: float) -> bool:
-        """Whether to stop after this step's loss."""
-        if not self.settings.enabled or step < self.settings.warmup:
-            return False
-        if loss < self.best - self.settings.min_delta:
-            self.best, self.wait = loss, 0
-            return False
-        self.wait += 1
-        return self.wait >= self.settings.patience
-
-
 class Tuner:
-    """Tunes units one after another with one Fabric and one progress bar over all of them."""
+    """Tunes the units one after another with one Fabric holding the callbacks; a run is the `with`
+    block around the tune calls (on_run_start on entry, on_run_end on exit)."""
 
-    def __init__(self, config: FastFinetune, device: torch.device, units: int, log_dir: Path | None) -> None:
+    def __init__(self, config: FastFinetune, device: torch.device, units: list[Unit], callbacks: Sequence[Any]) -> None:
         self.config = config
+        self.units = units
+        self.results: list[UnitResult] = []
+        self.should_stop = False  # a callback sets it to end the unit's optimisation after the current step
         accelerator = "cpu" if device.type == "cpu" else "cuda"
         devices = 1 if device.type == "cpu" else [device.index or 0]
-        self.fabric = Fabric(accelerator=accelerator, devices=devices, precision="32-true", loggers=_loggers(log_dir))
-        self.units = units
-        self.step = 0
-        self.progress = tqdm(total=units * config.iterations, unit="it", dynamic_ncols=True, mininterval=0.5)
+        self.fabric = Fabric(accelerator=accelerator, devices=devices, precision="32-true", callbacks=list(callbacks))
+        self._step_hooks = [hook for hook in (getattr(c, "on_step_end", None) for c in callbacks) if callable(hook)]
 
-    def close(self) -> None:
-        """Flush the logs and close the progress bar."""
-        for run_logger in self.fabric.loggers:
-            run_logger.finalize("success")
-        self.progress.close()
+    def __enter__(self) -> Self:
+        self.fabric.call("on_run_start", tuner=self, units=self.units)
+        return self
 
-    def tune(self, k: int, unit: Unit, module: LiftedModule, train: fx.GraphModule,
-             inputs: CachedValue, float_inputs: CachedValue, targets: CachedValue,
-             starts: dict[str, torch.Tensor] | None = None) -> UnitResult:
+    def __exit__(self, *_: object) -> None:
+        self.fabric.call("on_run_end", tuner=self, results=self.results)
+
+    def tune(self, k: int, module: LiftedModule, train: fx.GraphModule, inputs: CachedValue, float_inputs: CachedValue,
+             targets: CachedValue, starts: dict[str, torch.Tensor] | None = None) -> UnitResult:
         """Optimise unit k's weights (from `starts`, by parameter name, where given) to reproduce its
         float targets; keep them only if the loss over all cached samples went down."""
         begin = time.perf_counter()
-        self.progress.set_description(f"unit {k + 1}/{self.units} {unit.name}")
+        unit = self.units[k]
+        self.should_stop = False
+        self.fabric.call("on_unit_start", tuner=self, index=k, unit=unit)
         names = [name for layer in unit.layers for name in (layer.weight, layer.bias) if name]
         original = {name: module.get_parameter(name).detach().clone() for name in names}
         before, power = evaluate(train, inputs, targets, self.fabric.device)
         skip = self._skip_reason(unit)
         if skip:
-            return self._finish(k, unit, before, before, f"skipped: {skip}", 0, begin)
+            return self._finish(k, module, before, before, f"skipped: {skip}", 0, begin)
         for name, start in (starts or {}).items():
             if name in original:
                 module.get_parameter(name).data.copy_(start)
@@ -109,8 +89,8 @@ class Tuner:
         if after > before:
             for name, value in original.items():
                 module.get_parameter(name).data.copy_(value)
-            return self._finish(k, unit, before, before, "reverted", iterations, begin, after)
-        return self._finish(k, unit, before, after, "kept", iterations, begin)
+            return self._finish(k, module, before, before, "reverted", iterations, begin, after)
+        return self._finish(k, module, before, after, "kept", iterations, begin)
 
     def _skip_reason(self, unit: Unit) -> str | None:
         """Why AdaRound cannot tune a unit (no weight quantizer), else None."""
@@ -129,7 +109,6 @@ class Tuner:
         optimizer = self.fabric.setup_optimizers(torch.optim.Adam(trainable, lr=config.lr))
         schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, config.iterations) if not roundings else None
         batches = Batches(inputs, float_inputs, targets, config, k)
-        patience = Patience(config.early_stop)
         try:
             with contextlib.ExitStack() as installed:
                 for rounding, _ in roundings:
@@ -140,16 +119,16 @@ class Tuner:
                     loss = self._step(model, optimizer, batches.next(self.fabric.device), power, roundings, step)
                     if schedule is not None:
                         schedule.step()
-                    self._record(k, step, loss)
-                    if patience.stop(step, loss):
-                        logger.info("unit %d/%d %s: early stop after %d iterations", k + 1, self.units, unit.name, step + 1)
+                    for hook in self._step_hooks:
+                        hook(tuner=self, index=k, step=step, loss=loss)
+                    if self.should_stop:
+                        logger.info("unit %d/%d %s: early stop after %d iterations", k + 1, len(self.units), unit.name, step + 1)
                         break
             for rounding, weight in roundings:
                 weight.data.copy_(rounding.hardened(weight))
         finally:
             for parameter in frozen:
                 parameter.requires_grad_(True)
-        self.progress.update(config.iterations - step - 1)
         return step + 1
 
     def _trainables(self, unit: Unit, module: LiftedModule) -> tuple[Roundings, list[torch.Tensor], list[torch.Tensor]]:
@@ -186,25 +165,18 @@ class Tuner:
         optimizer.step()
         return mse.detach().item()
 
-    def _record(self, k: int, step: int, loss: float) -> None:
-        """Log every LOG_EVERY steps and advance the progress bar."""
-        self.step += 1
-        self.progress.update(1)
-        if step % LOG_EVERY == 0:
-            self.fabric.log_dict({"unit": k, "loss": loss}, step=self.step)
-            self.progress.set_postfix(loss=f"{loss:.4g}", refresh=False)
-
-    def _finish(self, k: int, unit: Unit, before: float, after: float, status: str, iterations: int, begin: float,
-                tried: float | None = None) -> UnitResult:
-        """The unit's result, logged (and its losses in the CSV log)."""
+    def _finish(self, k: int, module: LiftedModule, before: float, after: float, status: str, iterations: int,
+                begin: float, tried: float | None = None) -> UnitResult:
+        """The unit's result, logged and told to the callbacks with the model that holds its weights."""
+        unit = self.units[k]
         seconds = time.perf_counter() - begin
-        self.fabric.log_dict({"unit": k, "loss_before": before, "loss_after": after}, step=self.step)
         worse = f" (tuned {tried:.4g} was worse)" if tried is not None else ""
         logger.info("unit %d/%d %s: loss %.4g -> %.4g, %s%s, %d iterations, %.2f s",
-                    k + 1, self.units, unit.name, before, after, status, worse, iterations, seconds)
-        if not iterations:
-            self.progress.update(self.config.iterations)
-        return UnitResult(unit.name, unit.op_type, before, after, status, iterations, seconds, tried)
+                    k + 1, len(self.units), unit.name, before, after, status, worse, iterations, seconds)
+        result = UnitResult(unit.name, unit.op_type, before, after, status, iterations, seconds, tried)
+        self.results.append(result)
+        self.fabric.call("on_unit_end", tuner=self, index=k, unit=unit, result=result, module=module)
+        return result
 
 
 def evaluate(train: fx.GraphModule, inputs: CachedValue, targets: CachedValue, device: torch.device) -> tuple[float, float]:
@@ -220,14 +192,3 @@ def evaluate(train: fx.GraphModule, inputs: CachedValue, targets: CachedValue, d
             power += float(target.double().square().sum())
             count += target.numel()
     return squared_error / count, max(power / count, 1e-30)
-
-
-def _loggers(log_dir: Path | None) -> list[Logger]:
-    """CSV logs in `log_dir` (and TensorBoard's when it is installed); none without a directory."""
-    if log_dir is None:
-        return []
-    loggers: list[Logger] = [CSVLogger(log_dir, name="", version="")]
-    if importlib.util.find_spec("tensorboard") or importlib.util.find_spec("tensorboardX"):
-        loggers.append(TensorBoardLogger(log_dir, name="tensorboard", version=""))
-    return loggers
-

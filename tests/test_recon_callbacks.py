@@ -1,0 +1,98 @@
+"""Callbacks of the fine-tuning run: a user's callback passed to finetune_model hears every moment in
+order and can stop a unit; the built-in early stopping ends each unit where its rule says."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+from finetune.config import FastFinetune
+from finetune.lift import LiftedModule
+from finetune.quantize import quantize_model
+from finetune.recon import Unit, finetune_model
+from finetune.zoo import export_onnx
+
+from .lift_helpers import CNN_INPUT, ResidualCNN, randomized
+from .recon_helpers import one_thread  # noqa: F401  (autouse fixture)
+
+
+class Recorder:
+    """A user's callback: the moments it hears, each unit's step losses and the weights the model
+    holds when a unit ends; it stops unit `stop_unit` after `stop_after` steps."""
+
+    def __init__(self, stop_unit: int | None = None, stop_after: int = 0) -> None:
+        self.stop_unit, self.stop_after = stop_unit, stop_after
+        self.moments: list[tuple[Any, ...]] = []
+        self.losses: list[list[float]] = []
+        self.kept_weights: list[tuple[LiftedModule, str, torch.Tensor]] = []
+
+    def on_run_start(self, units: list[Unit]) -> None:
+        self.moments.append(("run_start", [u.name for u in units]))
+
+    def on_unit_start(self, index: int, unit: Unit) -> None:
+        self.moments.append(("unit_start", index, unit.name))
+        self.losses.append([])
+
+    def on_step_end(self, tuner: Any, index: int, step: int, loss: float) -> None:
+        self.losses[index].append(loss)
+        if index == self.stop_unit and step + 1 == self.stop_after:
+            tuner.should_stop = True
+
+    def on_unit_end(self, index: int, unit: Unit, result: Any, module: LiftedModule) -> None:
+        self.moments.append(("unit_end", index, unit.name, dataclasses.asdict(result)))
+        weight = unit.layers[0].weight
+        self.kept_weights.append((module, weight, module.get_parameter(weight).detach().clone()))
+
+    def on_run_end(self, results: list[Any]) -> None:
+        self.moments.append(("run_end", len(results)))
+
+
+@pytest.fixture(scope="module")
+def quantized(tmp_path_factory: pytest.TempPathFactory) -> tuple[onnx.ModelProto, list[dict[str, np.ndarray]]]:
+    """A residual CNN with random weights quantized to XINT8, and its three calibration batches."""
+    path = export_onnx(randomized(ResidualCNN()), torch.randn(*CNN_INPUT), tmp_path_factory.mktemp("cnn") / "cnn.onnx")
+    feeds = [{"x": np.random.default_rng(i).standard_normal((4, *CNN_INPUT[1:]), np.float32)} for i in range(3)]
+    return quantize_model(path, "XINT8", feeds).model, feeds
+
+
+def test_a_user_callback_hears_every_unit_in_order_and_can_stop_one(quantized: tuple) -> None:
+    """Run start, then start and end of each unit with its report row, then run end; the model the
+    unit end sees already holds the weights the run keeps; setting should_stop ends that unit."""
+    model, feeds = quantized
+    recorder = Recorder(stop_unit=1, stop_after=3)
+    _, report = finetune_model(model, feeds, FastFinetune(algorithm="adaquant", iterations=12), callbacks=[recorder])
+    names = [u["name"] for u in report["units"]]
+    assert recorder.moments[0] == ("run_start", names) and recorder.moments[-1] == ("run_end", len(names))
+    assert recorder.moments[1:-1] == [moment for k, (name, row) in enumerate(zip(names, report["units"]))
+                                      for moment in [("unit_start", k, name), ("unit_end", k, name, row)]]
+    assert [u["iterations"] for u in report["units"]] == [12, 3] + [12] * (len(names) - 2)
+    assert [len(losses) for losses in recorder.losses] == [u["iterations"] for u in report["units"]]
+    assert all(torch.equal(module.get_parameter(weight).cpu(), kept.cpu()) for module, weight, kept in recorder.kept_weights)
+
+
+def stop_by_rule(losses: list[float], patience: int, warmup: int) -> int:
+    """The iterations early stopping runs given a unit's step losses: until `patience` steps from
+    `warmup` on failed to improve on the best loss so far (min_delta 0)."""
+    best, wait = math.inf, 0
+    for step, loss in enumerate(losses[warmup:], warmup):
+        best, wait = (loss, 0) if loss < best else (best, wait + 1)
+        if wait >= patience:
+            return step + 1
+    return len(losses)
+
+
+def test_early_stopping_ends_each_unit_where_its_rule_says(quantized: tuple) -> None:
+    model, feeds = quantized
+    recorder = Recorder()
+    config = FastFinetune(algorithm="adaquant", iterations=300, early_stop={"enabled": True, "patience": 5, "warmup": 10})
+    _, report = finetune_model(model, feeds, config, callbacks=[recorder])
+    iterations = [u["iterations"] for u in report["units"]]
+    assert iterations == [len(losses) for losses in recorder.losses]
+    assert iterations == [stop_by_rule(losses, patience=5, warmup=10) for losses in recorder.losses]
+    assert all(15 <= n < 300 for n in iterations)

@@ -4,7 +4,7 @@ quantizer and the fine-tuning stage (neither imports the other), and the saved r
 from __future__ import annotations
 
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
@@ -29,11 +29,12 @@ class PipelineResult:
 
 def quantize_and_finetune(
     model: str | Path | onnx.ModelProto, config: QuantConfig | str | dict, data: Any,
-    output_dir: str | Path | None = None, name: str = "finetune",
+    output_dir: str | Path | None = None, name: str = "finetune", callbacks: Sequence[Any] = (),
 ) -> PipelineResult:
     """Quantize `model` with `config`; when the config has a fast_finetune section, tune the result
-    on the same data. The float reference is the quantized model with its quantizers off (its
-    weights are the float ones), or the float model itself when weights are stored as codes."""
+    on the same data (`callbacks` join the tuning's Fabric: see finetune_model). The float reference
+    is the quantized model with its quantizers off (its weights are the float ones), or the float
+    model itself when weights are stored as codes."""
     config = load_config(config)
     quantized = quantize_model(model, config, data)
     if config.fast_finetune is None:
@@ -45,7 +46,7 @@ def quantize_and_finetune(
     )
 
     float_model = quantized.float_model if config.weight_storage == "compact" else None
-    tuned, report = finetune_model(quantized.model, data, config.fast_finetune, float_model, output_dir, name)
+    tuned, report = finetune_model(quantized.model, data, config.fast_finetune, float_model, output_dir, name, callbacks)
     return PipelineResult(tuned, quantized.summary, report)
 
 

@@ -25,6 +25,7 @@ from finetune.config import load_config
 from finetune.onnx import CUSTOM_DOMAIN, QUARK_DOMAIN
 from finetune.pipeline import quantize_and_finetune, with_finetune
 from finetune.quantize import quantize_model
+from finetune.recon import Unit
 from finetune.recon.cache import remove_stale_spills
 from finetune.zoo import digits_split
 
@@ -208,10 +209,22 @@ def test_cli_tune_a_model_with_amd_quark_nodes(digits: dict, tmp_path: Path, cli
     assert (run(out, digits["x"]).argmax(1) == digits["y"]).mean() >= 0.95
 
 
-def test_pipeline_uses_the_float_model_for_compact_weights(digits: dict) -> None:
+class UnitNames:
+    """A user's callback that notes the name of each unit as it ends."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+
+    def on_unit_end(self, unit: Unit) -> None:
+        self.names.append(unit.name)
+
+
+def test_pipeline_uses_the_float_model_for_compact_weights_and_passes_callbacks_on(digits: dict) -> None:
     config = {"preset": "XINT8_ADAROUND", "weight_storage": "compact", "fast_finetune": {"iterations": 10}}
-    result = quantize_and_finetune(digits["path"], config, digits["feeds"])
+    heard = UnitNames()
+    result = quantize_and_finetune(digits["path"], config, digits["feeds"], callbacks=[heard])
     assert result.report["float_reference"] == "float model" and result.summary["quantized_nodes"] == 5
+    assert heard.names == [u["name"] for u in result.report["units"]]
     assert quantize_and_finetune(digits["path"], "XINT8", digits["feeds"]).report is None
 
 

@@ -11,14 +11,13 @@ from .bits import (
     EXPONENT_BIAS,
     EXPONENT_FIELD_INF_NAN,
     F32_MIN_NORMAL,
-    ROUNDING_MODES,
     compute_in_float32,
     exponent_field,
     quantize_scaled,
     rounder,
     straight_through,
 )
-from .blocks import map_blocks, max_finite_exponent_field
+from .blocks import check_block_attributes, map_blocks, max_finite_exponent_field
 
 BFP_METHODS = ("to_bfp", "to_bfp_prime")
 SHARED_EXPONENT_BITS = 8
@@ -47,10 +46,7 @@ class BFPSpec:
                 f"bit_width must be in 10..{widest} (8 shared exponent bits, a sign, at least one mantissa bit, and "
                 f"every scale a float32 power of two), got {self.bit_width}"
             )
-        if self.block_size < 1:
-            raise ValueError(f"block_size must be positive, got {self.block_size}")
-        if self.rounding_mode not in ROUNDING_MODES:
-            raise ValueError(f"rounding_mode must be one of {ROUNDING_MODES}, got {self.rounding_mode!r}")
+        check_block_attributes(self.block_size, self.rounding_mode)
         if self.convert_to_bfloat_before_bfp not in (0, 1):
             raise ValueError(f"convert_to_bfloat_before_bfp must be 0 or 1, got {self.convert_to_bfloat_before_bfp!r}")
         if self.bfp_method == "to_bfp_prime":

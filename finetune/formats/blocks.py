@@ -8,9 +8,17 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.nn.functional as F
 
-from .bits import EXPONENT_FIELD_INF_NAN, exponent_field
+from .bits import EXPONENT_FIELD_INF_NAN, ROUNDING_MODES, exponent_field
 
 BlockFn = Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
+
+
+def check_block_attributes(block_size: int, rounding_mode: int) -> None:
+    """The attribute checks every block format shares: a positive block size, a known rounding mode."""
+    if block_size < 1:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    if rounding_mode not in ROUNDING_MODES:
+        raise ValueError(f"rounding_mode must be one of {ROUNDING_MODES}, got {rounding_mode!r}")
 
 # Elements per chunk on CPU: small enough that a many-pass computation's temporaries stay in
 # cache (measured 4x faster than whole-tensor passes on a 64x256x56x56 tensor), large enough that

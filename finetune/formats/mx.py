@@ -9,7 +9,6 @@ import torch
 
 from .bits import (
     EXPONENT_BIAS,
-    ROUNDING_MODES,
     compute_in_float32,
     power_of_two_below,
     quantize_scaled,
@@ -17,7 +16,7 @@ from .bits import (
     rounder,
     straight_through,
 )
-from .blocks import map_blocks, max_finite_exponent_field
+from .blocks import check_block_attributes, map_blocks, max_finite_exponent_field
 
 
 @dataclass(frozen=True)
@@ -66,10 +65,7 @@ class MXSpec:
     def __post_init__(self) -> None:
         if self.element_dtype not in MX_ELEMENTS:
             raise ValueError(f"element_dtype must be one of {tuple(MX_ELEMENTS)}, got {self.element_dtype!r}")
-        if self.block_size < 1:
-            raise ValueError(f"block_size must be positive, got {self.block_size}")
-        if self.rounding_mode not in ROUNDING_MODES:
-            raise ValueError(f"rounding_mode must be one of {ROUNDING_MODES}, got {self.rounding_mode!r}")
+        check_block_attributes(self.block_size, self.rounding_mode)
 
     @property
     def element(self) -> MXElement:

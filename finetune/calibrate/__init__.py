@@ -3,15 +3,14 @@ power-of-two MinMSE, Entropy) and the onnxruntime pass that feeds them."""
 
 from .collect import collect_statistics
 from .data import CalibrationData, Feed, InputInfo, model_inputs, random_data, sample_count
+from .factory import METHODS, make_observer
 from .observers import (
-    METHODS,
     EntropyObserver,
     HistogramObserver,
     MinMaxObserver,
     MSEObserver,
     Observer,
     PercentileObserver,
-    make_observer,
     qparams,
 )
 

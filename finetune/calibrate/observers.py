@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 import torch
@@ -259,25 +258,6 @@ class EntropyObserver(HistogramObserver):
         kept = np.array([_kl_best_bins(row, self.quantized_bins, self.candidates) for row in self._abs_counts()])
         t = kept * self._bin_width()
         return np.maximum(lo, -t), np.minimum(hi, t)
-
-
-METHODS: dict[str, type[Observer]] = {
-    "minmax": MinMaxObserver,
-    "percentile": PercentileObserver,
-    "mse": MSEObserver,
-    "minmse": MSEObserver,
-    "potminmse": MSEObserver,  # the config's name for MinMSE over power-of-two scales (spec.power_of_two)
-    "entropy": EntropyObserver,
-}
-
-
-def make_observer(method: str, spec: CalibrationSpec, axis: int | None = None, **options: Any) -> Observer:
-    """An observer by method name (case, '_' and '-' ignored): minmax, percentile, mse (alias minmse:
-    with a power-of-two spec it is the power-of-two MinMSE) or entropy; options go to its class."""
-    key = method.lower().replace("_", "").replace("-", "")
-    if key not in METHODS:
-        raise ValueError(f"calibration method must be one of {sorted(METHODS)}, got {method!r}")
-    return METHODS[key](spec, axis, **options)
 
 
 def qparams(lo: np.ndarray, hi: np.ndarray, spec: CalibrationSpec) -> tuple[np.ndarray, np.ndarray]:

@@ -4,15 +4,8 @@ power-of-two MinMSE, Entropy) and the onnxruntime pass that feeds them."""
 from .collect import collect_statistics
 from .data import CalibrationData, Feed, InputInfo, model_inputs, random_data, sample_count
 from .factory import METHODS, make_observer
-from .observers import (
-    EntropyObserver,
-    HistogramObserver,
-    MinMaxObserver,
-    MSEObserver,
-    Observer,
-    PercentileObserver,
-    qparams,
-)
+from .histograms import EntropyObserver, HistogramObserver, MSEObserver, PercentileObserver
+from .observers import MinMaxObserver, Observer, qparams
 
 __all__ = [
     "METHODS", "CalibrationData", "EntropyObserver", "Feed", "HistogramObserver", "InputInfo", "MSEObserver",

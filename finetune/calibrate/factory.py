@@ -5,14 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .observers import (
-    CalibrationSpec,
-    EntropyObserver,
-    MinMaxObserver,
-    MSEObserver,
-    Observer,
-    PercentileObserver,
-)
+from .histograms import EntropyObserver, MSEObserver, PercentileObserver
+from .observers import CalibrationSpec, MinMaxObserver, Observer
 
 METHODS: dict[str, type[Observer]] = {
     "minmax": MinMaxObserver,

@@ -20,13 +20,14 @@ from onnx2torch.onnx_graph import OnnxGraph
 from onnx2torch.onnx_node import OnnxNode
 from torch import fx, nn
 
-from finetune.onnx.io import load_model
 from finetune.onnx.domains import DEFAULT_DOMAINS
+from finetune.onnx.dtypes import to_torch
+from finetune.onnx.io import load_model
 from finetune.onnx.normalize import normalize_model
 
 from . import ops  # noqa: F401  (registers the converters)
 from .fake_quant import FakeQuantize
-from .params import Dequantize, ParamSource, tensor_array, to_torch, trainable_initializers
+from .params import Dequantize, ParamSource, tensor_array, trainable_initializers
 from .qdq import QUANTIZE_TO_DEQUANTIZE, is_folded_quantize
 from .registry import find_converter
 

@@ -14,7 +14,6 @@ from onnx import helper, numpy_helper
 
 from finetune.formats import FloatSpec, IntSpec, dequantize_linear, float_codes, int_codes
 from finetune.onnx.domains import DEFAULT_DOMAINS
-from finetune.onnx.dtypes import to_torch
 from finetune.onnx.fold import fold_constants, foldable
 
 from .qdq import is_quantizer

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import numpy as np
 from skimage.io import imread
+from skimage.metrics import peak_signal_noise_ratio, structural_similarity
 
 from finetune.files import check_output, write_text_atomic
-from skimage.metrics import peak_signal_noise_ratio, structural_similarity
 
 from .command import run_command, tool_parser
 

@@ -14,8 +14,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from finetune.calibrate import CalibrationData
-from finetune.calibrate import sample_count
+from finetune.calibrate import CalibrationData, sample_count
 from finetune.files import write_atomic
 from finetune.onnx.io import load_model
 from finetune.onnx.session import OPTIMIZATION

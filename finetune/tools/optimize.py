@@ -11,8 +11,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from finetune.onnx.fold import drop_unused_initializers, fold_constants, infer_types
 from finetune.onnx.domains import DEFAULT_DOMAINS
+from finetune.onnx.fold import drop_unused_initializers, fold_constants, infer_types
 
 logger = logging.getLogger(__name__)
 

@@ -12,10 +12,10 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from .arithmetic import Body
-from .blocks import BlockBody
 from ..domains import CASTLIKE_OPSET, DEFAULT_DOMAINS, DOMAIN_VERSION, DOMAINS, MIN_OPSET, OVERLOAD_IR_VERSION
 from ..normalize import default_opset
+from .arithmetic import Body
+from .blocks import BlockBody
 from .linear import LinearSpec
 from .nodes import check_allowed, node_spec
 

@@ -12,8 +12,8 @@ from onnx import TensorProto, helper
 
 from finetune.formats import BFPSpec, MXSpec
 
-from .bfp import BFPBody
 from ..domains import BFP, DEQUANTIZE, MX, QUANTIZE
+from .bfp import BFPBody
 from .linear import CODE_TYPES, DequantizeSpec, QuantizeSpec
 from .mx import MXBody
 

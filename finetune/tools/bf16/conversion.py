@@ -7,16 +7,15 @@ from __future__ import annotations
 import logging
 import os
 from collections import defaultdict
-from pathlib import Path
 
 import onnx
 import onnxruntime as ort
 from onnx import TensorProto
 
 from finetune.files import check_output
+from finetune.onnx.domains import MIN_OPSET
 from finetune.onnx.fold import tensor_types
 from finetune.onnx.io import load_model, save_model_atomic
-from finetune.onnx.domains import MIN_OPSET
 from finetune.onnx.normalize import default_opset, normalize_model
 
 from ..optimize import optimize

@@ -12,9 +12,9 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from finetune.formats import BF16
+from finetune.onnx.domains import DEFAULT_DOMAINS
 from finetune.onnx.fold import infer_types, tensor_types
 from finetune.onnx.io import PROTOBUF_LIMIT
-from finetune.onnx.domains import DEFAULT_DOMAINS
 from finetune.onnx.normalize import default_opset
 from finetune.onnx.qdq import make_qdq
 

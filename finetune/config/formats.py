@@ -23,6 +23,7 @@ DEFAULT_PERCENTILE = 99.999
 
 FormatName = Literal["int", "float", "bfp", "mx"]
 Calibration = Literal["minmax", "percentile", "mse", "pot_minmse", "entropy"]
+BLOCK_CALIBRATIONS = ("minmax",)  # the calibrations with per-block scales (finetune.calibrate's observers)
 
 # format -> (spec dataclass, keys beyond the spec's fields)
 _FAMILIES: dict[str, tuple[type, tuple[str, ...]]] = {
@@ -48,10 +49,10 @@ class FormatChoice(Section):
     quantizer pick the axis per op (see `spec`). Keys of other formats must stay unset (null).
 
     - int: dtype (int8), symmetric (true), granularity tensor|channel|block (tensor), axis,
-      block_size (32 for block), power_of_two (false), calibration (minmax), percentile (99.999,
-      with calibration percentile only). `pot_minmse` needs power_of_two.
+      block_size (32 for block), power_of_two (false), calibration (minmax, the only one for
+      blocks), percentile (99.999, with calibration percentile only). `pot_minmse` needs power_of_two.
     - float: dtype (bfloat16), saturate (true), granularity tensor|channel (channel for float8
-      only), axis; float8 calibrates its scale (minmax), bfloat16/float16 take none (scale 1).
+      only), axis; float8 calibrates its scale (minmax; not entropy), bfloat16/float16 take none (scale 1).
     - bfp: BFPSpec's keys (to_bfp, 16 bits, block 8, ...); mx: MXSpec's keys (int8, block 32).
     """
 
@@ -140,6 +141,12 @@ class FormatChoice(Section):
         self._set_default("calibration", "minmax")
         if self.calibration == "pot_minmse" and not self.power_of_two:
             raise ConfigError("calibration", "pot_minmse searches power-of-two scales: it needs power_of_two: true")
+        if self.calibration == "entropy" and self.format == "float":
+            raise ConfigError("calibration", f"entropy cannot calibrate {self.dtype}: it searches integer levels; "
+                                             "use minmax, percentile or mse")
+        if self.granularity == "block" and self.calibration not in BLOCK_CALIBRATIONS:
+            raise ConfigError("calibration", f"{self.calibration} cannot calibrate per-block scales (granularity "
+                                             f"block); use {' or '.join(BLOCK_CALIBRATIONS)}")
         if self.calibration == "percentile":
             self._set_default("percentile", DEFAULT_PERCENTILE)
         elif self.percentile is not None:

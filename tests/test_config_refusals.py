@@ -1,0 +1,69 @@
+"""What a config cannot honour is refused when it is loaded, naming the key and what to do, never
+carried to a late failure or silently dropped: calibrations the observers cannot serve, Quark
+options whose values differ from what finetune does, and every refused Quark option at once."""
+
+from __future__ import annotations
+
+import pytest
+
+from finetune.calibrate import make_observer
+from finetune.config import ConfigError, load_config
+from finetune.formats import FloatSpec, IntSpec
+
+CALIBRATIONS = ("minmax", "percentile", "mse", "pot_minmse", "entropy")
+# (id, format mapping without calibration, the observer spec it stands for)
+FORMATS = [
+    ("int8", {"format": "int", "dtype": "int8"}, IntSpec("int8")),
+    ("int8-channel", {"format": "int", "dtype": "int8", "granularity": "channel", "axis": 1}, IntSpec("int8", axis=1)),
+    ("int4-block", {"format": "int", "dtype": "int4", "granularity": "block", "axis": 1},
+     IntSpec("int4", axis=1, block_size=32)),
+    ("e4m3fn", {"format": "float", "dtype": "float8_e4m3fn"}, FloatSpec("float8_e4m3fn")),
+    ("e5m2-channel", {"format": "float", "dtype": "float8_e5m2", "granularity": "channel", "axis": 1},
+     FloatSpec("float8_e5m2", axis=1)),
+]
+# power-of-two scales (pot_minmse) are an integer key, refused for floats as such
+COMBINATIONS = [
+    pytest.param(calibration, choice, spec, id=f"{calibration}-{name}")
+    for name, choice, spec in FORMATS
+    for calibration in CALIBRATIONS
+    if not (calibration == "pot_minmse" and choice["format"] == "float")
+]
+
+
+def _served(calibration: str, spec: IntSpec | FloatSpec) -> bool:
+    try:
+        make_observer(calibration, spec)
+    except ValueError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize(("calibration", "choice", "spec"), COMBINATIONS)
+def test_config_refuses_exactly_the_calibrations_the_observers_cannot_serve(
+    calibration: str, choice: dict, spec: IntSpec | FloatSpec
+) -> None:
+    power_of_two = {"power_of_two": True} if calibration == "pot_minmse" else {}
+    mapping = {"activation": {**choice, **power_of_two, "calibration": calibration}}
+    if _served(calibration, spec):
+        assert load_config(mapping).activation.calibration == calibration
+        return
+    with pytest.raises(ConfigError, match=rf"^activation\.calibration: {calibration} cannot calibrate"):
+        load_config(mapping)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (
+            {"calibrate_method": "CalibrationMethod.Entropy", "activation_type": "QFLOAT8E4M3FN"},
+            "calibrate_method: entropy cannot calibrate float8_e4m3fn",
+        ),
+        (
+            {"weight_type": "QFLOAT8E4M3FN", "extra_options": {"WeightCalibrateMethod": "Entropy"}},
+            "extra_options.WeightCalibrateMethod: entropy cannot calibrate float8_e4m3fn",
+        ),
+    ],
+)
+def test_quark_calibration_refusals_name_the_quark_option(options: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=f"^{message}"):
+        load_config(options, config_format="quark")

@@ -4,11 +4,19 @@ options whose values differ from what finetune does, and every refused Quark opt
 
 from __future__ import annotations
 
+import logging
+from pathlib import Path
+
+import onnx
 import pytest
+import yaml
 
 from finetune.calibrate import make_observer
-from finetune.config import ConfigError, load_config
+from finetune.cli import main
+from finetune.config import ConfigError, from_quark, load_config
 from finetune.formats import FloatSpec, IntSpec
+
+from .test_calibrate import conv_matmul_model
 
 CALIBRATIONS = ("minmax", "percentile", "mse", "pot_minmse", "entropy")
 # (id, format mapping without calibration, the observer spec it stands for)
@@ -67,3 +75,50 @@ def test_config_refuses_exactly_the_calibrations_the_observers_cannot_serve(
 def test_quark_calibration_refusals_name_the_quark_option(options: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=f"^{message}"):
         load_config(options, config_format="quark")
+
+
+# --- every refusal of a Quark config lists all its problems at once --------------------------------
+
+MANY_PROBLEMS = {
+    "calib_method": "MinMax",
+    "calibrate_method": "CalibrationMethod.Distribution",
+    "extra_options": {
+        "ActivationSymetric": True,
+        "SimplifyModel": True,
+        "BFPAttributes": {"bitwidth": 16},
+        "TensorQuantOverrides": {"w": [{"quant_type": "QInt8", "scale": 0.5}]},
+        "FastFinetune": {"SelectiveUpdate": True},
+    },
+    "activation_type": "QBFP",
+    "include_fast_ft": True,
+}
+MANY_PROBLEM_PATHS = [
+    "calib_method: unknown Quark option",
+    "calibrate_method: CalibrationMethod.Distribution has no equivalent",
+    "extra_options.ActivationSymetric: unknown Quark option (did you mean ActivationSymmetric?)",
+    "extra_options.SimplifyModel: True has no equivalent",
+    "extra_options.BFPAttributes.bitwidth: unknown Quark option (did you mean bit_width?)",
+    "extra_options.TensorQuantOverrides['w'][0].scale: 0.5 has no equivalent",
+    "extra_options.FastFinetune.SelectiveUpdate: True has no equivalent",
+]
+
+
+def test_every_problem_of_a_quark_config_is_named_in_one_error() -> None:
+    with pytest.raises(ConfigError) as caught:
+        from_quark(MANY_PROBLEMS)
+    message = str(caught.value)
+    assert message.startswith(f"{len(MANY_PROBLEM_PATHS)} problems in this Quark config: ") and "\n" not in message
+    for problem in MANY_PROBLEM_PATHS:
+        assert message.count(problem) == 1, problem
+
+
+def test_the_cli_names_every_problem_of_a_quark_config_on_one_line(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    config, model = tmp_path / "quark.yaml", tmp_path / "model.onnx"
+    config.write_text(yaml.safe_dump(MANY_PROBLEMS))
+    onnx.save(conv_matmul_model(), model)
+    with caplog.at_level(logging.ERROR):
+        code = main(["quantize", str(model), "--config", str(config), "--random-data", "2", "-o", str(tmp_path / "q.onnx")])
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert code == 2 and len(errors) == 1 and all(problem in errors[0] for problem in MANY_PROBLEM_PATHS)

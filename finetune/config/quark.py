@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 from .finetune import DEVICE_HELP, DEVICE_PATTERN
 from .formats import ALL, AUTO, DEFAULT_OP_TYPES, family_keys
@@ -37,24 +37,24 @@ from .quark_options import (
     TOP_ACCEPTED_ONLY,
     TOP_MAPPED,
     TOP_NO_EFFECT,
-    check_options,
     enum_value,
+    option_problems,
 )
 from .schema import ConfigError
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def translate(options: Mapping[str, Any]) -> tuple[dict[str, Any], Callable[[ConfigError], ConfigError]]:
     """The finetune config mapping equivalent to a Quark `QuantizationConfig` given by its option
     names (or a `Config` mapping with only `global_quant_config`), and the function that restates
-    an error found while validating that mapping at the Quark option its key came from."""
-    options = _unwrap(options)
-    check_options(options, TOP_MAPPED, TOP_NO_EFFECT, TOP_ACCEPTED_ONLY, "")
-    extra = _mapping(options.get("extra_options"), "extra_options")
-    check_options(extra, EXTRA_MAPPED, EXTRA_NO_EFFECT, EXTRA_ACCEPTED_ONLY, "extra_options")
-    translation = _Translation(options, extra)
-    return translation.mapping(), translation.explain
+    an error found while validating that mapping at the Quark option its key came from. Every
+    option that cannot be translated is named in one ConfigError, so one run lists them all."""
+    translation = _Translation(_unwrap(options))
+    mapping = translation.mapping()
+    translation.refuse_problems()
+    return mapping, translation.explain
 
 
 def _unwrap(options: Any) -> Mapping[str, Any]:
@@ -80,36 +80,62 @@ def _mapping(value: Any, path: str) -> Mapping[str, Any]:
 
 class _Translation:
     """One Quark config turned into a finetune config mapping; remembers which Quark option each
-    finetune key came from, so that errors found later name the option the user wrote."""
+    finetune key came from, so that errors found later name the option the user wrote, and collects
+    every option it cannot translate (a part that fails takes a fallback so the rest is still read)."""
 
-    def __init__(self, options: Mapping[str, Any], extra: Mapping[str, Any]) -> None:
+    def __init__(self, options: Mapping[str, Any]) -> None:
         self.options = options
-        self.extra = extra
         self.origins: dict[str, str] = {}
+        self.problems: list[ConfigError] = []
+        self.check(options, TOP_MAPPED, TOP_NO_EFFECT, TOP_ACCEPTED_ONLY, "")
+        self.extra = self.attempt(_mapping, {}, options.get("extra_options"), "extra_options")
+        self.check(self.extra, EXTRA_MAPPED, EXTRA_NO_EFFECT, EXTRA_ACCEPTED_ONLY, "extra_options")
         method = options.get("calibrate_method", "CalibrationMethod.MinMax")
-        self.calibration = enum_value(method, CALIBRATE_METHODS, "calibrate_method")
-        forced = enum_value(options.get("quant_format", "QuantFormat.QDQ"), QUANT_FORMATS, "quant_format")
+        self.calibration = self.attempt(enum_value, ("minmax", False), method, CALIBRATE_METHODS, "calibrate_method")
+        quant_format = options.get("quant_format", "QuantFormat.QDQ")
+        forced = self.attempt(enum_value, "", quant_format, QUANT_FORMATS, "quant_format")
         self.activation_type = forced or options.get("activation_type", "QuantType.QInt8")
         self.weight_type = forced or options.get("weight_type", "QuantType.QInt8")
 
+    def check(self, options: Mapping[str, Any], mapped: tuple[str, ...], no_effect: tuple[str, ...],
+              accepted_only: Mapping[str, tuple[Any, ...]], path: str) -> None:
+        """Collect the unknown options and those without an equivalent at one level of the config."""
+        self.problems += option_problems(options, mapped, no_effect, accepted_only, path)
+
+    def attempt(self, compute: Callable[..., T], fallback: T, *args: Any) -> T:
+        """compute(*args), or `fallback` with its ConfigError collected."""
+        try:
+            return compute(*args)
+        except ConfigError as error:
+            self.problems.append(error)
+            return fallback
+
+    def refuse_problems(self) -> None:
+        """Raise the collected problems as one ConfigError (each named once), if there are any."""
+        messages = list(dict.fromkeys(str(problem) for problem in self.problems))
+        if len(messages) == 1:
+            raise self.problems[0]
+        if messages:
+            raise ConfigError("", f"{len(messages)} problems in this Quark config: {'; '.join(messages)}")
+
     def mapping(self) -> dict[str, Any]:
         """The finetune config mapping (validated afterwards by from_mapping)."""
-        activation = self.choice(self.activation_type, "activation", "activation", "activation_type")
-        weight = self.choice(self.weight_type, "weight", "weight", "weight_type")
-        if self.flag("WeightsOnly", False):
+        activation = self.attempt(self.choice, None, self.activation_type, "activation", "activation", "activation_type")
+        weight = self.attempt(self.choice, None, self.weight_type, "weight", "weight", "weight_type")
+        if self.attempt(self.flag, False, "WeightsOnly", False):
             activation = None
         return {
             "activation": activation,
             "weight": weight,
-            "bias": self.bias(weight),
-            "op_types": self.op_types(),
-            "op_type_overrides": self.auto_mixprecision(),
+            "bias": self.attempt(self.bias, "auto", weight),
+            "op_types": self.attempt(self.op_types, DEFAULT_OP_TYPES),
+            "op_type_overrides": self.attempt(self.auto_mixprecision, {}),
             "tensor_overrides": {**self.mixed_precision_tensors(), **self.tensor_quant_overrides()},
             "exclude_nodes": self.exclude_nodes(),
-            "dual_quant": self.dual_quant(),
-            "cross_layer_equalization": self.flag("include_cle", False),
-            "weight_storage": self.weight_storage(),
-            "fast_finetune": self.fast_finetune(),
+            "dual_quant": self.attempt(self.dual_quant, False),
+            "cross_layer_equalization": self.attempt(self.flag, False, "include_cle", False),
+            "weight_storage": self.attempt(self.weight_storage, "float"),
+            "fast_finetune": self.attempt(self.fast_finetune, None),
         }
 
     def exclude_nodes(self) -> Any:
@@ -195,7 +221,7 @@ class _Translation:
         attributes = dict(_mapping(self.extra.get(name), path))
         keys = tuple(k for k in family_keys(fmt) if k != "format")
         kernel = {"use_compiler_version_cpu_kernel": (0, None)} if fmt == "bfp" else {}
-        check_options(attributes, keys, (), kernel, path)
+        self.check(attributes, keys, (), kernel, path)
         attributes.pop("use_compiler_version_cpu_kernel", None)
         if role != "activation" or self.flag("RefineBlockAxis", False):
             attributes["axis"] = AUTO
@@ -235,7 +261,7 @@ class _Translation:
         target types: that is layer-wise mixed precision, i.e. op_type_overrides."""
         path = "extra_options.AutoMixprecision"
         block = _mapping(self.extra.get("AutoMixprecision"), path)
-        check_options(block, AUTO_MP_MAPPED, AUTO_MP_NO_EFFECT, AUTO_MP_ACCEPTED_ONLY, path)
+        self.check(block, AUTO_MP_MAPPED, AUTO_MP_NO_EFFECT, AUTO_MP_ACCEPTED_ONLY, path)
         if not self.flag("include_auto_mp", False):
             return {}
         act, weight = block.get("ActTargetQuantType"), block.get("WeightTargetQuantType")
@@ -266,38 +292,41 @@ class _Translation:
     def mixed_precision_tensors(self) -> dict[str, Any]:
         """MixedPrecisionTensor {quant type: [tensor names]} as tensor_overrides."""
         path = "extra_options.MixedPrecisionTensor"
-        out = {}
-        for quant_type, names in _mapping(self.extra.get("MixedPrecisionTensor"), path).items():
-            where = f"{path}[{str(quant_type)!r}]"
-            if not isinstance(names, (list, tuple)):
-                raise ConfigError(where, f"expected a list of tensor names, got {names!r}")
-            for name in names:
-                out[name] = self.choice(quant_type, "tensor", f"tensor_overrides[{name!r}]", where)
+        out: dict[str, Any] = {}
+        for quant_type, names in self.attempt(_mapping, {}, self.extra.get("MixedPrecisionTensor"), path).items():
+            out.update(self.attempt(self._precision_tensors, {}, quant_type, names, f"{path}[{str(quant_type)!r}]"))
         return out
+
+    def _precision_tensors(self, quant_type: Any, names: Any, where: str) -> dict[str, Any]:
+        if not isinstance(names, (list, tuple)):
+            raise ConfigError(where, f"expected a list of tensor names, got {names!r}")
+        return {name: self.choice(quant_type, "tensor", f"tensor_overrides[{name!r}]", where) for name in names}
 
     def tensor_quant_overrides(self) -> dict[str, Any]:
         """TensorQuantOverrides {tensor: [{quant_type, axis, symmetric}]} as tensor_overrides;
         explicit scales, ranges and per-channel lists have no equivalent."""
         path = "extra_options.TensorQuantOverrides"
-        out = {}
-        for name, entries in _mapping(self.extra.get("TensorQuantOverrides"), path).items():
-            where = f"{path}[{name!r}]"
-            if not isinstance(entries, (list, tuple)) or len(entries) != 1 or not isinstance(entries[0], Mapping):
-                problem = "expected a list holding one mapping (per-channel override lists have no equivalent here)"
-                raise ConfigError(where, problem)
-            entry = entries[0]
-            check_options(entry, TENSOR_OVERRIDE_KEYS, (), TENSOR_OVERRIDE_ACCEPTED_ONLY, f"{where}[0]")
-            if "quant_type" not in entry:
-                raise ConfigError(f"{where}[0].quant_type", "required here (the config cannot know the tensor's role)")
-            at = f"tensor_overrides[{name!r}]"
-            choice = self.choice(entry["quant_type"], "tensor", at, f"{where}[0].quant_type")
-            for key in ("symmetric", "axis"):
-                if key in entry:
-                    choice[key] = self._origin(f"{at}.{key}", f"{where}[0].{key}", entry[key])
-            if "axis" in entry and choice["format"] in ("int", "float"):
-                choice["granularity"] = "channel"
-            out[name] = choice
+        out: dict[str, Any] = {}
+        for name, entries in self.attempt(_mapping, {}, self.extra.get("TensorQuantOverrides"), path).items():
+            out.update(self.attempt(self._tensor_override, {}, name, entries, f"{path}[{name!r}]"))
         return out
+
+    def _tensor_override(self, name: str, entries: Any, where: str) -> dict[str, Any]:
+        if not isinstance(entries, (list, tuple)) or len(entries) != 1 or not isinstance(entries[0], Mapping):
+            problem = "expected a list holding one mapping (per-channel override lists have no equivalent here)"
+            raise ConfigError(where, problem)
+        entry = entries[0]
+        self.check(entry, TENSOR_OVERRIDE_KEYS, (), TENSOR_OVERRIDE_ACCEPTED_ONLY, f"{where}[0]")
+        if "quant_type" not in entry:
+            raise ConfigError(f"{where}[0].quant_type", "required here (the config cannot know the tensor's role)")
+        at = f"tensor_overrides[{name!r}]"
+        choice = self.choice(entry["quant_type"], "tensor", at, f"{where}[0].quant_type")
+        for key in ("symmetric", "axis"):
+            if key in entry:
+                choice[key] = self._origin(f"{at}.{key}", f"{where}[0].{key}", entry[key])
+        if "axis" in entry and choice["format"] in ("int", "float"):
+            choice["granularity"] = "channel"
+        return {name: choice}
 
     def dual_quant(self) -> Any:
         """EnableDualQuantNodePairs, or AutoMixprecision's DualQuantNodes."""
@@ -316,7 +345,7 @@ class _Translation:
         defaults to Quark's 1."""
         path = "extra_options.FastFinetune"
         block = _mapping(self.extra.get("FastFinetune"), path)
-        check_options(block, FAST_FT_MAPPED, FAST_FT_NO_EFFECT, FAST_FT_ACCEPTED_ONLY, path)
+        self.check(block, FAST_FT_MAPPED, FAST_FT_NO_EFFECT, FAST_FT_ACCEPTED_ONLY, path)
         if not self.flag("include_fast_ft", False):
             if block:
                 log.warning("%s is set but include_fast_ft is false: fast finetune stays off, as in Quark", path)

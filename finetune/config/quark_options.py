@@ -158,25 +158,27 @@ TENSOR_OVERRIDE_ACCEPTED_ONLY = dict.fromkeys(("scale", "zero_point", "rmin", "r
 TOP_KEYS = (*TOP_MAPPED, *TOP_NO_EFFECT, *TOP_ACCEPTED_ONLY, "global_quant_config", "global_config")
 
 
-def check_options(
+def option_problems(
     options: Mapping[str, Any],
     mapped: tuple[str, ...],
     no_effect: tuple[str, ...],
     accepted_only: Mapping[str, tuple[Any, ...]],
     path: str,
-) -> None:
-    """Every option is known; one without an equivalent must hold the value matching what finetune
-    does; those accepted without effect are logged."""
+) -> list[ConfigError]:
+    """Every unknown option, and every option without an equivalent that does not hold the value
+    matching what finetune does (all of them, so one run lists all); those without effect are logged."""
     known = (*mapped, *no_effect, *accepted_only)
+    problems = []
     for key, value in options.items():
         where = join_path(path, str(key))
         if key not in known:
-            raise ConfigError(where, f"unknown Quark option{_suggestion(str(key), known)}")
-        if key in accepted_only and value not in accepted_only[key]:
+            problems.append(ConfigError(where, f"unknown Quark option{_suggestion(str(key), known)}"))
+        elif key in accepted_only and value not in accepted_only[key]:
             accepted = " or ".join(map(repr, accepted_only[key]))
-            raise ConfigError(where, f"{value!r} has no equivalent in finetune (accepted: {accepted})")
-        if key in no_effect:
+            problems.append(ConfigError(where, f"{value!r} has no equivalent in finetune (accepted: {accepted})"))
+        elif key in no_effect:
             log.info("Quark option %s accepted without effect in finetune", where)
+    return problems
 
 
 def _suggestion(key: str, known: tuple[str, ...]) -> str:

@@ -77,6 +77,27 @@ def test_quark_calibration_refusals_name_the_quark_option(options: dict, message
         load_config(options, config_format="quark")
 
 
+# --- blocks of an include_* switch that is off: no effect, as in Quark, and said at WARNING ---------
+
+
+@pytest.mark.parametrize(
+    ("extra", "said"),
+    [
+        ({"AutoMixprecision": {"TargetQuantType": "QBFP"}}, "extra_options.AutoMixprecision given but include_auto_mp is false"),
+        ({"AutoMixprecision": {"DualQuantNodes": True}}, "extra_options.AutoMixprecision given but include_auto_mp is false"),
+        ({"FastFinetune": {"NumIterations": 5}}, "extra_options.FastFinetune given but include_fast_ft is false"),
+    ],
+)
+def test_a_block_whose_switch_is_off_stays_off_with_a_warning(
+    extra: dict, said: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="finetune.config"):
+        config = from_quark({"extra_options": extra})
+    assert config == from_quark({})  # nothing of the block applies, DualQuantNodes included
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and warnings[0].startswith(said) and "as in Quark" in warnings[0]
+
+
 # --- every refusal of a Quark config lists all its problems at once --------------------------------
 
 MANY_PROBLEMS = {

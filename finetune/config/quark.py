@@ -262,7 +262,7 @@ class _Translation:
         path = "extra_options.AutoMixprecision"
         block = _mapping(self.extra.get("AutoMixprecision"), path)
         self.check(block, AUTO_MP_MAPPED, AUTO_MP_NO_EFFECT, AUTO_MP_ACCEPTED_ONLY, path)
-        if not self.flag("include_auto_mp", False):
+        if not self.switched_on("include_auto_mp", path, bool(block)):
             return {}
         act, weight = block.get("ActTargetQuantType"), block.get("WeightTargetQuantType")
         if act is None and weight is None:
@@ -329,12 +329,23 @@ class _Translation:
         return {name: choice}
 
     def dual_quant(self) -> Any:
-        """EnableDualQuantNodePairs, or AutoMixprecision's DualQuantNodes."""
+        """EnableDualQuantNodePairs, or AutoMixprecision's DualQuantNodes with include_auto_mp (Quark
+        reads that block only then)."""
         if "EnableDualQuantNodePairs" in self.extra:
             return self.flag("EnableDualQuantNodePairs", False)
+        if not self.flag("include_auto_mp", False):
+            return False
         block = _mapping(self.extra.get("AutoMixprecision"), "extra_options.AutoMixprecision")
         self.origins["dual_quant"] = "extra_options.AutoMixprecision.DualQuantNodes"
         return block.get("DualQuantNodes", False)
+
+    def switched_on(self, flag: str, path: str, given: bool) -> bool:
+        """Whether the include_* `flag` is on; options given for it while it is off have no effect,
+        as in Quark, which is said at WARNING (not silently dropped)."""
+        on = self.flag(flag, False)
+        if given and not on:
+            log.warning("%s given but %s is false: no effect, as in Quark", path, flag)
+        return on
 
     def weight_storage(self) -> str:
         """AddQDQPairToWeight true keeps float weights (our default), false stores them compactly."""
@@ -346,9 +357,7 @@ class _Translation:
         path = "extra_options.FastFinetune"
         block = _mapping(self.extra.get("FastFinetune"), path)
         self.check(block, FAST_FT_MAPPED, FAST_FT_NO_EFFECT, FAST_FT_ACCEPTED_ONLY, path)
-        if not self.flag("include_fast_ft", False):
-            if block:
-                log.warning("%s is set but include_fast_ft is false: fast finetune stays off, as in Quark", path)
+        if not self.switched_on("include_fast_ft", path, bool(block)):
             return None
         out: dict[str, Any] = {"batch_size": QUARK_FAST_FT_BATCH_SIZE}
         for theirs, ours in FAST_FT_KEYS.items():

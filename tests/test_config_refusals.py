@@ -15,6 +15,7 @@ from finetune.calibrate import make_observer
 from finetune.cli import main
 from finetune.config import ConfigError, from_quark, load_config
 from finetune.formats import FloatSpec, IntSpec
+from finetune.onnx.equalize import MAX_SWEEPS, SETTLED
 
 from .test_calibrate import conv_matmul_model
 
@@ -77,6 +78,32 @@ def test_quark_calibration_refusals_name_the_quark_option(options: dict, message
         load_config(options, config_format="quark")
 
 
+# --- Quark's equalisation options: accepted only at what finetune's equalisation does ---------------
+
+
+def test_quark_cle_options_at_finetunes_behaviour_are_accepted() -> None:
+    described = {"CLESteps": -1, "CLEScaleAppendBias": False}
+    config = from_quark({"include_cle": True, "extra_options": described})
+    assert config == from_quark({"include_cle": True}) and config.cross_layer_equalization
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "ours"),
+    [
+        ("CLESteps", 1, f"sweeps until every scale is within {SETTLED:g} of 1 (at most {MAX_SWEEPS} sweeps)"),
+        ("CLESteps", 3, "which -1 (adaptive) stands for"),
+        ("CLETotalLayerDiffThreshold", 2e-7, f"stops once every scale is within {SETTLED:g} of 1"),
+        ("CLEScaleAppendBias", True, "weight ranges alone"),
+    ],
+)
+def test_quark_cle_options_that_differ_from_finetunes_equalisation_are_refused(option: str, value: object, ours: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        from_quark({"include_cle": True, "extra_options": {option: value}})
+    message = str(caught.value)
+    assert message.startswith(f"extra_options.{option}: {value!r} has no equivalent in finetune")
+    assert ours in message and "\n" not in message
+
+
 # --- blocks of an include_* switch that is off: no effect, as in Quark, and said at WARNING ---------
 
 
@@ -86,6 +113,8 @@ def test_quark_calibration_refusals_name_the_quark_option(options: dict, message
         ({"AutoMixprecision": {"TargetQuantType": "QBFP"}}, "extra_options.AutoMixprecision given but include_auto_mp is false"),
         ({"AutoMixprecision": {"DualQuantNodes": True}}, "extra_options.AutoMixprecision given but include_auto_mp is false"),
         ({"FastFinetune": {"NumIterations": 5}}, "extra_options.FastFinetune given but include_fast_ft is false"),
+        ({"CLESteps": -1, "CLEScaleAppendBias": False},
+         "extra_options.CLESteps, extra_options.CLEScaleAppendBias given but include_cle is false"),
     ],
 )
 def test_a_block_whose_switch_is_off_stays_off_with_a_warning(
@@ -106,6 +135,7 @@ MANY_PROBLEMS = {
     "extra_options": {
         "ActivationSymetric": True,
         "SimplifyModel": True,
+        "CLESteps": 2,
         "BFPAttributes": {"bitwidth": 16},
         "TensorQuantOverrides": {"w": [{"quant_type": "QInt8", "scale": 0.5}]},
         "FastFinetune": {"SelectiveUpdate": True},
@@ -118,6 +148,7 @@ MANY_PROBLEM_PATHS = [
     "calibrate_method: CalibrationMethod.Distribution has no equivalent",
     "extra_options.ActivationSymetric: unknown Quark option (did you mean ActivationSymmetric?)",
     "extra_options.SimplifyModel: True has no equivalent",
+    "extra_options.CLESteps: 2 has no equivalent",
     "extra_options.BFPAttributes.bitwidth: unknown Quark option (did you mean bit_width?)",
     "extra_options.TensorQuantOverrides['w'][0].scale: 0.5 has no equivalent",
     "extra_options.FastFinetune.SelectiveUpdate: True has no equivalent",

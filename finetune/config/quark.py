@@ -21,6 +21,7 @@ from .quark_options import (
     AUTO_MP_MAPPED,
     AUTO_MP_NO_EFFECT,
     CALIBRATE_METHODS,
+    CLE_OPTIONS,
     EXTRA_ACCEPTED_ONLY,
     EXTRA_MAPPED,
     EXTRA_NO_EFFECT,
@@ -133,7 +134,7 @@ class _Translation:
             "tensor_overrides": {**self.mixed_precision_tensors(), **self.tensor_quant_overrides()},
             "exclude_nodes": self.exclude_nodes(),
             "dual_quant": self.attempt(self.dual_quant, False),
-            "cross_layer_equalization": self.attempt(self.flag, False, "include_cle", False),
+            "cross_layer_equalization": self.attempt(self.cross_layer_equalization, False),
             "weight_storage": self.attempt(self.weight_storage, "float"),
             "fast_finetune": self.attempt(self.fast_finetune, None),
         }
@@ -338,6 +339,11 @@ class _Translation:
         block = _mapping(self.extra.get("AutoMixprecision"), "extra_options.AutoMixprecision")
         self.origins["dual_quant"] = "extra_options.AutoMixprecision.DualQuantNodes"
         return block.get("DualQuantNodes", False)
+
+    def cross_layer_equalization(self) -> bool:
+        """include_cle runs finetune's equalisation; the CLE options only describe it (CLE_OPTIONS)."""
+        given = ", ".join(f"extra_options.{key}" for key in CLE_OPTIONS if key in self.extra)
+        return self.switched_on("include_cle", given, bool(given))
 
     def switched_on(self, flag: str, path: str, given: bool) -> bool:
         """Whether the include_* `flag` is on; options given for it while it is off have no effect,

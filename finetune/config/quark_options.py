@@ -19,6 +19,8 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
+from finetune.onnx.equalize import MAX_SWEEPS, SETTLED
+
 from .schema import ConfigError, join_path
 
 log = logging.getLogger(__name__)
@@ -92,10 +94,23 @@ EXTRA_NO_EFFECT = (
     "CalibOptimizeMem", "CalibOptimizeDisk", "SaveTensorHistFig", "EvalMetrics", "EvalDataReader",
     "FillAllValueInfo", "RemoveInputInit", "UseQDQVitisCustomOps", "SkipPreprocess", "CopyBiasInit", "UseFP32Scale",
     "CalibMovingAverageConstant", "OpTypesToExcludeOutputQuantization", "NodesToExcludeOutputQuantization",
-    "CLESteps", "CLETotalLayerDiffThreshold", "CLEScaleAppendBias", "SmoothAlpha", "RMatrixDim", "UseRandomHad",
+    "SmoothAlpha", "RMatrixDim", "UseRandomHad",
     "RConfigPath", "GPTQParams", "MatMulNBitsParams", "LWPMetric", "ActivationBitWidth", "PercentileCandidates",
 )
+# include_cle runs finetune's own equalisation (finetune.onnx.equalize), which has no knobs: its
+# options are accepted at the values that describe it, and FINETUNE_DOES says what it does.
+CLE_OPTIONS: dict[str, tuple[Any, ...]] = {
+    "CLESteps": (-1, None), "CLETotalLayerDiffThreshold": (None,), "CLEScaleAppendBias": (False, None),
+}
+FINETUNE_DOES = {
+    "CLESteps": f"finetune's equalisation sweeps until every scale is within {SETTLED:g} of 1 (at most "
+    f"{MAX_SWEEPS} sweeps), which -1 (adaptive) stands for",
+    "CLETotalLayerDiffThreshold": f"finetune's equalisation stops once every scale is within {SETTLED:g} of 1, "
+    "not on a total weight change",
+    "CLEScaleAppendBias": "finetune's equalisation scales by the weight ranges alone (false)",
+}
 EXTRA_ACCEPTED_ONLY: dict[str, tuple[Any, ...]] = {
+    **CLE_OPTIONS,
     "AdjustBiasScale": (True, None),
     "MinMSEMode": ("All", None),
     "MinMSEModePof2Scale": ("All", None),
@@ -175,7 +190,8 @@ def option_problems(
             problems.append(ConfigError(where, f"unknown Quark option{_suggestion(str(key), known)}"))
         elif key in accepted_only and value not in accepted_only[key]:
             accepted = " or ".join(map(repr, accepted_only[key]))
-            problems.append(ConfigError(where, f"{value!r} has no equivalent in finetune (accepted: {accepted})"))
+            ours = f"; {FINETUNE_DOES[key]}" if key in FINETUNE_DOES else ""
+            problems.append(ConfigError(where, f"{value!r} has no equivalent in finetune (accepted: {accepted}){ours}"))
         elif key in no_effect:
             log.info("Quark option %s accepted without effect in finetune", where)
     return problems

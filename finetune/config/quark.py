@@ -131,7 +131,10 @@ class _Translation:
             "bias": self.attempt(self.bias, "auto", weight),
             "op_types": self.attempt(self.op_types, DEFAULT_OP_TYPES),
             "op_type_overrides": self.attempt(self.auto_mixprecision, {}),
-            "tensor_overrides": {**self.mixed_precision_tensors(), **self.tensor_quant_overrides()},
+            "tensor_overrides": {
+                **self.tensor_overrides("MixedPrecisionTensor", self.precision_tensors),
+                **self.tensor_overrides("TensorQuantOverrides", self.tensor_quant_override),
+            },
             "exclude_nodes": self.exclude_nodes(),
             "dual_quant": self.attempt(self.dual_quant, False),
             "cross_layer_equalization": self.attempt(self.cross_layer_equalization, False),
@@ -290,29 +293,24 @@ class _Translation:
             return "auto"
         raise ConfigError(path, "has no equivalent here: a bias is int32, float, or in its weight's float format")
 
-    def mixed_precision_tensors(self) -> dict[str, Any]:
-        """MixedPrecisionTensor {quant type: [tensor names]} as tensor_overrides."""
-        path = "extra_options.MixedPrecisionTensor"
+    def tensor_overrides(self, option: str, entry: Callable[[Any, Any, str], dict[str, Any]]) -> dict[str, Any]:
+        """The tensor_overrides that the mapping extra_options.`option` gives, each of its entries
+        translated by `entry` (key, value, path); a bad entry is collected and the others still read."""
+        path = f"extra_options.{option}"
         out: dict[str, Any] = {}
-        for quant_type, names in self.attempt(_mapping, {}, self.extra.get("MixedPrecisionTensor"), path).items():
-            out.update(self.attempt(self._precision_tensors, {}, quant_type, names, f"{path}[{str(quant_type)!r}]"))
+        for key, value in self.attempt(_mapping, {}, self.extra.get(option), path).items():
+            out.update(self.attempt(entry, {}, key, value, f"{path}[{str(key)!r}]"))
         return out
 
-    def _precision_tensors(self, quant_type: Any, names: Any, where: str) -> dict[str, Any]:
+    def precision_tensors(self, quant_type: Any, names: Any, where: str) -> dict[str, Any]:
+        """A MixedPrecisionTensor entry {quant type: [tensor names]}."""
         if not isinstance(names, (list, tuple)):
             raise ConfigError(where, f"expected a list of tensor names, got {names!r}")
         return {name: self.choice(quant_type, "tensor", f"tensor_overrides[{name!r}]", where) for name in names}
 
-    def tensor_quant_overrides(self) -> dict[str, Any]:
-        """TensorQuantOverrides {tensor: [{quant_type, axis, symmetric}]} as tensor_overrides;
-        explicit scales, ranges and per-channel lists have no equivalent."""
-        path = "extra_options.TensorQuantOverrides"
-        out: dict[str, Any] = {}
-        for name, entries in self.attempt(_mapping, {}, self.extra.get("TensorQuantOverrides"), path).items():
-            out.update(self.attempt(self._tensor_override, {}, name, entries, f"{path}[{name!r}]"))
-        return out
-
-    def _tensor_override(self, name: str, entries: Any, where: str) -> dict[str, Any]:
+    def tensor_quant_override(self, name: str, entries: Any, where: str) -> dict[str, Any]:
+        """A TensorQuantOverrides entry {tensor: [{quant_type, axis, symmetric}]}; explicit scales,
+        ranges and per-channel lists have no equivalent."""
         if not isinstance(entries, (list, tuple)) or len(entries) != 1 or not isinstance(entries[0], Mapping):
             problem = "expected a list holding one mapping (per-channel override lists have no equivalent here)"
             raise ConfigError(where, problem)

@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from finetune.calibrate.histograms import DEFAULT_BINS
 from finetune.formats import BFPSpec, FloatSpec, FormatSpec, IntSpec, MXSpec
 from finetune.formats.floats import FLOAT_TYPES
 from finetune.formats.integer import INT_RANGES
@@ -24,6 +25,7 @@ DEFAULT_PERCENTILE = 99.999
 FormatName = Literal["int", "float", "bfp", "mx"]
 Calibration = Literal["minmax", "percentile", "mse", "pot_minmse", "entropy"]
 BLOCK_CALIBRATIONS = ("minmax",)  # the calibrations with per-block scales (finetune.calibrate's observers)
+ENTROPY_BINS = DEFAULT_BINS // 2  # the bins of |x| among which the entropy observer picks its threshold
 
 # format -> (spec dataclass, keys beyond the spec's fields)
 _FAMILIES: dict[str, tuple[type, tuple[str, ...]]] = {
@@ -50,9 +52,11 @@ class FormatChoice(Section):
 
     - int: dtype (int8), symmetric (true), granularity tensor|channel|block (tensor), axis,
       block_size (32 for block), power_of_two (false), calibration (minmax, the only one for
-      blocks), percentile (99.999, with calibration percentile only). `pot_minmse` needs power_of_two.
+      blocks; entropy up to 8 bits), percentile (99.999, with calibration percentile only).
+      `pot_minmse` needs power_of_two.
     - float: dtype (bfloat16), saturate (true), granularity tensor|channel (channel for float8
-      only), axis; float8 calibrates its scale (minmax; not entropy), bfloat16/float16 take none (scale 1).
+      only), axis; float8 calibrates its scale (minmax; not entropy), bfloat16/float16 take none
+      (scale 1).
     - bfp: BFPSpec's keys (to_bfp, 16 bits, block 8, ...); mx: MXSpec's keys (int8, block 32).
     """
 
@@ -141,16 +145,30 @@ class FormatChoice(Section):
         self._set_default("calibration", "minmax")
         if self.calibration == "pot_minmse" and not self.power_of_two:
             raise ConfigError("calibration", "pot_minmse searches power-of-two scales: it needs power_of_two: true")
-        if self.calibration == "entropy" and self.format == "float":
-            raise ConfigError("calibration", f"entropy cannot calibrate {self.dtype}: it searches integer levels; "
-                                             "use minmax, percentile or mse")
-        if self.granularity == "block" and self.calibration not in BLOCK_CALIBRATIONS:
-            raise ConfigError("calibration", f"{self.calibration} cannot calibrate per-block scales (granularity "
-                                             f"block); use {' or '.join(BLOCK_CALIBRATIONS)}")
+        self._check_observable()
         if self.calibration == "percentile":
             self._set_default("percentile", DEFAULT_PERCENTILE)
         elif self.percentile is not None:
             raise ConfigError("percentile", "applies with calibration: percentile only (set it to null)")
+
+    def _check_observable(self) -> None:
+        """Refuse what finetune.calibrate's observers cannot serve: only minmax keeps per-block
+        ranges, and entropy searches integer levels, fewer than its histogram's bins (with more it
+        would clip nothing, i.e. be minmax)."""
+        if self.granularity == "block" and self.calibration not in BLOCK_CALIBRATIONS:
+            raise ConfigError("calibration", f"{self.calibration} cannot calibrate per-block scales (granularity "
+                                             f"block); use {' or '.join(BLOCK_CALIBRATIONS)}")
+        if self.calibration != "entropy":
+            return
+        if self.format == "float":
+            problem = "it searches integer levels"
+        else:
+            low, high = INT_RANGES[self.dtype]
+            magnitudes = int(high - low + 1) // 2
+            if magnitudes < ENTROPY_BINS:
+                return
+            problem = f"its {magnitudes:,} levels of |x| outnumber the {ENTROPY_BINS} histogram bins, so it would clip nothing"
+        raise ConfigError("calibration", f"entropy cannot calibrate {self.dtype}: {problem}; use minmax, percentile or mse")
 
     def _validate_spec(self) -> None:
         """Build a spec once so that the spec's own checks (ranges, block sizes) run at load time."""

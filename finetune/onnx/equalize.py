@@ -19,6 +19,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from finetune.notices import Notice
+
 from .domains import DEFAULT_DOMAINS
 from .normalize import infer_shapes, keep_only
 
@@ -39,19 +41,20 @@ class Pair:
     second: onnx.NodeProto
 
 
-def equalize_model(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[str]]:
+def equalize_model(model: onnx.ModelProto, notices: list[Notice] | None = None) -> tuple[onnx.ModelProto, list[str]]:
     """An equalised copy of a normalised, constant-folded float `model` (weights as initializers,
     named nodes, inferred shapes, Pad widths as initializers: a computed one keeps its pair apart)
-    and what changed (also logged); the input is never modified."""
+    and what changed (also logged; a failed shape inference goes to `notices`); the input is
+    never modified."""
     result = onnx.ModelProto()
     result.CopyFrom(model)
-    changes = _equalize(result)
+    changes = _equalize(result, notices)
     for change in changes:
         logger.info(change)
     return result, changes
 
 
-def _equalize(model: onnx.ModelProto) -> list[str]:
+def _equalize(model: onnx.ModelProto, notices: list[Notice] | None) -> list[str]:
     """Equalise every pair of `model` in place; returns what changed."""
     graph = model.graph
     pairs = find_pairs(graph)
@@ -70,7 +73,7 @@ def _equalize(model: onnx.ModelProto) -> list[str]:
     clips = _rescale_clips(graph, clip_scales)
     change = (f"cross-layer equalisation: {len(pairs)} Conv pair(s) in {sweeps} sweep(s)"
               + (f", {clips} Clip node(s) became per-channel Max/Min" if clips else ""))
-    return [change, *infer_shapes(model)]
+    return [change, *infer_shapes(model, notices)]
 
 
 def find_pairs(graph: onnx.GraphProto) -> list[Pair]:

@@ -3,15 +3,20 @@ shape and type lookups it needs; the quantizer's equalisation and the conversion
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Collection
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper, shape_inference
+from onnx import helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 
+from finetune.notices import Notice, warn
+
 from .domains import DEFAULT_DOMAINS
-from .normalize import default_opset, keep_only
+from .normalize import default_opset, keep_only, shape_inference_notice, try_infer_shapes
+
+logger = logging.getLogger(__name__)
 
 # Ops never folded: random ops differ per run, and folding a Q/DQ pair would erase quantization.
 NOT_FOLDED = frozenset({
@@ -21,9 +26,22 @@ NOT_FOLDED = frozenset({
 
 
 def infer_types(model: onnx.ModelProto) -> None:
-    """Replace the model's value_info by onnx's inferred shapes and types (in place)."""
+    """Replace the model's value_info by onnx's inferred shapes and types (in place); a ValueError
+    when onnx cannot infer them."""
+    failure = refresh_types(model)
+    if failure is not None:
+        raise ValueError(f"onnx shape inference failed on the model: {failure}")
+
+
+def refresh_types(model: onnx.ModelProto) -> str | None:
+    """Replace the model's value_info by onnx's inferred shapes and types (in place), so none is
+    stale; when onnx cannot infer them, the stored ones stay and the reason is returned."""
+    stored = list(model.graph.value_info)
     del model.graph.value_info[:]
-    model.CopyFrom(shape_inference.infer_shapes(model, strict_mode=False, data_prop=True))
+    failure = try_infer_shapes(model)
+    if failure is not None:
+        model.graph.value_info.extend(stored)
+    return failure
 
 
 def tensor_types(model: onnx.ModelProto) -> dict[str, onnx.TypeProto.Tensor]:
@@ -39,15 +57,18 @@ def tensor_types(model: onnx.ModelProto) -> dict[str, onnx.TypeProto.Tensor]:
     return types
 
 
-def fold_constants(model: onnx.ModelProto, only: Collection[str] | None = None) -> list[str]:
+def fold_constants(
+    model: onnx.ModelProto, only: Collection[str] | None = None, notices: list[Notice] | None = None,
+) -> list[str]:
     """Replace every deterministic default-domain node whose inputs are all constant (initializers,
     or Shape of a statically shaped tensor) by initializers holding its outputs, in place; with
-    `only`, just the nodes with an output named there."""
-    infer_types(model)
+    `only`, just the nodes with an output named there. Where onnx cannot infer the types, folding
+    goes on with the stored ones and says so (WARNING, `notices`)."""
+    _refresh_or_warn(model, notices)
     graph = model.graph
     opset = default_opset(model)
     constants = {tensor.name: tensor for tensor in graph.initializer}
-    shapes = _static_shapes(model)
+    shapes = static_shapes(model)
     outputs = {o.name for o in graph.output}
     chosen = None if only is None else set(only)
     kept, folded = [], 0
@@ -64,8 +85,15 @@ def fold_constants(model: onnx.ModelProto, only: Collection[str] | None = None) 
     del graph.node[:]
     graph.node.extend(kept)
     removed = drop_unused_initializers(model)
-    infer_types(model)
+    _refresh_or_warn(model, notices)
     return [f"folded {folded} constant node(s) into initializers"] * bool(folded) + removed
+
+
+def _refresh_or_warn(model: onnx.ModelProto, notices: list[Notice] | None) -> None:
+    """refresh_types, a failure logged at WARNING and added to `notices`."""
+    failure = refresh_types(model)
+    if failure is not None:
+        warn(logger, notices, [shape_inference_notice(model, failure)])
 
 
 def foldable(node: onnx.NodeProto) -> bool:
@@ -101,7 +129,7 @@ def _static_shape_of(node: onnx.NodeProto, shapes: dict[str, tuple[int, ...]]) -
     return [np.array(shape[start:end], np.int64)]
 
 
-def _static_shapes(model: onnx.ModelProto) -> dict[str, tuple[int, ...]]:
+def static_shapes(model: onnx.ModelProto) -> dict[str, tuple[int, ...]]:
     """Fully known shapes of the model's values."""
     shapes = {}
     for name, tensor_type in tensor_types(model).items():

@@ -11,11 +11,15 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper, shape_inference, version_converter
 
+from finetune.notices import Notice, warn
+
 from .domains import DEFAULT_DOMAINS, MIN_OPSET
 from .io import PROTOBUF_LIMIT
 
 logger = logging.getLogger(__name__)
 
+
+OPSET_KEPT = "kept opset"  # how a change reports a failed opset upgrade
 
 # Constant attributes other than a tensor, with the numpy type of their value.
 _CONSTANT_ATTRIBUTES: dict[str, type] = {
@@ -26,9 +30,12 @@ _CONSTANT_ATTRIBUTES: dict[str, type] = {
 }
 
 
-def normalize_model(model: onnx.ModelProto, min_opset: int = MIN_OPSET) -> tuple[onnx.ModelProto, list[str]]:
+def normalize_model(
+    model: onnx.ModelProto, min_opset: int = MIN_OPSET, notices: list[Notice] | None = None,
+) -> tuple[onnx.ModelProto, list[str]]:
     """A normalised copy of `model` and a readable list of what changed (each item also logged);
-    the input is never modified."""
+    what could not be done (shape inference) is logged at WARNING and added to `notices`. The
+    input is never modified."""
     result = onnx.ModelProto()
     result.CopyFrom(model)
     steps: list[Callable[[onnx.ModelProto], list[str]]] = [
@@ -37,7 +44,7 @@ def normalize_model(model: onnx.ModelProto, min_opset: int = MIN_OPSET) -> tuple
         _bypass_initializer_identities,
         _drop_initializer_inputs,
         _name_nodes,
-        infer_shapes,
+        lambda m: infer_shapes(m, notices),
     ]
     changes: list[str] = []
     for step in steps:
@@ -61,7 +68,7 @@ def _upgrade_opset(model: onnx.ModelProto, min_opset: int) -> list[str]:
     try:
         upgraded = version_converter.convert_version(model, min_opset)
     except Exception as error:  # the converter raises RuntimeError or onnx's C++ errors
-        return [f"kept opset {opset}: onnx's version converter could not upgrade to {min_opset} ({error})"]
+        return [f"{OPSET_KEPT} {opset}: onnx's version converter could not upgrade to {min_opset} ({error})"]
     model.CopyFrom(upgraded)
     return [f"upgraded the default opset from {opset} to {min_opset}"]
 
@@ -178,15 +185,33 @@ def _name_nodes(model: onnx.ModelProto) -> list[str]:
     return [f"named {renamed} node(s) that had no name or a duplicate one"] if renamed else []
 
 
-def infer_shapes(model: onnx.ModelProto) -> list[str]:
-    """Run onnx shape inference with data propagation; failures are reported, not raised."""
-    if model.ByteSize() > PROTOBUF_LIMIT:
-        return ["skipped shape inference: the model is larger than 2 GB"]
+def infer_shapes(model: onnx.ModelProto, notices: list[Notice] | None = None) -> list[str]:
+    """Run onnx shape inference with data propagation, in place; a failure is not raised but
+    logged at WARNING and added to `notices`: shapes stay as stored (values it would have typed
+    stay untyped, and the quantizer leaves those float, saying so)."""
     before = len(model.graph.value_info)
+    failure = try_infer_shapes(model)
+    if failure is not None:
+        warn(logger, notices, [shape_inference_notice(model, failure)])
+        return []
+    added = len(model.graph.value_info) - before
+    return [f"inferred the shapes of {added} value(s)"] if added else []
+
+
+def try_infer_shapes(model: onnx.ModelProto) -> str | None:
+    """Run onnx shape inference with data propagation, in place; the reason it could not, if so
+    (the model is then unchanged)."""
+    if model.ByteSize() > PROTOBUF_LIMIT:
+        return "the model is larger than 2 GB, more than onnx's shape inference takes"
     try:
         inferred = shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
     except Exception as error:  # onnx raises InferenceError and C++ runtime errors
-        return [f"shape inference failed ({error}); shapes stay as stored"]
+        return " ".join(str(error).split())
     model.CopyFrom(inferred)
-    added = len(model.graph.value_info) - before
-    return [f"inferred the shapes of {added} value(s)"] if added else []
+    return None
+
+
+def shape_inference_notice(model: onnx.ModelProto, failure: str) -> Notice:
+    """The notice of a shape inference that failed for `failure`."""
+    name = model.graph.name or "(unnamed graph)"
+    return Notice("model", name, f"onnx shape inference failed ({failure}); shapes stay as stored")

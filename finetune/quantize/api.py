@@ -11,6 +11,7 @@ from typing import Any
 import onnx
 
 from finetune.config import QuantConfig, load_config
+from finetune.notices import Notice
 from finetune.onnx import attach_custom_ops
 from finetune.onnx.equalize import equalize_model
 from finetune.onnx.fold import fold_constants
@@ -41,20 +42,22 @@ def quantize_model(
     YAML path or mapping), calibrating INT/FP8 scales on `data` (anything CalibrationData takes)."""
     start = time.perf_counter()
     config = load_config(config)
+    notices: list[Notice] = []
     original = load_model(model)
-    normalized, changes = normalize_model(original)
-    for change in fold_constants(normalized):  # a weight computed from constants (Transpose(W)) becomes one to quantize and tune
+    normalized, changes = normalize_model(original, notices=notices)
+    for change in fold_constants(normalized, notices=notices):  # a weight computed from constants (Transpose(W)) becomes one to quantize and tune
         logger.info(change)
         changes.append(change)
     if config.cross_layer_equalization:
-        normalized, equalized = equalize_model(normalized)
+        normalized, equalized = equalize_model(normalized, notices)
         changes += equalized
     float_model = normalized
-    uses = plan(normalized, config)
-    normalized = upgrade_opset(normalized, uses, changes)
+    uses = plan(normalized, config, notices)
+    normalized = upgrade_opset(normalized, uses, changes, notices)
     qparams = calibrate(normalized, uses, data, providers)
     quantized = attach_custom_ops(insert_qdq(normalized, uses, qparams, config.weight_storage))
-    summary = summarize(original, quantized, uses, changes, time.perf_counter() - start)
+    summary = summarize(original, quantized, uses, changes, notices, time.perf_counter() - start)
     if config.fast_finetune is not None:
         logger.info("the config's fast_finetune section is not run here; finetune.pipeline.quantize_and_finetune runs it")
     return QuantizeResult(quantized, summary, float_model)
+

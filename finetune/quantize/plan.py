@@ -12,6 +12,7 @@ import onnx
 
 from finetune.config import FormatChoice, QuantConfig
 from finetune.formats import FormatSpec, IntSpec
+from finetune.notices import Notice, warn
 from finetune.onnx.domains import DEFAULT_DOMAINS
 from finetune.onnx.normalize import default_opset, normalize_model
 from finetune.onnx.qdq import STANDARD_QDQ_OPSET, uses_standard_ops
@@ -19,6 +20,7 @@ from finetune.onnx.qdq import STANDARD_QDQ_OPSET, uses_standard_ops
 logger = logging.getLogger(__name__)
 
 QUANTIZABLE_ELEMENT_TYPES = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16)
+UNTYPED = "stays float: its element type is unknown (onnx's shape inference could not infer it, as for outputs of custom-domain ops)"
 PER_CHANNEL_OPSET = 13
 FP8_OPSET = 19
 
@@ -41,13 +43,16 @@ class Use:
         return (self.tensor, self.spec) if self.before is None else (self.tensor, self.before.spec, self.spec)
 
 
-def plan(model: onnx.ModelProto, config: QuantConfig) -> list[Use]:
-    """Every quantized input of every selected node, in graph order, with its concrete format."""
+def plan(model: onnx.ModelProto, config: QuantConfig, notices: list[Notice]) -> list[Use]:
+    """Every quantized input of every selected node, in graph order, with its concrete format;
+    an input the config quantizes but whose element type onnx could not infer stays float, and
+    is added to `notices` (WARNING)."""
     graph = model.graph
     initializers = {t.name: t for t in graph.initializer}
     types, ranks = tensor_types_and_ranks(model)
     producers = {output: node for node in graph.node for output in node.output}
     uses: list[Use] = []
+    untyped = []
     for node in graph.node:
         if node.domain not in DEFAULT_DOMAINS:
             continue
@@ -55,10 +60,14 @@ def plan(model: onnx.ModelProto, config: QuantConfig) -> list[Use]:
         if formats is None:
             continue
         node_uses = []
-        for index, role in _input_roles(node, initializers, types):
+        for index, role in _input_roles(node, initializers):
             tensor = node.input[index]
             choice = config.tensor_overrides.get(tensor, getattr(formats, role))
             if choice is None:
+                continue
+            if types.get(tensor) not in QUANTIZABLE_ELEMENT_TYPES:
+                if not types.get(tensor):  # unknown (or UNDEFINED); a known integer or bool input is simply not quantized
+                    untyped.append(Notice("tensor", tensor, UNTYPED))
                 continue
             if choice == "int32":
                 node_uses.append(Use(node.name, index, tensor, role, choice, IntSpec("int32")))
@@ -69,6 +78,7 @@ def plan(model: onnx.ModelProto, config: QuantConfig) -> list[Use]:
             before = _producer_format(tensor, spec, producers, config, ranks) if config.dual_quant else None
             node_uses.append(Use(node.name, index, tensor, role, choice, spec, before))
         uses.extend(_int32_bias_axes(node_uses))
+    warn(logger, notices, untyped)
     logger.info("planned %d quantized inputs on %d nodes", len(uses), len({u.node for u in uses}))
     return uses
 
@@ -88,14 +98,13 @@ def _producer_format(
     return None if produced == spec else Use(producer.name, -1, tensor, "activation", choice, produced)
 
 
-def _input_roles(
-    node: onnx.NodeProto, initializers: dict[str, onnx.TensorProto], types: dict[str, int]
-) -> list[tuple[int, str]]:
-    """(input index, role) of the float inputs a quantized node's config applies to: constant
-    weights and biases of Conv/ConvTranspose/Gemm, constant MatMul operands, activations otherwise."""
+def _input_roles(node: onnx.NodeProto, initializers: dict[str, onnx.TensorProto]) -> list[tuple[int, str]]:
+    """(input index, role) of the inputs a quantized node's config applies to (the float ones
+    among them are quantized): constant weights and biases of Conv/ConvTranspose/Gemm, constant
+    MatMul operands, activations otherwise."""
     roles = []
     for index, name in enumerate(node.input):
-        if not name or types.get(name) not in QUANTIZABLE_ELEMENT_TYPES:
+        if not name:
             continue
         constant = name in initializers
         if node.op_type in ("Conv", "ConvTranspose", "Gemm") and index == 2:
@@ -151,18 +160,20 @@ def with_producer_formats(uses: list[Use]) -> list[Use]:
     return [step for use in uses for step in ((use.before, use) if use.before else (use,))]
 
 
-def upgrade_opset(model: onnx.ModelProto, uses: list[Use], changes: list[str]) -> onnx.ModelProto:
-    """Raise the opset to what the planned standard Q/DQ need: 13 per channel, 19 FP8, 21 for
-    int4/int16 and blocked scales."""
-    needed = max((_opset_for(u.spec) for u in with_producer_formats(uses)), default=PER_CHANNEL_OPSET)
+def upgrade_opset(model: onnx.ModelProto, uses: list[Use], changes: list[str], notices: list[Notice]) -> onnx.ModelProto:
+    """Raise the opset to what the planned quantize-dequantize nodes need (`opset_for`); whether
+    the version converter managed it is for the caller to check (checks.check_opset)."""
+    needed = max((opset_for(u.spec) for u in with_producer_formats(uses)), default=PER_CHANNEL_OPSET)
     if (default_opset(model) or 0) >= needed:
         return model
-    upgraded, more = normalize_model(model, min_opset=needed)
+    upgraded, more = normalize_model(model, min_opset=needed, notices=notices)
     changes.extend(more)
     return upgraded
 
 
-def _opset_for(spec: FormatSpec) -> int:
+def opset_for(spec: FormatSpec) -> int:
+    """The default-domain opset a format's quantize-dequantize nodes need: 13 per channel (and
+    for our functions' bodies), 19 FP8, 21 for int4/int16 and blocked scales."""
     if not uses_standard_ops(spec):
         return PER_CHANNEL_OPSET
     if spec.dtype in ("int4", "uint4", "int16", "uint16") or getattr(spec, "block_size", None):

@@ -1,5 +1,6 @@
 """What a quantization did, for people: short labels of formats (also used in node names), the
-summary dict (tensors per format and role, model sizes, normalisation changes) and its table."""
+summary dict (tensors per format and role, model sizes, normalisation changes, and the warnings:
+what was not done as configured, with the reason) and its table."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 import onnx
 
 from finetune.formats import FloatSpec, FormatSpec, IntSpec, MXSpec
+from finetune.notices import Notice, describe
 
 from .plan import Use, with_producer_formats
 
@@ -22,8 +24,12 @@ def format_label(spec: FormatSpec) -> str:
     return f"{spec.bfp_method}{spec.bit_width}"
 
 
-def summarize(original: onnx.ModelProto, quantized: onnx.ModelProto, uses: list[Use], changes: list[str], seconds: float) -> dict[str, Any]:
-    """Tensors per format and role, model sizes and what normalisation (and equalisation) changed."""
+def summarize(
+    original: onnx.ModelProto, quantized: onnx.ModelProto, uses: list[Use], changes: list[str], notices: list[Notice],
+    seconds: float,
+) -> dict[str, Any]:
+    """Tensors per format and role, model sizes, what normalisation (and equalisation) changed and
+    the warnings ({"tensor" | "node" | "model" | "config": name, "reason": ...} each)."""
     distinct = {(u.tensor, u.spec): u for u in with_producer_formats(uses)}.values()
     per_format = Counter((use.role, format_label(use.spec)) for use in distinct)
     return {
@@ -32,6 +38,7 @@ def summarize(original: onnx.ModelProto, quantized: onnx.ModelProto, uses: list[
         "model_bytes_before": original.ByteSize(),
         "model_bytes_after": quantized.ByteSize(),
         "normalization": changes,
+        "warnings": [notice.as_dict() for notice in notices],
         "seconds": round(seconds, 3),
     }
 
@@ -43,4 +50,5 @@ def format_summary(summary: dict[str, Any]) -> str:
     before, after = summary["model_bytes_before"], summary["model_bytes_after"]
     lines.append(f"quantized nodes: {summary['quantized_nodes']}; model size {before:,} -> {after:,} bytes "
                  f"({after / before:.2f}x); {summary['seconds']:.2f} s")
+    lines += [f"warning: {line}" for line in describe(summary["warnings"])]
     return "\n".join(lines)

@@ -1,25 +1,40 @@
-"""Nothing the quantizer cannot do as configured passes silently: what works other than configured
-is a WARNING and an entry of the summary's `warnings` (inputs of unknown type, failed shape
-inference)."""
+"""Nothing the quantizer cannot do as configured passes silently: what cannot work is a ValueError
+before calibration (an opset too old for a format, NaN/Inf weights, config entries that name
+nothing in the model), and what works other than configured is a WARNING and an entry of the
+summary's `warnings` (inputs of unknown type, failed shape inference, compact storage without a
+compact form, one-element block tensors, MX rounding modes without effect), which the command
+prints and writes into its summary JSON."""
 
 from __future__ import annotations
 
+import json
 import logging
+from pathlib import Path
 
 import numpy as np
 import onnx
 import pytest
 from onnx import helper
 
+from finetune.cli import main
 from finetune.notices import Notice
 from finetune.onnx.normalize import normalize_model
 from finetune.quantize import quantize_model
+from finetune.quantize.checks import ONE_ELEMENT
 from finetune.quantize.plan import UNTYPED
 
-from .lift_helpers import onnx_model, tensor
+from .lift_helpers import onnx_model, run_ort, tensor
 
 RNG = np.random.default_rng(0)
 W = RNG.standard_normal((64, 32)).astype(np.float32)
+INT4_WEIGHTS = {"weight": {"format": "int", "dtype": "int4", "granularity": "channel"}}
+
+
+def linear(weight: np.ndarray = W, x_shape: tuple = ("n", 64), opset: int = 17) -> onnx.ModelProto:
+    """y = MatMul(x, w) + b, with nodes `mm` and `add`."""
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"], name="mm"), helper.make_node("Add", ["h", "b"], ["y"], name="add")]
+    bias = np.zeros(weight.shape[1], np.float32)
+    return onnx_model(nodes, [tensor("x", list(x_shape))], [tensor("y", None)], {"w": weight, "b": bias}, opset=opset)
 
 
 def behind_custom_op(import_domain: bool) -> onnx.ModelProto:
@@ -52,3 +67,103 @@ def test_failed_shape_inference_is_a_warning_and_in_the_summary(caplog: pytest.L
     result = quantize_model(model, "MXFP4", None)  # folding constants goes on with the stored shapes
     assert [w["model"] for w in warnings_of(result.summary, "onnx shape inference failed")] == ["test"]
     assert {"tensor": "t", "reason": UNTYPED} in result.summary["warnings"]
+
+
+def test_an_opset_the_converter_cannot_reach_is_an_error_naming_format_and_opsets() -> None:
+    """int4 needs QuantizeLinear-21; onnx cannot convert a model with an op it does not know, and
+    the int4 nodes would make an invalid model: refused before calibration (no data needed to see it)."""
+    model = linear()
+    model.graph.node.append(helper.make_node("NoSuchOp", ["y"], ["z"], name="unknown"))
+    model.graph.output[0].name = "z"
+    with pytest.raises(ValueError, match=r"^int4 on tensor 'w' needs default-domain opset 21, but the model has opset 17 "
+                                         r"\(kept opset 17: onnx's version converter could not upgrade to 21 .*convert the model"):
+        quantize_model(model, {**INT4_WEIGHTS, "activation": {"format": "int"}}, None)
+    assert quantize_model(linear(), INT4_WEIGHTS, None).summary["warnings"] == []
+
+
+@pytest.mark.parametrize("preset", ["MX4", "MXFP4", "BF16", "BFP16"])
+def test_compact_storage_a_format_cannot_have_is_reported_per_weight(preset: str) -> None:
+    result = quantize_model(linear(), {"preset": preset, "weight_storage": "compact"}, None)
+    assert [w["tensor"] for w in warnings_of(result.summary, "weight_storage compact")] == ["w"]
+    assert onnx.numpy_helper.to_array(next(t for t in result.model.graph.initializer if t.name == "w")).dtype == np.float32
+
+
+def test_compact_storage_of_int_weights_warns_of_nothing() -> None:
+    assert quantize_model(linear(), {**INT4_WEIGHTS, "weight_storage": "compact"}, None).summary["warnings"] == []
+
+
+def test_one_element_tensors_pass_block_formats_as_they_are_and_are_listed(caplog: pytest.LogCaptureFixture) -> None:
+    """x and w of one element each (Quark's kernels leave them): numerics kept, each listed, one WARNING line."""
+    model = linear(weight=np.array([[1.3]], np.float32), x_shape=(1, 1))
+    for preset in ("MXFP4", "BFP16"):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            result = quantize_model(model, preset, None)
+        assert result.summary["warnings"] == [{"tensor": "x", "reason": ONE_ELEMENT}, {"tensor": "w", "reason": ONE_ELEMENT}]
+        assert len(caplog.records) == 1 and "2 tensors (x, w)" in caplog.text
+        x = np.array([[0.7]], np.float32)
+        assert run_ort(result.model, [x])[0] == run_ort(model, [x])[0]
+    assert quantize_model(linear(), "MXFP4", None).summary["warnings"] == []  # shape (n, 64): not known to be one element
+
+
+def test_an_mx_rounding_mode_float_elements_ignore_is_reported() -> None:
+    config = {"preset": "MXFP4", "weight": {"rounding_mode": 1}}
+    result = quantize_model(linear(), config, None)
+    assert result.summary["warnings"] == [{"tensor": "w", "reason": "MX rounding_mode 1 has no effect: fp4_e2m1 elements "
+                                                                    "always round half to even (as AMD Quark's kernels do)"}]
+    x = RNG.standard_normal((4, 64)).astype(np.float32)
+    assert np.array_equal(run_ort(result.model, [x])[0], run_ort(quantize_model(linear(), "MXFP4", None).model, [x])[0])
+    assert quantize_model(linear(), "MXINT8", None).summary["warnings"] == []  # int8 elements honour rounding_mode 2
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+@pytest.mark.parametrize("preset", ["XINT8", "BF16", "MX4"])
+def test_a_weight_with_nan_or_inf_is_an_error_naming_it(preset: str, bad: float) -> None:
+    weight = W.copy()
+    weight[3, 5] = bad
+    with pytest.raises(ValueError, match=r"^NaN or Inf in weights to quantize: 'w' \(1 of 2048 values\)"):
+        quantize_model(linear(weight), preset, None)  # before calibration: XINT8 would ask for data first
+
+
+def test_config_entries_that_match_nothing_are_an_error_naming_each() -> None:
+    mx = {"format": "mx", "element_dtype": "int8"}
+    config = {"preset": "MXFP4", "tensor_overrides": {"xx": mx}, "node_overrides": {"mm1": {"weight": mx}},
+              "exclude_nodes": ["ad", "/head/.*"], "op_type_overrides": {"Matmul": {"weight": mx}}}
+    with pytest.raises(ValueError) as raised:
+        quantize_model(linear(), config, None)
+    assert str(raised.value) == (
+        "the config names what the model does not have: tensor_overrides['xx'] names no tensor (did you mean 'x'?); "
+        "node_overrides['mm1'] names no node (did you mean 'mm'?); exclude_nodes[0] 'ad' matches no node (did you mean "
+        "'add'?); exclude_nodes[1] '/head/.*' matches no node; op_type_overrides['Matmul'] is no ONNX op type (did you "
+        "mean 'MatMul'?)")
+    matched = {"preset": "MXFP4", "tensor_overrides": {"x": mx}, "node_overrides": {"mm": {"weight": mx}}, "exclude_nodes": ["a.d"]}
+    assert quantize_model(linear(), matched, None).summary["warnings"] == []
+
+
+def test_a_quark_mixed_precision_tensor_that_matches_nothing_is_an_error() -> None:
+    quark = {"quant_format": "QuantFormat.QDQ", "activation_type": "QuantType.QInt8", "weight_type": "QuantType.QInt8",
+             "extra_options": {"MixedPrecisionTensor": {"QuantType.QInt16": ["h0"]}}}
+    with pytest.raises(ValueError, match=r"tensor_overrides\['h0'\] names no tensor \(did you mean 'h'\?\)"):
+        quantize_model(linear(), quark, None)  # before calibration: no data is asked for
+
+
+def test_valid_overrides_that_change_nothing_are_reported() -> None:
+    """An op type this model lacks (a config shared by models, Quark's AutoMixprecision target
+    types), a tensor no quantized node reads: not errors, but listed."""
+    bf16 = {"format": "float", "dtype": "bfloat16"}
+    config = {"preset": "MXFP4", "op_type_overrides": {"ConvTranspose": {"weight": bf16}}, "tensor_overrides": {"y": bf16}}
+    assert quantize_model(linear(), config, None).summary["warnings"] == [
+        {"config": "tensor_overrides['y']", "reason": "no quantized node reads this tensor, so the override changes nothing"},
+        {"config": "op_type_overrides['ConvTranspose']", "reason": "the model has no node of this op type, so the override changes nothing"},
+    ]
+
+
+def test_the_command_prints_the_warnings_and_writes_them_into_the_summary_json(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    model, output = tmp_path / "linear.onnx", tmp_path / "out" / "q.onnx"
+    onnx.save(linear(), model)
+    assert main(["quantize", str(model), "--config", "MX4", "--weight-storage", "compact", "-o", str(output)]) == 0
+    reason = "weight_storage compact: to_bfp_prime11 has no compact form onnxruntime runs, so it stays float"
+    assert f"warning: tensor w: {reason}" in capsys.readouterr().out
+    summary = json.loads(output.with_name("q.onnx.summary.json").read_text())
+    assert summary["warnings"] == [{"tensor": "w", "reason": reason}]
+

@@ -1,7 +1,7 @@
 """Post-training quantization: a float ONNX model, a config and calibration data in, a QDQ ONNX
-model out that stock onnxruntime runs. plan (which tensor gets which format) -> calibrate (scales
-of INT/FP8 tensors) -> insert (the quantize-dequantize nodes); api runs them in turn and summary
-reports what they did."""
+model out that stock onnxruntime runs. plan (which tensor gets which format) -> checks (what
+cannot work, and what works other than configured) -> calibrate (scales of INT/FP8 tensors) ->
+insert (the quantize-dequantize nodes); api runs them in turn and summary reports what they did."""
 
 from .api import QuantizeResult, quantize_model
 from .summary import format_summary

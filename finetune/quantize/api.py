@@ -19,6 +19,7 @@ from finetune.onnx.io import load_model
 from finetune.onnx.normalize import normalize_model
 
 from .calibrate import calibrate
+from .checks import check_plan
 from .insert import insert_qdq
 from .plan import plan, upgrade_opset
 from .summary import summarize
@@ -54,6 +55,7 @@ def quantize_model(
     float_model = normalized
     uses = plan(normalized, config, notices)
     normalized = upgrade_opset(normalized, uses, changes, notices)
+    check_plan(normalized, config, uses, changes, notices)
     qparams = calibrate(normalized, uses, data, providers)
     quantized = attach_custom_ops(insert_qdq(normalized, uses, qparams, config.weight_storage))
     summary = summarize(original, quantized, uses, changes, notices, time.perf_counter() - start)

@@ -4,7 +4,6 @@ weights as their codes."""
 
 from __future__ import annotations
 
-import logging
 from collections import defaultdict
 
 import numpy as np
@@ -19,8 +18,6 @@ from finetune.onnx.qdq import make_qdq, uses_standard_ops
 from .calibrate import QParams
 from .plan import Use, tensor_types_and_ranks
 from .summary import format_label
-
-logger = logging.getLogger(__name__)
 
 
 def insert_qdq(model: onnx.ModelProto, uses: list[Use], qparams: QParams, weight_storage: str) -> onnx.ModelProto:
@@ -91,7 +88,7 @@ class _Inserter:
         """The Q/DQ nodes of one (tensor, format); their initializers are appended to the graph."""
         scale, zero_point = self.qparams.get((use.tensor, use.spec), (None, None))
         qdq = make_qdq(source, output, use.spec, name, scale, zero_point)
-        if compact and (uses_standard_ops(use.spec) or use.choice == "int32"):
+        if compact and has_compact_form(use):
             codes = _stored_codes(self.initializers[use.tensor], use.spec, scale, zero_point, f"{name}_stored")
             self.graph.initializer.append(codes)
             dequantize = qdq.nodes[-1]
@@ -99,8 +96,6 @@ class _Inserter:
             if dequantize.domain:  # an int32 bias: DequantizeLinear reads int32 codes natively
                 dequantize.domain, dequantize.op_type = "", "DequantizeLinear"
             qdq.nodes = [dequantize]
-        elif compact:
-            logger.info("%s stays a float initializer: %s has no compact form onnxruntime can run", use.tensor, use.spec)
         self.graph.initializer.extend(qdq.initializers)
         return qdq.nodes
 
@@ -112,6 +107,12 @@ class _Inserter:
             k += 1
             name = f"{base}_{k}"
         return name
+
+
+def has_compact_form(use: Use) -> bool:
+    """Whether compact storage can keep this weight as codes read by a standard DequantizeLinear
+    (INT, FP8, int32 biases); block formats and BF16/FP16 stay float (checks says so)."""
+    return uses_standard_ops(use.spec) or use.choice == "int32"
 
 
 def _stored_codes(tensor: onnx.TensorProto, spec: FormatSpec, scale: np.ndarray, zero_point: np.ndarray, name: str) -> onnx.TensorProto:

@@ -3,6 +3,7 @@ quantizer and the fine-tuning stage (neither imports the other), and the saved r
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -36,7 +37,7 @@ def quantize_and_finetune(
     is the quantized model with its quantizers off (its weights are the float ones), or the float
     model itself when weights are stored as codes."""
     config = load_config(config)
-    quantized = quantize_model(model, config, data)
+    quantized = quantize_model(model, without_finetune(config), data)
     if config.fast_finetune is None:
         return PipelineResult(quantized.model, quantized.summary, None)
     if data is None:
@@ -48,6 +49,11 @@ def quantize_and_finetune(
     float_model = quantized.float_model if config.weight_storage == "compact" else None
     tuned, report = finetune_model(quantized.model, data, config.fast_finetune, float_model, output_dir, name, callbacks)
     return PipelineResult(tuned, quantized.summary, report)
+
+
+def without_finetune(config: QuantConfig) -> QuantConfig:
+    """The config without its fast_finetune section: what quantize_model takes."""
+    return dataclasses.replace(config, fast_finetune=None)
 
 
 def with_finetune(config: QuantConfig, overrides: Mapping[str, Any]) -> QuantConfig:

@@ -1,6 +1,6 @@
 """Evidence for the quantizer: for real models (the digits CNN, EfficientNet-Lite0, magika) and
-every preset, the metric of the float model and of the quantized model run in onnxruntime, and
-the quantize wall time. Prints JSON.
+every preset quantize_model takes (not those that add a fast_finetune section), the metric of the
+float model and of the quantized model run in onnxruntime, and the quantize wall time. Prints JSON.
 
 Metrics: digits top-1 accuracy on the held-out split; EfficientNet-Lite0 top-1 agreement with the
 float model on crops of the sample photos (calibrated on a disjoint quarter of the crops);
@@ -20,9 +20,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from finetune.config import available_presets
 from finetune.onnx.session import inference_session
-from finetune.quantize import quantize_model
+from finetune.quantize import quantize_model, quantizer_presets
 from finetune.zoo import (
     digits_split,
     efficientnet_lite0,
@@ -94,7 +93,7 @@ def evaluate(models: list[str], presets: list[str]) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--models", nargs="+", default=list(CASES), choices=list(CASES))
-    parser.add_argument("--presets", nargs="+", default=available_presets())
+    parser.add_argument("--presets", nargs="+", default=quantizer_presets())
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     for noisy in ("finetune", "onnx2torch"):

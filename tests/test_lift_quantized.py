@@ -10,10 +10,10 @@ import onnx
 import pytest
 import torch
 
-from finetune.config import available_presets, load_config
+from finetune.config import load_config
 from finetune.lift import FakeQuantize, lift_model
 from finetune.onnx.session import inference_session
-from finetune.quantize import quantize_model
+from finetune.quantize import quantize_model, quantizer_presets
 from finetune.zoo import efficientnet_lite0, export_onnx, magika_onnx_path, magika_samples, photo_crops
 
 # torch and onnxruntime add Conv/MatMul products in different orders (and the order depends on the
@@ -89,12 +89,12 @@ def assert_quantizers_exact(model: onnx.ModelProto, quantizers: dict[str, FakeQu
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("preset", available_presets())
+@pytest.mark.parametrize("preset", quantizer_presets())
 def test_quantized_efficientnet_lifts(efficientnet: tuple, preset: str) -> None:
     check_lifted(efficientnet, preset)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("preset", available_presets())
+@pytest.mark.parametrize("preset", quantizer_presets())
 def test_quantized_magika_lifts(magika: tuple, preset: str) -> None:
     check_lifted(magika, preset)

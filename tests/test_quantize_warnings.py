@@ -1,9 +1,9 @@
 """Nothing the quantizer cannot do as configured passes silently: what cannot work is a ValueError
 before calibration (an opset too old for a format, NaN/Inf weights, config entries that name
-nothing in the model), and what works other than configured is a WARNING and an entry of the
-summary's `warnings` (inputs of unknown type, failed shape inference, compact storage without a
-compact form, one-element block tensors, MX rounding modes without effect), which the command
-prints and writes into its summary JSON."""
+nothing in the model, a fast_finetune section outside the pipeline), and what works other than
+configured is a WARNING and an entry of the summary's `warnings` (inputs of unknown type, failed
+shape inference, compact storage without a compact form, one-element block tensors, MX rounding
+modes without effect), which the command prints and writes into its summary JSON."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from onnx import helper
 from finetune.cli import main
 from finetune.notices import Notice
 from finetune.onnx.normalize import normalize_model
+from finetune.pipeline import quantize_and_finetune
 from finetune.quantize import quantize_model
 from finetune.quantize.checks import ONE_ELEMENT
 from finetune.quantize.plan import UNTYPED
@@ -158,6 +159,15 @@ def test_valid_overrides_that_change_nothing_are_reported() -> None:
     ]
 
 
+def test_quantize_model_refuses_a_fast_finetune_section_the_pipeline_runs() -> None:
+    with pytest.raises(ValueError, match=r"fast_finetune section, which quantize_model does not run: call "
+                                         r"finetune\.pipeline\.quantize_and_finetune"):
+        quantize_model(linear(), "MX4_ADAQUANT", None)
+    data = [{"x": RNG.standard_normal((8, 64)).astype(np.float32)}]
+    result = quantize_and_finetune(linear(), {"preset": "MX4_ADAQUANT", "fast_finetune": {"iterations": 2}}, data)
+    assert result.report is not None and result.summary["quantized_nodes"] == 1
+
+
 def test_the_command_prints_the_warnings_and_writes_them_into_the_summary_json(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     model, output = tmp_path / "linear.onnx", tmp_path / "out" / "q.onnx"
     onnx.save(linear(), model)
@@ -166,4 +176,3 @@ def test_the_command_prints_the_warnings_and_writes_them_into_the_summary_json(t
     assert f"warning: tensor w: {reason}" in capsys.readouterr().out
     summary = json.loads(output.with_name("q.onnx.summary.json").read_text())
     assert summary["warnings"] == [{"tensor": "w", "reason": reason}]
-

@@ -10,7 +10,7 @@ from typing import Any
 
 import onnx
 
-from finetune.config import QuantConfig, load_config
+from finetune.config import QuantConfig, available_presets, load_config
 from finetune.notices import Notice
 from finetune.onnx import attach_custom_ops
 from finetune.onnx.equalize import equalize_model
@@ -40,9 +40,13 @@ def quantize_model(
     model: str | onnx.ModelProto, config: QuantConfig | str | dict, data: Any, providers: list[str] | None = None,
 ) -> QuantizeResult:
     """Quantize `model` (path or proto, never modified) with `config` (a QuantConfig, preset name,
-    YAML path or mapping), calibrating INT/FP8 scales on `data` (anything CalibrationData takes)."""
+    YAML path or mapping), calibrating INT/FP8 scales on `data` (anything CalibrationData takes).
+    A config with a fast_finetune section is refused: finetune.pipeline.quantize_and_finetune runs it."""
     start = time.perf_counter()
     config = load_config(config)
+    if config.fast_finetune is not None:
+        raise ValueError("the config has a fast_finetune section, which quantize_model does not run: call "
+                         "finetune.pipeline.quantize_and_finetune to quantize and tune, or drop the section")
     notices: list[Notice] = []
     original = load_model(model)
     normalized, changes = normalize_model(original, notices=notices)
@@ -59,7 +63,10 @@ def quantize_model(
     qparams = calibrate(normalized, uses, data, providers)
     quantized = attach_custom_ops(insert_qdq(normalized, uses, qparams, config.weight_storage))
     summary = summarize(original, quantized, uses, changes, notices, time.perf_counter() - start)
-    if config.fast_finetune is not None:
-        logger.info("the config's fast_finetune section is not run here; finetune.pipeline.quantize_and_finetune runs it")
     return QuantizeResult(quantized, summary, float_model)
 
+
+def quantizer_presets() -> list[str]:
+    """The presets quantize_model takes: those without a fast_finetune section (the others are
+    for finetune.pipeline.quantize_and_finetune)."""
+    return [name for name in available_presets() if load_config(name).fast_finetune is None]

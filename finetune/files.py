@@ -23,8 +23,10 @@ def write_atomic(path: str | os.PathLike, write: Callable[[Path], None]) -> None
     os.close(fd)
     tmp = Path(tmp_name)
     try:
-        os.chmod(tmp, NEW_FILE_MODE & ~_umask())  # mkstemp makes 0600; a model is no more private than its report
         write(tmp)
+        # after writing: mkstemp makes 0600, and so does a writer that replaces tmp (Lightning's save);
+        # a model is no more private than its report
+        os.chmod(tmp, NEW_FILE_MODE & ~_umask())
         os.replace(tmp, path)
     except OSError as error:  # name the user's file, not the temporary
         raise OSError(error.errno, f"cannot write {path}: {error.strerror or error}") from error

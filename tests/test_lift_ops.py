@@ -108,6 +108,26 @@ def test_dropout_of_opset_7_is_identity() -> None:
     assert_same(model, module, inputs)
 
 
+@pytest.mark.parametrize("opset", [12, 22])
+def test_dropout_with_training_mode_false_is_identity(opset: int) -> None:
+    """A Dropout-12+ whose training_mode is a constant false (as exporters write it) lifts to the identity."""
+    model, inputs = _one_node("Dropout", ["x", "ratio", "mode"], {}, {"ratio": np.float32(0.3), "mode": np.bool_(False)},
+                              (2, 3), opset)
+    assert_same(model, lift_model(model), inputs)
+
+
+def test_dropout_that_drops_values_is_refused() -> None:
+    """A Dropout whose training_mode is true, or computed (here a graph input), would drop values:
+    not lifted, with an error naming the node."""
+    model, _ = _one_node("Dropout", ["x", "ratio", "mode"], {}, {"ratio": np.float32(0.3), "mode": np.bool_(True)}, (2, 3), 13)
+    with pytest.raises(LiftError, match=r"'the\.Dropout' \(ai\.onnx::Dropout, opset 13\).*training_mode is true"):
+        lift_model(model)
+    node = helper.make_node("Dropout", ["x", "", "mode"], ["y0"], name="the.Dropout")
+    computed = onnx_model([node], [tensor("x", ["batch", 3]), tensor("mode", [], TensorProto.BOOL)], [tensor("y0", None)], {}, 13)
+    with pytest.raises(LiftError, match=r"'the\.Dropout'.*training_mode 'mode' is computed"):
+        lift_model(computed)
+
+
 def test_batch_norm_stays_in_inference_mode() -> None:
     """BatchNormalization uses running statistics even while the module trains."""
     c = 3

@@ -363,7 +363,8 @@ def test_a_weight_transposed_ahead_of_its_quantizers_is_folded_and_tuned(caplog:
     assert model.SerializeToString() == given
     assert [(u["name"], u["status"]) for u in report["units"]] == [("first", "kept")]
     assert report["units"][0]["loss_after"] < report["units"][0]["loss_before"]
-    assert "second is not tuned: ops other than quantize/dequantize compute its weight" in caplog.text
+    assert "second: not tuned: ops other than quantize/dequantize compute its weight" in caplog.text
+    assert [w["unit"] for w in report["warnings"]] == ["second"]
     assert "weights computed from constants: folded 1 constant node(s) into initializers" in caplog.text
     assert [n.name for n in tuned.graph.node if n.op_type == "Transpose"] == ["transpose_w2"]
     folded = next(t for t in tuned.graph.initializer if t.name == "w1t")

@@ -3,11 +3,14 @@ fast finetune over blocks on a residual CNN and a transformer encoder; partial l
 
 from __future__ import annotations
 
+import logging
+import re
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from onnx import helper
 
 from finetune.config import ConfigError, FastFinetune
 from finetune.lift import FakeQuantize, lift_model
@@ -20,7 +23,9 @@ from .lift_helpers import (
     CNN_INPUT,
     ENCODER_INPUT,
     ResidualCNN,
+    onnx_model,
     randomized,
+    tensor,
     transformer_encoder,
 )
 from .recon_helpers import assert_stream_equals_full_model, one_thread, run  # noqa: F401  (one_thread: autouse fixture)
@@ -99,15 +104,43 @@ def test_adaquant_over_transformer_blocks(models: dict[str, Path]) -> None:
     assert ((run(tuned, x) - reference) ** 2).mean() < ((run(quantized, x) - reference) ** 2).mean()
 
 
-def test_a_partial_last_batch_trains_on_sequence_first_values(models: dict[str, Path]) -> None:
+def test_a_partial_last_batch_trains_on_sequence_first_values(models: dict[str, Path], caplog: pytest.LogCaptureFixture) -> None:
     """Inside attention the exporter lays values out (tokens, batch, features); a last batch of 3
     gives those a smaller second axis. Training draws rows from the full batches, and the loss
-    before and after still covers every sample."""
+    before and after still covers every sample; the rows left out are a warning per unit, in the
+    log and the report."""
     batches = feeds(ENCODER_INPUT, (4, 4, 3))
     quantized = quantize_model(models["encoder"], "XINT8", batches).model
-    _, report = finetune_model(quantized, batches, FastFinetune(algorithm="adaquant", iterations=20))
+    with caplog.at_level(logging.WARNING):
+        _, report = finetune_model(quantized, batches, FastFinetune(algorithm="adaquant", iterations=20))
     assert report["samples"] == 11 and len(report["units"]) == 8
     assert all(u["iterations"] == 20 for u in report["units"])
+    sequence_first = ["/layers/0/self_attn/MatMul", "/layers/1/self_attn/MatMul"]  # the out-projections, on (5 tokens, batch, 16)
+    assert [w["unit"] for w in report["warnings"]] == sequence_first
+    assert all(w["reason"].startswith("5 of the 15 rows of its inputs (slices along their leading axis) are left out of its "
+                                      "training batches") for w in report["warnings"])
+    assert [r.message.split(":")[0] for r in caplog.records if "are left out of its training" in r.message] == sequence_first
+
+
+def test_a_layer_that_cannot_join_a_block_is_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    """A Conv whose block would also read a second model input (added after it) stays a layer unit:
+    a warning naming the layer and why, in the log and the report (it was an INFO line)."""
+    rng = np.random.default_rng(0)
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], name="/branch/conv/Conv", pads=[1, 1, 1, 1]),
+             helper.make_node("Add", ["c", "y"], ["s"], name="/branch/Add"),
+             helper.make_node("Relu", ["s"], ["out"], name="/branch/Relu")]
+    model = onnx_model(nodes, [tensor("x", ["n", 3, 8, 8]), tensor("y", ["n", 4, 8, 8])], [tensor("out", ["n", 4, 8, 8])],
+                       {"w": rng.standard_normal((4, 3, 3, 3)).astype(np.float32)}, 17)
+    batches = [{name: rng.standard_normal((4, c, 8, 8)).astype(np.float32) for name, c in [("x", 3), ("y", 4)]} for _ in range(2)]
+    quantized = quantize_model(model, "XINT8", batches).model
+    with caplog.at_level(logging.WARNING):
+        _, report = finetune_model(quantized, batches, FastFinetune(iterations=5, unit="block"))
+    assert [(u["name"], u["op_type"]) for u in report["units"]] == [("/branch/conv/Conv", "Conv")]
+    assert [w["unit"] for w in report["warnings"]] == ["/branch/conv/Conv"]
+    assert re.fullmatch(r"stays a layer unit \(unit: block asked for blocks\): a block of 1 layer\(s\) here would also "
+                        r"read \[.*y.*\]", report["warnings"][0]["reason"])
+    warned = [r.message for r in caplog.records if r.levelno == logging.WARNING]
+    assert any(message.startswith("/branch/conv/Conv: stays a layer unit") for message in warned)
 
 
 def test_output_quantizers_belong_to_layer_units_only() -> None:

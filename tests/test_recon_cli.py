@@ -156,6 +156,14 @@ def test_a_killed_run_leaves_no_spilled_activations(digits: dict, tmp_path: Path
     assert list(spill_root.glob("finetune-activations-*")) == []
 
 
+def test_cli_tune_refuses_a_model_with_nothing_to_tune(digits: dict, tmp_path: Path, cli: Callable[..., Outcome]) -> None:
+    """`tune` on a float model (it reported success, having tuned nothing): an error that says why, with no output."""
+    out = tmp_path / "out.onnx"
+    floating = cli("tune", str(digits["path"]), "--data", str(digits["data"]), "-o", str(out))
+    assert floating.returncode == 2 and "the model has no quantizers" in floating.stderr and "nothing to tune" in floating.stderr
+    assert not out.exists()
+
+
 class _Reader(CalibrationDataReader):
     """onnxruntime's calibration reader over the test feeds."""
 

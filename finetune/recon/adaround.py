@@ -81,8 +81,13 @@ def beta(step: int, iterations: int) -> float | None:
 
 
 def check_int_weights(module: LiftedModule, units: list[Unit]) -> None:
-    """AdaRound learns integer roundings: every quantized weight must be INT (a clear error otherwise)."""
-    for layer in (layer for unit in units for layer in unit.layers):
+    """AdaRound learns integer roundings: some weight must be quantized, and every quantized one INT
+    (a clear error otherwise)."""
+    layers = [layer for unit in units for layer in unit.layers]
+    if all(layer.weight_quantizer is None for layer in layers):
+        raise ValueError(f"AdaRound has nothing to round: no weight of the {len(layers)} layer(s) it would tune is quantized "
+                         "(only their activations are); use algorithm adaquant, or quantize the weights")
+    for layer in layers:
         spec = module.get_submodule(layer.weight_quantizer).spec if layer.weight_quantizer else None
         if spec is not None and not isinstance(spec, IntSpec):
             raise ValueError(f"AdaRound needs INT weights, but {layer.name} has {spec}; use algorithm adaquant for this format")

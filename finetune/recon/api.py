@@ -19,7 +19,7 @@ from lightning.fabric.utilities.seed import seed_everything
 from finetune.calibrate import CalibrationData
 from finetune.config import FastFinetune, to_dict
 from finetune.export import export_model
-from finetune.lift import LiftedModule, lift_model
+from finetune.lift import FakeQuantize, LiftedModule, lift_model
 from finetune.lift.params import fold_computed_weights
 from finetune.onnx.io import load_model
 
@@ -29,13 +29,17 @@ from .callbacks import builtin_callbacks
 from .device import resolve_device
 from .loop import Tuner, UnitResult
 from .partition import cut
-from .report import write_report
+from .report import Warnings, write_report
 from .stream import FloatStream, QuantizedStream, cache_inputs
 from .units import Layer, Unit, constant_nodes, find_units, parameter_behind
 
 logger = logging.getLogger(__name__)
 
-CODE_MISMATCH = 0.05  # share of a weight's codes that may differ from the float model's (rounding ties, other tools)
+# How near a rounding tie (relative to the weight) a float weight may quantize to the code beside the
+# stored one: another tool's arithmetic (dividing in float64, multiplying by 1/scale) rounds such
+# weights the other way. onnxruntime's quantize_static and our own quantizer store exactly the codes
+# the float weights quantize to (int8, uint8, int16, per tensor and per channel, on the digits CNN).
+TIE = 2.0**-20
 
 
 def finetune_model(
@@ -57,24 +61,39 @@ def finetune_model(
     for change in fold_computed_weights(original):  # so a weight computed from constants is tuned too
         logger.info("weights computed from constants: %s", change)
     module = lift_model(original)
-    units = find_units(module, config.op_types, config.include_output_quant, config.unit)
+    _check_tunable(module)
+    warnings = Warnings()
+    units = find_units(module, config.op_types, config.include_output_quant, config.unit, warnings)
     if not units:
         raise ValueError(f"the model has no {'/'.join(config.op_types)} layer with a trainable weight to tune")
     if config.algorithm == "adaround":
         check_int_weights(module, units)
     reference = _reference(module, float_model)
     log_dir = Path(output_dir) / f"{name}.logs" if output_dir is not None else None
+    run_callbacks = [*builtin_callbacks(config, log_dir), *callbacks]
     with _deterministic(config.seed, device), ActivationCache(config.cache_budget_bytes) as cache:
-        results, timing = _run(module, reference, units, original, data, config, device, cache,
-                               [*builtin_callbacks(config, log_dir), *callbacks])
+        tuner, timing = _run(module, reference, units, original, data, config, device, cache, run_callbacks, warnings)
         cache_stats = {"peak_bytes_in_memory": cache.peak_in_memory, "peak_bytes_on_disk": cache.peak_on_disk,
                        "spilled_arrays": cache.spilled}
     module.cpu()
     tuned = export_model(module, original)
-    report = _report(config, device, reference is module, results, timing, cache_stats, time.perf_counter() - begin)
+    report = _report(config, device, reference is module, tuner, [*warnings, *tuner.warnings], timing, cache_stats,
+                     time.perf_counter() - begin)
     if output_dir is not None:
         write_report(report, Path(output_dir), name)
     return tuned, report
+
+
+def _check_tunable(module: LiftedModule) -> None:
+    """Refuse, before any work, a model with nothing to tune (no quantizer: it is a float model) or
+    a trainable weight holding NaN or Inf (its unit's loss could not be measured)."""
+    if not any(isinstance(m, FakeQuantize) for m in module.modules()):
+        raise ValueError("the model has no quantizers (QuantizeLinear/DequantizeLinear or BFP/MX quantize-dequantize "
+                         "nodes), so there is nothing to tune: quantize it first (finetune quantize --finetune ...)")
+    for name, source in module.finetune_params.items():
+        if not torch.isfinite(module.get_parameter(name)).all():
+            raise ValueError(f"the weight {source.initializer!r} holds NaN or Inf values: fix or retrain the model "
+                             "before tuning it")
 
 
 def _reference(module: LiftedModule, float_model: str | Path | onnx.ModelProto | None) -> LiftedModule:
@@ -91,15 +110,15 @@ def _reference(module: LiftedModule, float_model: str | Path | onnx.ModelProto |
 
 
 def _run(module: LiftedModule, reference: LiftedModule, units: list[Unit], original: onnx.ModelProto, data: Any,
-         config: FastFinetune, device: torch.device, cache: ActivationCache,
-         callbacks: list[Any]) -> tuple[list[UnitResult], dict[str, float]]:
+         config: FastFinetune, device: torch.device, cache: ActivationCache, callbacks: list[Any],
+         warnings: Warnings) -> tuple[Tuner, dict[str, float]]:
     """Cache the inputs, then tune unit after unit, advancing the float and the quantized stream to each."""
     feeds = CalibrationData(data, original, limit=config.data_size)
     inputs = cache_inputs(feeds, [info.name for info in feeds.inputs], cache)
     samples = inputs[0].rows
     module.to(device)
     reference.to(device)
-    starts = _float_weights(module, reference, units) if reference is not module else {}
+    starts = _float_weights(module, reference, units, warnings) if reference is not module else {}
     plan = cut(module, units)
     placeholders = [n.name for n in module.graph.nodes if n.op == "placeholder"]
     floats = FloatStream(reference, units, inputs, cache, device, quantizers_off=reference is module)
@@ -112,10 +131,11 @@ def _run(module: LiftedModule, reference: LiftedModule, units: list[Unit], origi
             cache.release(float_inputs.name)
             cache.release(targets.name)
             stream.after(k)
-    return tuner.results, {"float_pass_seconds": floats.seconds, "quantized_stream_seconds": stream.seconds, "samples": samples}
+    return tuner, {"float_pass_seconds": floats.seconds, "quantized_stream_seconds": stream.seconds, "samples": samples}
 
 
-def _float_weights(module: LiftedModule, reference: LiftedModule, units: list[Unit]) -> dict[str, torch.Tensor]:
+def _float_weights(module: LiftedModule, reference: LiftedModule, units: list[Unit],
+                   warnings: Warnings) -> dict[str, torch.Tensor]:
     """Float weights of the float model for units whose QDQ weights are stored as codes, so the
     optimisation starts from the real float values (by layer name and weight position)."""
     layers = {n.target: n for n in reference.graph.nodes if n.op == "call_module"}
@@ -129,26 +149,37 @@ def _float_weights(module: LiftedModule, reference: LiftedModule, units: list[Un
         name = parameter_behind(reference, node.args[index] if index < len(node.args) else None, constant)
         value = None if name is None else reference.get_parameter(name).detach()
         if value is not None and value.shape == module.get_parameter(layer.weight).shape:
-            _check_same_codes(module, layer, value)
+            _check_same_codes(module, layer, value, warnings)
             starts[layer.weight] = value
     if starts:
         logger.info("%d unit(s) stored as codes start from the float model's weights", len(starts))
     return starts
 
 
-def _check_same_codes(module: LiftedModule, layer: Layer, value: torch.Tensor) -> None:
+def _check_same_codes(module: LiftedModule, layer: Layer, value: torch.Tensor, warnings: Warnings) -> None:
     """Refuse a float model whose weight does not quantize to the stored codes: its targets would
-    belong to another model (the usual cause: the QDQ model was equalised before quantizing)."""
+    belong to another model (the usual cause: the QDQ model was equalised before quantizing). Only
+    a weight within TIE of a rounding tie may have the code beside its own; those are counted per
+    layer in a warning (training starts from the float weights, so they may round either way)."""
     if layer.weight_quantizer is None:
         return
     quantizer = module.get_submodule(layer.weight_quantizer)
     with torch.no_grad():
         stored = module.get_parameter(layer.weight)
-        differ = float((quantizer(value.to(stored.device)) != quantizer(stored)).float().mean())
-    if differ > CODE_MISMATCH:
+        value = value.to(stored.device)
+        ours, theirs = quantizer(value), quantizer(stored)
+        differ = ours != theirs
+        ties = differ & ((2 * value - ours - theirs).abs() <= 2 * TIE * value.abs())
+    count, total = int(differ.sum()), differ.numel()
+    if count > int(ties.sum()):
         raise ValueError(f"the float model's weight of {layer.name} does not quantize to the codes the quantized model stores "
-                         f"({differ:.0%} of them differ): pass the float model it was quantized from (for a model quantized "
-                         "with cross_layer_equalization, the equalised one: QuantizeResult.float_model)")
+                         f"({count - int(ties.sum())} of {total} differ away from rounding ties): pass the float model it "
+                         "was quantized from (for a model quantized with cross_layer_equalization, the equalised one: "
+                         "QuantizeResult.float_model)")
+    if count:
+        warnings.add(layer.name, f"{count} of {total} weight codes ({count / total:.3%}) differ from those the float model's "
+                     "weight quantizes to, each at a rounding tie (another tool's arithmetic); tuning starts from the float "
+                     "weights")
 
 
 @contextlib.contextmanager
@@ -165,9 +196,11 @@ def _deterministic(seed: int, device: torch.device) -> Iterator[None]:
         torch.use_deterministic_algorithms(previous)
 
 
-def _report(config: FastFinetune, device: torch.device, self_reference: bool, results: list[UnitResult],
+def _report(config: FastFinetune, device: torch.device, self_reference: bool, tuner: Tuner, warnings: list[dict[str, str]],
             timing: dict[str, float], cache_stats: dict[str, int], seconds: float) -> dict[str, Any]:
-    """The run's numbers: settings, per-unit losses and status, timing and cache use."""
+    """The run's numbers: settings, per-unit losses and status, timing and cache use, and the
+    warnings (what was left out or undone, and why)."""
+    results: list[UnitResult] = tuner.results
     iterations = sum(r.iterations for r in results)
     train_seconds = sum(r.seconds for r in results)
     return {
@@ -178,7 +211,8 @@ def _report(config: FastFinetune, device: torch.device, self_reference: bool, re
         "samples": timing["samples"],
         "units": [dataclasses.asdict(r) for r in results],
         "kept": sum(r.status == "kept" for r in results),
-        "reverted": sum(r.status == "reverted" for r in results),
+        "reverted": sum(r.status.startswith("reverted") for r in results),
+        "warnings": warnings,
         "iterations": iterations,
         "seconds_per_unit_iteration": train_seconds / iterations if iterations else None,
         "float_pass_seconds": timing["float_pass_seconds"],

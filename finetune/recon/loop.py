@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -25,7 +26,8 @@ from finetune.lift import LiftedModule
 from .adaround import REG_WEIGHT, SoftRounding, beta
 from .cache import CachedValue
 from .qdrop import Batches, dropped_quantization
-from .units import Unit
+from .report import Warnings
+from .units import Unit, parameters_of
 
 logger = logging.getLogger(__name__)
 
@@ -40,10 +42,10 @@ class UnitResult:
     op_type: str
     loss_before: float
     loss_after: float
-    status: str  # kept | reverted | skipped: <reason>
+    status: str  # kept | reverted | reverted: <reason> | skipped: <reason>
     iterations: int
     seconds: float
-    rejected_loss: float | None = None  # the tuned loss of a reverted unit
+    rejected_loss: float | None = None  # the tuned loss of a unit reverted for getting worse
 
 
 class Tuner:
@@ -54,6 +56,7 @@ class Tuner:
         self.config = config
         self.units = units
         self.results: list[UnitResult] = []
+        self.warnings = Warnings()  # what the tuning undid or left out, unit by unit
         self.should_stop = False  # a callback sets it to end the unit's optimisation after the current step
         accelerator = "cpu" if device.type == "cpu" else "cuda"
         devices = 1 if device.type == "cpu" else [device.index or 0]
@@ -70,14 +73,18 @@ class Tuner:
     def tune(self, k: int, module: LiftedModule, train: fx.GraphModule, inputs: CachedValue, float_inputs: CachedValue,
              targets: CachedValue, starts: dict[str, torch.Tensor] | None = None) -> UnitResult:
         """Optimise unit k's weights (from `starts`, by parameter name, where given) to reproduce its
-        float targets; keep them only if the loss over all cached samples went down."""
+        float targets; keep them only if the loss over all cached samples went down and is finite.
+        A loss that is not finite before tuning is an error: the unit's weights or values hold NaN or Inf."""
         begin = time.perf_counter()
         unit = self.units[k]
         self.should_stop = False
         self.fabric.call("on_unit_start", tuner=self, index=k, unit=unit)
-        names = [name for layer in unit.layers for name in (layer.weight, layer.bias) if name]
-        original = {name: module.get_parameter(name).detach().clone() for name in names}
+        original = {name: module.get_parameter(name).detach().clone() for name in parameters_of(unit)}
         before, power = evaluate(train, inputs, targets, self.fabric.device)
+        if not math.isfinite(before):
+            raise ValueError(f"unit {k + 1}/{len(self.units)} {unit.name}: its reconstruction loss before tuning is {before}, "
+                             "so its weights, its quantized inputs or its float targets hold NaN or Inf; check the model's "
+                             "weights and the calibration data")
         skip = self._skip_reason(unit)
         if skip:
             return self._finish(k, module, before, before, f"skipped: {skip}", 0, begin)
@@ -86,9 +93,14 @@ class Tuner:
                 module.get_parameter(name).data.copy_(start)
         iterations = self._optimise(k, unit, module, train, inputs, float_inputs, targets, power)
         after, _ = evaluate(train, inputs, targets, self.fabric.device)
-        if after > before:
+        diverged = not math.isfinite(after)
+        if diverged or after > before:
             for name, value in original.items():
                 module.get_parameter(name).data.copy_(value)
+            if diverged:
+                status = f"reverted: the tuned loss is {after}"
+                self.warnings.add(unit.name, f"{status}; the weights before tuning are kept (a lower lr may help)")
+                return self._finish(k, module, before, before, status, iterations, begin)
             return self._finish(k, module, before, before, "reverted", iterations, begin, after)
         return self._finish(k, module, before, after, "kept", iterations, begin)
 
@@ -109,6 +121,12 @@ class Tuner:
         optimizer = self.fabric.setup_optimizers(torch.optim.Adam(trainable, lr=config.lr))
         schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, config.iterations) if not roundings else None
         batches = Batches(inputs, float_inputs, targets, config, k)
+        if batches.left_out:
+            self.warnings.add(unit.name, f"{batches.left_out} of the {inputs.rows} rows of its inputs (slices along their "
+                              "leading axis) are left out of its training batches: they come from calibration batches whose "
+                              "values differ in shape from the first batch's beyond that axis (a value laid out sequence-first, "
+                              "(tokens, batch, ...), in a last partial batch); they still count in its loss before and after "
+                              "(calibration batches of one size train on every row)")
         try:
             with contextlib.ExitStack() as installed:
                 for rounding, _ in roundings:

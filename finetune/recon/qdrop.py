@@ -25,11 +25,13 @@ class Batches:
 
     Rows come from the chunks shaped like the first beyond the leading axis: a value laid out
     sequence-first, (tokens, batch, ...), has a smaller second axis in a last, partial batch, and
-    its rows cannot join the others (they still count in the loss before and after)."""
+    its rows cannot join the others (they still count in the loss before and after); `left_out`
+    counts them."""
 
     def __init__(self, inputs: CachedValue, float_inputs: CachedValue, targets: CachedValue, config: FastFinetune, k: int) -> None:
         self.inputs, self.float_inputs, self.targets = inputs, float_inputs, targets
         self.rows = _rows_shaped_like_the_first(inputs, targets)
+        self.left_out = inputs.rows - len(self.rows)
         self.size = min(config.batch_size, len(self.rows))
         self.threshold = qdrop_threshold(config.drop_ratio)
         self.generator = np.random.default_rng([config.seed, k])

@@ -1,13 +1,26 @@
 """The fine-tuning report: per-unit numbers as JSON and a PNG of each unit's reconstruction loss
-before and after."""
+before and after, and the warnings a run collects for it."""
 
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
 from finetune.files import write_atomic, write_text_atomic
+
+logger = logging.getLogger(__name__)
+
+
+class Warnings(list[dict[str, str]]):
+    """What a run left out, kept back or undid: each logged at WARNING and kept as an entry
+    {"unit": name, "reason": why} of the report's "warnings" list, so nothing degrades unseen."""
+
+    def add(self, unit: str, reason: str) -> None:
+        """Log one warning about a unit (or a layer) and keep it for the report."""
+        logger.warning("%s: %s", unit, reason)
+        self.append({"unit": unit, "reason": reason})
 
 
 def write_report(report: dict[str, Any], output_dir: Path, name: str) -> tuple[Path, Path]:
@@ -52,6 +65,7 @@ def format_report(report: dict[str, Any]) -> str:
     after = sum(u["loss_after"] for u in units)
     per_iteration = report["seconds_per_unit_iteration"]
     timing = f"{per_iteration * 1e3:.2f} ms per unit-iteration, " if per_iteration else ""
+    warned = f"; {len(report['warnings'])} warning(s), listed in the report" if report["warnings"] else ""
     return (f"fast finetune ({report['algorithm']}, {report['device']}, float reference: {report['float_reference']}): "
             f"{len(units)} units, {report['kept']} kept, {report['reverted']} reverted; summed reconstruction loss "
-            f"{before:.4g} -> {after:.4g}; {timing}{report['total_seconds']:.1f} s")
+            f"{before:.4g} -> {after:.4g}; {timing}{report['total_seconds']:.1f} s{warned}")

@@ -6,7 +6,6 @@ blocks: a residual block, a transformer layer), reconstructed together at the bl
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 from torch import fx, nn
@@ -14,7 +13,7 @@ from torch import fx, nn
 from finetune.lift import FakeQuantize, LiftedModule
 from finetune.lift.kinds import is_activation, is_add, is_shape, layer_kind
 
-logger = logging.getLogger(__name__)
+from .report import Warnings
 
 BIAS_INDEX = 2  # Conv, ConvTranspose and Gemm take their bias as the third input
 
@@ -51,11 +50,19 @@ class Unit:
     target_module: str
 
 
+def parameters_of(unit: Unit) -> list[str]:
+    """The names of the parameters tuning `unit` may change: its layers' weights and biases."""
+    return [name for layer in unit.layers for name in (layer.weight, layer.bias) if name]
+
+
 def find_units(
-    module: LiftedModule, op_types: tuple[str, ...], include_output_quant: bool = False, unit: str = "layer"
+    module: LiftedModule, op_types: tuple[str, ...], include_output_quant: bool = False, unit: str = "layer",
+    warnings: Warnings | None = None,
 ) -> list[Unit]:
-    """The layer or block units of `module` in graph order; layers whose weight other layers share
-    are left out (tuning one would change the others), with a warning naming them."""
+    """The layer or block units of `module` in graph order. Layers that cannot be tuned (a weight
+    other layers share, or one computed by other ops) are left out, and layers that cannot join a
+    block stay layer units: each is a warning, added to `warnings` when given."""
+    warnings = Warnings() if warnings is None else warnings
     if unit not in ("layer", "block"):
         raise ValueError(f"unit must be layer or block, got {unit!r}")
     if unit == "block" and include_output_quant:
@@ -64,10 +71,10 @@ def find_units(
     constant = constant_nodes(module.graph)
     layers = []
     for node in module.graph.nodes:
-        found = _layer_unit(module, node, constant, op_types, include_output_quant)
+        found = _layer_unit(module, node, constant, op_types, include_output_quant, warnings)
         if found is not None:
             layers.append(found)
-    return layers if unit == "layer" else _blocks(module, layers, constant)
+    return layers if unit == "layer" else _blocks(module, layers, constant, warnings)
 
 
 def constant_nodes(graph: fx.Graph) -> set[fx.Node]:
@@ -82,7 +89,8 @@ def constant_nodes(graph: fx.Graph) -> set[fx.Node]:
 
 
 def _layer_unit(
-    module: LiftedModule, node: fx.Node, constant: set[fx.Node], op_types: tuple[str, ...], include_output_quant: bool
+    module: LiftedModule, node: fx.Node, constant: set[fx.Node], op_types: tuple[str, ...], include_output_quant: bool,
+    warnings: Warnings,
 ) -> Unit | None:
     """The unit of a weight layer node, or None when the node is not one (or shares its weight)."""
     if node.op != "call_module" or node in constant:
@@ -97,12 +105,11 @@ def _layer_unit(
     weight = parameter_behind(module, node.args[weight_index], constant)
     if weight is None:
         if node.args[weight_index] in constant:
-            logger.warning("%s is not tuned: ops other than quantize/dequantize compute its weight from the initializer "
-                           "(a Transpose after a DequantizeLinear, say), so no initializer holds the weight to train",
-                           node.target)
+            warnings.add(node.target, "not tuned: ops other than quantize/dequantize compute its weight from the initializer "
+                         "(a Transpose after a DequantizeLinear, say), so no initializer holds the weight to train")
         return None
     if len(module.finetune_params[weight].consumers) > 1:
-        logger.warning("%s is not tuned: its weight is shared with %s", node.target, module.finetune_params[weight].consumers)
+        warnings.add(node.target, f"not tuned: its weight is shared with {module.finetune_params[weight].consumers}")
         return None
     if op_type == "MatMul":
         bias_add, bias = _bias_add(module, node, constant)
@@ -187,12 +194,13 @@ def scope(layer: str) -> str:
     return "/".join(layer.split("/")[:-2])
 
 
-def _blocks(module: LiftedModule, layers: list[Unit], constant: set[fx.Node]) -> list[Unit]:
+def _blocks(module: LiftedModule, layers: list[Unit], constant: set[fx.Node], warnings: Warnings) -> list[Unit]:
     """Consecutive layers of one scope, widened to the single-value cut points around them (and
     merged with neighbours they overlap), as block units. The ops between two blocks join the
     first, so its loss is measured on what the next block reads; the last block runs to the last
     cut point. Layers with no cut point around them, or whose block would read more than its
-    entry value (the batch size taken from the input's shape, say), stay layer units, logged."""
+    entry value (the batch size taken from the input's shape, say), stay layer units: a warning
+    for each such layer."""
     shapes = _shape_values(module, constant)
     order = [n for n in module.graph.nodes if n not in constant and n not in shapes and n.op != "output"]
     position = {n: i for i, n in enumerate(order)}
@@ -203,7 +211,7 @@ def _blocks(module: LiftedModule, layers: list[Unit], constant: set[fx.Node]) ->
         last = max(position[n] for n in order if n.name in group[-1].nodes)
         start, end = max((c for c in cuts if c < first), default=None), min((c for c in cuts if c >= last), default=None)
         if start is None or end is None:
-            logger.info("%s stay layer units: no single value is live around them", [u.name for u in group])
+            _stay_single(group, "no single value is live around its block", warnings)
             start = end = None
         elif spans and spans[-1][1] is not None and start < spans[-1][1]:
             start, _, merged = spans.pop()
@@ -217,14 +225,20 @@ def _blocks(module: LiftedModule, layers: list[Unit], constant: set[fx.Node]) ->
             units.extend(group)
             continue
         entry, exit_ = order[start], order[end if following is None else following]
-        members = graph_order[graph_order.index(entry) + 1 : graph_order.index(exit_) + 1]
+        members = [n for n in graph_order[graph_order.index(entry) + 1 : graph_order.index(exit_) + 1] if n.op != "placeholder"]
         outside = {i.name for n in members for i in n.all_input_nodes if i not in constant} - {n.name for n in [entry, *members]}
         if outside:
-            logger.info("%s stay layer units: a block of them would also read %s", [u.name for u in group], sorted(outside))
+            _stay_single(group, f"a block of {len(group)} layer(s) here would also read {sorted(outside)}", warnings)
             units.extend(group)
         else:
             units.append(_block_unit(module, entry, members, group))
     return units
+
+
+def _stay_single(group: list[Unit], why: str, warnings: Warnings) -> None:
+    """Warn that each layer of `group` is tuned on its own, not in a block, and why."""
+    for layer in group:
+        warnings.add(layer.name, f"stays a layer unit (unit: block asked for blocks): {why}")
 
 
 def _shape_values(module: LiftedModule, constant: set[fx.Node]) -> set[fx.Node]:

@@ -44,8 +44,10 @@ def quantize(args: argparse.Namespace) -> None:
         overrides["weight"] = {"granularity": "channel" if args.per_channel else "tensor"}
     config = load_config(overrides)
     config = with_finetune(config, _finetune_overrides(args, config))
+    if args.resume and config.fast_finetune is None:
+        raise ValueError("--resume continues a fine-tuning run: add --finetune, or a config with a fast_finetune section")
     data = _calibration_data(args)
-    result = quantize_and_finetune(args.model, config, data, args.output.parent, _report_name(args.output))
+    result = quantize_and_finetune(args.model, config, data, args.output.parent, _report_name(args.output), resume=args.resume)
     save_model_atomic(result.model, args.output)
     summary_path = args.output.with_name(args.output.name + ".summary.json")
     write_text_atomic(summary_path, json.dumps(result.summary, indent=1))
@@ -71,7 +73,7 @@ def tune(args: argparse.Namespace) -> None:
     config = with_finetune(config, _finetune_overrides(args, config))
     data = CalibrationData(args.data, load_model(args.model), limit=config.fast_finetune.data_size)
     tuned, report = finetune_model(args.model, data, config.fast_finetune, args.float_model, args.output.parent,
-                                   _report_name(args.output))
+                                   _report_name(args.output), resume=args.resume)
     save_model_atomic(tuned, args.output)
     save_run_config(config, _config_path(args.output))
     print(format_report(report))
@@ -168,6 +170,9 @@ def _add_finetune_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--device", help="cpu, cuda, cuda:N or hip:N")
     group.add_argument("--seed", type=int, help="random seed (same seed, data and device type: identical output)")
     group.add_argument("--unit", choices=["layer", "block"], help="reconstruction unit")
+    group.add_argument("--resume", action="store_true",
+                       help="continue a killed run from its checkpoint beside the output (model.onnx.finetune.ckpt for "
+                            "-o model.onnx); same model, data and settings give the bytes of an uninterrupted run")
 
 
 def main(argv: list[str] | None = None) -> int:

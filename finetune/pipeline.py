@@ -30,7 +30,7 @@ class PipelineResult:
 
 def quantize_and_finetune(
     model: str | Path | onnx.ModelProto, config: QuantConfig | str | dict, data: Any,
-    output_dir: str | Path | None = None, name: str = "finetune", callbacks: Sequence[Any] = (),
+    output_dir: str | Path | None = None, name: str = "finetune", callbacks: Sequence[Any] = (), resume: bool = False,
 ) -> PipelineResult:
     """Quantize `model` with `config`; when the config has a fast_finetune section, tune the result
     on the same data (`callbacks` join the tuning's Fabric: see finetune_model). The float reference
@@ -47,7 +47,7 @@ def quantize_and_finetune(
     )
 
     float_model = quantized.float_model if config.weight_storage == "compact" else None
-    tuned, report = finetune_model(quantized.model, data, config.fast_finetune, float_model, output_dir, name, callbacks)
+    tuned, report = finetune_model(quantized.model, data, config.fast_finetune, float_model, output_dir, name, callbacks, resume)
     return PipelineResult(tuned, quantized.summary, report)
 
 

@@ -1,10 +1,15 @@
 """Callbacks of the fine-tuning run: a user's callback passed to finetune_model hears every moment in
-order and can stop a unit; the built-in early stopping ends each unit where its rule says."""
+order and can stop a unit; the built-in early stopping ends each unit where its rule says; the
+checkpoint lets a stopped run resume to the bytes of an uninterrupted one, and only its own run."""
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
+import os
+import stat
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -96,3 +101,92 @@ def test_early_stopping_ends_each_unit_where_its_rule_says(quantized: tuple) -> 
     assert iterations == [len(losses) for losses in recorder.losses]
     assert iterations == [stop_by_rule(losses, patience=5, warmup=10) for losses in recorder.losses]
     assert all(15 <= n < 300 for n in iterations)
+
+
+# --- the checkpoint and resuming --------------------------------------------------------------------
+
+
+class Stopped(Exception):
+    """A run stopped part-way (as a kill or Ctrl-C would stop it)."""
+
+
+class StopAfter:
+    """A user's callback that stops the run when unit `index` ends (after the checkpoint is saved)."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+    def on_unit_end(self, index: int) -> None:
+        if index == self.index:
+            raise Stopped
+
+
+class UnitStarts:
+    """A user's callback that notes the index of each unit it hears start."""
+
+    def __init__(self) -> None:
+        self.indices: list[int] = []
+
+    def on_unit_start(self, index: int) -> None:
+        self.indices.append(index)
+
+
+def stopped_run(model: onnx.ModelProto, feeds: list, config: FastFinetune, folder: Path, after: int = 1) -> Path:
+    """Run until unit `after` ends, stop there, and return the checkpoint it leaves behind."""
+    with pytest.raises(Stopped):
+        finetune_model(model, feeds, config, output_dir=folder, name="run", callbacks=[StopAfter(after)])
+    return folder / "run.ckpt"
+
+
+def test_a_stopped_run_resumes_from_its_checkpoint_to_the_same_bytes(quantized: tuple, tmp_path: Path,
+                                                                      caplog: pytest.LogCaptureFixture) -> None:
+    """Stopped after two units, then resumed: the finished units are restored, not tuned again (the
+    log and the report count them; callbacks hear only the others), and the model, the report rows
+    and the metric log are those of an uninterrupted run. The checkpoint follows the umask and is
+    gone once the run completes."""
+    model, feeds = quantized
+    config = FastFinetune(algorithm="adaquant", iterations=12, seed=5)
+    whole, whole_report = finetune_model(model, feeds, config, output_dir=tmp_path / "whole", name="run")
+    checkpoint = stopped_run(model, feeds, config, tmp_path / "cut")
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(checkpoint.stat().st_mode) == 0o666 & ~umask
+    starts = UnitStarts()
+    with caplog.at_level(logging.INFO):
+        resumed, report = finetune_model(model, feeds, config, output_dir=tmp_path / "cut", name="run", callbacks=[starts],
+                                         resume=True)
+    assert resumed.SerializeToString() == whole.SerializeToString()
+    units = len(report["units"])
+    assert report["resumed_units"] == 2 and f"resuming from {checkpoint}: 2 of {units} units finished earlier" in caplog.text
+    assert starts.indices == list(range(2, units))
+    assert [{**u, "seconds": 0} for u in report["units"]] == [{**u, "seconds": 0} for u in whole_report["units"]]
+    logs = [folder / "run.logs" / "metrics.csv" for folder in (tmp_path / "whole", tmp_path / "cut")]
+    assert logs[0].read_text() == logs[1].read_text()
+    assert sorted(p.name for p in checkpoint.parent.iterdir()) == ["run.json", "run.logs", "run.png"]
+
+
+def test_a_checkpoint_of_another_run_is_refused(quantized: tuple, tmp_path: Path) -> None:
+    """Another seed, other data, another model, a file that is no checkpoint, or no output folder to
+    keep a checkpoint in: each refused with what differs and what to do."""
+    model, feeds = quantized
+    config = FastFinetune(algorithm="adaquant", iterations=4, seed=5)
+    checkpoint = stopped_run(model, feeds, config, tmp_path)
+
+    def resume(config: FastFinetune = config, feeds: list = feeds, model: onnx.ModelProto = model) -> None:
+        finetune_model(model, feeds, config, output_dir=tmp_path, name="run", resume=True)
+
+    with pytest.raises(ValueError, match=rf"^the checkpoint {checkpoint} is another run's \(config.seed 5 there, 6 now\): "
+                                         "resume with that run's model, data and settings, or run without --resume"):
+        resume(FastFinetune(algorithm="adaquant", iterations=4, seed=6))
+    with pytest.raises(ValueError, match=r"another run's \(data '\w+' there, '\w+' now; samples 12 there, 8 now\)"):
+        resume(feeds=feeds[:2])
+    other = onnx.ModelProto()
+    other.CopyFrom(model)
+    other.doc_string = "another model"
+    with pytest.raises(ValueError, match=r"another run's \(model '\w+' there, '\w+' now\)"):
+        resume(model=other)
+    with pytest.raises(ValueError, match="resume needs output_dir"):
+        finetune_model(model, feeds, config, resume=True)
+    checkpoint.write_bytes(b"not a checkpoint")
+    with pytest.raises(ValueError, match=rf"^cannot read the checkpoint {checkpoint} \(UnpicklingError\): it is damaged"):
+        resume()

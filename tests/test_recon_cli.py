@@ -1,12 +1,14 @@
 """Fast finetune from the command line and the pipeline: `finetune quantize` with a fast_finetune
 section or flags, `finetune tune` on models quantized by us, by onnxruntime's quantize_static and
-with com.amd.quark nodes, the saved run config, and the benchmark's smoke run."""
+with com.amd.quark nodes, runs killed or interrupted and resumed, the saved run config, and the
+benchmark's smoke run."""
 
 from __future__ import annotations
 
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -18,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
+import torch
 from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
 
 from finetune.cli import main
@@ -27,6 +30,7 @@ from finetune.pipeline import quantize_and_finetune, with_finetune
 from finetune.quantize import quantize_model
 from finetune.recon import Unit
 from finetune.recon.cache import remove_stale_spills
+from finetune.recon.loop import Tuner
 from finetune.zoo import digits_split
 
 from .recon_helpers import export_digits_cnn, one_thread, run  # noqa: F401  (one_thread: autouse fixture)
@@ -156,11 +160,78 @@ def test_a_killed_run_leaves_no_spilled_activations(digits: dict, tmp_path: Path
     assert list(spill_root.glob("finetune-activations-*")) == []
 
 
-def test_cli_tune_refuses_a_model_with_nothing_to_tune(digits: dict, tmp_path: Path, cli: Callable[..., Outcome]) -> None:
-    """`tune` on a float model (it reported success, having tuned nothing): an error that says why, with no output."""
+def finished_units(checkpoint: Path) -> int:
+    """How many units a run's checkpoint holds (0 while it has none)."""
+    try:
+        return len(torch.load(checkpoint, weights_only=True)["results"])
+    except FileNotFoundError:
+        return 0
+
+
+@pytest.mark.slow
+def test_a_run_killed_outright_resumes_to_the_bytes_of_an_uninterrupted_run(digits: dict, tmp_path: Path,
+                                                                             cli: Callable[..., Outcome]) -> None:
+    """`quantize --finetune` killed with SIGKILL once its checkpoint holds two units, then run again
+    with --resume: it continues from the units the checkpoint holds, and writes the bytes an
+    uninterrupted run writes (one thread in both, as the checkpoint requires)."""
+    config = tmp_path / "long.yaml"
+    config.write_text("preset: XINT8\nfast_finetune: {iterations: 1000, seed: 4}\n")
+    args = ["quantize", str(digits["path"]), "--config", str(config), "--data", str(digits["data"])]
+    out, whole = tmp_path / "killed" / "q.onnx", tmp_path / "whole.onnx"
+    checkpoint = out.with_name("q.onnx.finetune.ckpt")
+    process = subprocess.Popen([sys.executable, "-m", "finetune.cli", *args, "-o", str(out)],
+                               env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 300
+    while finished_units(checkpoint) < 2 and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert process.poll() is None, process.stderr.read().decode()[-2000:]
+    process.kill()
+    assert process.wait(timeout=60) == -signal.SIGKILL
+    finished = finished_units(checkpoint)
+    assert 2 <= finished < 5 and not out.exists()
+    resumed = cli(*args, "--resume", "-o", str(out))
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"resuming from {checkpoint}: {finished} of 5 units finished earlier" in resumed.stderr
+    assert f"{finished} restored from the checkpoint" in resumed.stdout
+    assert cli(*args, "-o", str(whole)).returncode == 0
+    assert out.read_bytes() == whole.read_bytes() and not checkpoint.exists()
+
+
+def test_cli_tune_stopped_by_ctrl_c_resumes_to_the_same_bytes(digits: dict, tmp_path: Path, cli: Callable[..., Outcome],
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """`tune` interrupted while tuning its third unit exits with 130, writes no model and says where
+    its two finished units are kept; `tune --resume` completes it to the bytes of an uninterrupted run."""
+    qdq, whole, out = tmp_path / "q.onnx", tmp_path / "whole.onnx", tmp_path / "tuned.onnx"
+    onnx.save(quantize_model(digits["path"], "XINT8", digits["feeds"]).model, qdq)
+    args = ["tune", str(qdq), "--data", str(digits["data"]), "--iterations", "15"]
+    assert cli(*args, "-o", str(whole)).returncode == 0
+    tune = Tuner.tune
+
+    def interrupted(tuner: Tuner, k: int, *rest: object, **keywords: object) -> object:
+        if k == 2:
+            raise KeyboardInterrupt
+        return tune(tuner, k, *rest, **keywords)
+
+    monkeypatch.setattr(Tuner, "tune", interrupted)
+    stopped = cli(*args, "-o", str(out))
+    checkpoint = out.with_name("tuned.onnx.finetune.ckpt")
+    assert stopped.returncode == 130 and not out.exists() and checkpoint.is_file()
+    assert f"the run stopped after 2 of 5 units; they are kept in {checkpoint}: run again with --resume" in stopped.stderr
+    monkeypatch.undo()
+    resumed = cli(*args, "--resume", "-o", str(out))
+    assert resumed.returncode == 0 and re.search(r"5 units, \d kept, \d reverted, 2 restored from the checkpoint", resumed.stdout)
+    assert out.read_bytes() == whole.read_bytes() and not checkpoint.exists()
+
+
+def test_cli_refuses_a_model_with_nothing_to_tune_and_a_resume_without_tuning(digits: dict, tmp_path: Path,
+                                                                                cli: Callable[..., Outcome]) -> None:
+    """`tune` on a float model (it reported success, having tuned nothing) and `quantize --resume`
+    without fine-tuning: each an error that says why, with no output."""
     out = tmp_path / "out.onnx"
     floating = cli("tune", str(digits["path"]), "--data", str(digits["data"]), "-o", str(out))
     assert floating.returncode == 2 and "the model has no quantizers" in floating.stderr and "nothing to tune" in floating.stderr
+    resume = cli("quantize", str(digits["path"]), "--config", "XINT8", "--data", str(digits["data"]), "--resume", "-o", str(out))
+    assert resume.returncode == 2 and "--resume continues a fine-tuning run: add --finetune" in resume.stderr
     assert not out.exists()
 
 

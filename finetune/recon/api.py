@@ -1,5 +1,6 @@
 """finetune_model: recover a QDQ model's accuracy with AdaRound or AdaQuant, unit by unit, and
-write the tuned weights back into a copy of the QDQ graph."""
+write the tuned weights back into a copy of the QDQ graph; a run killed part-way resumes from a
+checkpoint of its finished units."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from finetune.onnx.io import load_model
 
 from .adaround import check_int_weights
 from .cache import ActivationCache
-from .callbacks import builtin_callbacks
+from .callbacks import Checkpoint, builtin_callbacks, digest, run_fingerprint
 from .device import resolve_device
 from .loop import Tuner, UnitResult
 from .partition import cut
@@ -50,14 +51,19 @@ def finetune_model(
     output_dir: str | Path | None = None,
     name: str = "finetune",
     callbacks: Sequence[Any] = (),
+    resume: bool = False,
 ) -> tuple[onnx.ModelProto, dict[str, Any]]:
     """The QDQ model with tuned weights, and the report. `data` is anything CalibrationData reads;
     the float targets come from `float_model` or, without one, from the QDQ model with its
-    quantizers off. With `output_dir`, `<name>.json`, `<name>.png` and `<name>.logs/` go there.
+    quantizers off. With `output_dir`, `<name>.json`, `<name>.png` and `<name>.logs/` go there,
+    and `<name>.ckpt` holds the finished units while the run lasts: `resume` continues from it
+    (the same model, data and settings give the bytes an uninterrupted run gives).
     `callbacks` join the built-in ones in the Fabric that runs the units (hooks: see recon.callbacks)."""
     begin = time.perf_counter()
     device = resolve_device(config.device)
+    checkpoint = _checkpoint_path(output_dir, name, resume)
     original = load_model(qdq_model)
+    sources = {"model": digest(original.SerializeToString())}
     for change in fold_computed_weights(original):  # so a weight computed from constants is tuned too
         logger.info("weights computed from constants: %s", change)
     module = lift_model(original)
@@ -68,11 +74,14 @@ def finetune_model(
         raise ValueError(f"the model has no {'/'.join(config.op_types)} layer with a trainable weight to tune")
     if config.algorithm == "adaround":
         check_int_weights(module, units)
-    reference = _reference(module, float_model)
+    float_proto = load_model(float_model) if float_model is not None else None
+    sources["float_model"] = digest(float_proto.SerializeToString()) if float_proto is not None else None
+    reference = _reference(module, float_proto)
     log_dir = Path(output_dir) / f"{name}.logs" if output_dir is not None else None
     run_callbacks = [*builtin_callbacks(config, log_dir), *callbacks]
     with _deterministic(config.seed, device), ActivationCache(config.cache_budget_bytes) as cache:
-        tuner, timing = _run(module, reference, units, original, data, config, device, cache, run_callbacks, warnings)
+        tuner, timing = _run(module, reference, units, original, data, config, device, cache, run_callbacks, warnings,
+                             _Resumption(checkpoint, resume, sources))
         cache_stats = {"peak_bytes_in_memory": cache.peak_in_memory, "peak_bytes_on_disk": cache.peak_on_disk,
                        "spilled_arrays": cache.spilled}
     module.cpu()
@@ -81,7 +90,28 @@ def finetune_model(
                      time.perf_counter() - begin)
     if output_dir is not None:
         write_report(report, Path(output_dir), name)
+    if checkpoint is not None:
+        checkpoint.unlink(missing_ok=True)  # the run is complete: nothing is left to resume
     return tuned, report
+
+
+@dataclasses.dataclass(frozen=True)
+class _Resumption:
+    """Where the run keeps its checkpoint (None: nowhere), whether it resumes from it, and the
+    digests of the models it started from (part of the checkpoint's fingerprint)."""
+
+    path: Path | None
+    resume: bool
+    sources: dict[str, str | None]
+
+
+def _checkpoint_path(output_dir: str | Path | None, name: str, resume: bool) -> Path | None:
+    """Where the run checkpoints its finished units: `<name>.ckpt` in the output folder, if any."""
+    if output_dir is None:
+        if resume:
+            raise ValueError("resume needs output_dir: the checkpoint to resume from lives there, beside the report")
+        return None
+    return Path(output_dir) / f"{name}.ckpt"
 
 
 def _check_tunable(module: LiftedModule) -> None:
@@ -96,7 +126,7 @@ def _check_tunable(module: LiftedModule) -> None:
                              "before tuning it")
 
 
-def _reference(module: LiftedModule, float_model: str | Path | onnx.ModelProto | None) -> LiftedModule:
+def _reference(module: LiftedModule, float_model: onnx.ModelProto | None) -> LiftedModule:
     """The lifted float model, or the QDQ module itself (to be run with its quantizers off)."""
     if float_model is not None:
         logger.info("float reference: the given float model")
@@ -110,9 +140,12 @@ def _reference(module: LiftedModule, float_model: str | Path | onnx.ModelProto |
 
 
 def _run(module: LiftedModule, reference: LiftedModule, units: list[Unit], original: onnx.ModelProto, data: Any,
-         config: FastFinetune, device: torch.device, cache: ActivationCache, callbacks: list[Any],
-         warnings: Warnings) -> tuple[Tuner, dict[str, float]]:
-    """Cache the inputs, then tune unit after unit, advancing the float and the quantized stream to each."""
+         config: FastFinetune, device: torch.device, cache: ActivationCache, callbacks: list[Any], warnings: Warnings,
+         resumption: _Resumption) -> tuple[Tuner, dict[str, float]]:
+    """Cache the inputs, then tune unit after unit, advancing the float and the quantized stream to
+    each; units a resumed run finished earlier get their kept weights back where tuning would have
+    left them, so both streams pass through them exactly as before. The checkpoint is saved before
+    a user's callbacks hear of a unit's end."""
     feeds = CalibrationData(data, original, limit=config.data_size)
     inputs = cache_inputs(feeds, [info.name for info in feeds.inputs], cache)
     samples = inputs[0].rows
@@ -123,11 +156,19 @@ def _run(module: LiftedModule, reference: LiftedModule, units: list[Unit], origi
     placeholders = [n.name for n in module.graph.nodes if n.op == "placeholder"]
     floats = FloatStream(reference, units, inputs, cache, device, quantizers_off=reference is module)
     stream = QuantizedStream(plan, placeholders, inputs, cache, device)
-    with Tuner(config, device, units, callbacks) as tuner:
+    checkpoint = None
+    if resumption.path is not None:
+        checkpoint = Checkpoint(resumption.path, run_fingerprint(resumption.sources, config, inputs))
+    tuner = Tuner(config, device, units, callbacks if checkpoint is None else [checkpoint, *callbacks])
+    finished_weights = checkpoint.start(tuner, resumption.resume) if checkpoint is not None else {}
+    with tuner:
         for k, unit in enumerate(units):
             float_inputs, targets = floats.advance(k)
             unit_inputs = stream.before(k, unit)
-            tuner.tune(k, module, plan.train[k], unit_inputs, float_inputs, targets, starts)
+            if k < tuner.resumed_units:
+                tuner.restore(k, module, finished_weights)
+            else:
+                tuner.tune(k, module, plan.train[k], unit_inputs, float_inputs, targets, starts)
             cache.release(float_inputs.name)
             cache.release(targets.name)
             stream.after(k)
@@ -198,8 +239,8 @@ def _deterministic(seed: int, device: torch.device) -> Iterator[None]:
 
 def _report(config: FastFinetune, device: torch.device, self_reference: bool, tuner: Tuner, warnings: list[dict[str, str]],
             timing: dict[str, float], cache_stats: dict[str, int], seconds: float) -> dict[str, Any]:
-    """The run's numbers: settings, per-unit losses and status, timing and cache use, and the
-    warnings (what was left out or undone, and why)."""
+    """The run's numbers: settings, per-unit losses and status, timing and cache use, the units
+    restored from a checkpoint, and the warnings (what was left out or undid, and why)."""
     results: list[UnitResult] = tuner.results
     iterations = sum(r.iterations for r in results)
     train_seconds = sum(r.seconds for r in results)
@@ -212,6 +253,7 @@ def _report(config: FastFinetune, device: torch.device, self_reference: bool, tu
         "units": [dataclasses.asdict(r) for r in results],
         "kept": sum(r.status == "kept" for r in results),
         "reverted": sum(r.status.startswith("reverted") for r in results),
+        "resumed_units": tuner.resumed_units,
         "warnings": warnings,
         "iterations": iterations,
         "seconds_per_unit_iteration": train_seconds / iterations if iterations else None,

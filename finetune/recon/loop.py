@@ -50,13 +50,15 @@ class UnitResult:
 
 class Tuner:
     """Tunes the units one after another with one Fabric holding the callbacks; a run is the `with`
-    block around the tune calls (on_run_start on entry, on_run_end on exit)."""
+    block around the tune calls (on_run_start on entry, on_run_end on exit). A resumed run restores
+    the units an earlier run finished instead of tuning them."""
 
     def __init__(self, config: FastFinetune, device: torch.device, units: list[Unit], callbacks: Sequence[Any]) -> None:
         self.config = config
         self.units = units
         self.results: list[UnitResult] = []
         self.warnings = Warnings()  # what the tuning undid or left out, unit by unit
+        self.resumed_units = 0  # the first units, finished by an earlier run
         self.should_stop = False  # a callback sets it to end the unit's optimisation after the current step
         accelerator = "cpu" if device.type == "cpu" else "cuda"
         devices = 1 if device.type == "cpu" else [device.index or 0]
@@ -69,6 +71,22 @@ class Tuner:
 
     def __exit__(self, *_: object) -> None:
         self.fabric.call("on_run_end", tuner=self, results=self.results)
+
+    def resume(self, results: list[UnitResult], warnings: list[dict[str, str]]) -> None:
+        """Continue a run whose first len(results) units an earlier run finished: their results and
+        warnings become this run's (call before the `with` block, so callbacks see them at its start)."""
+        self.results = list(results)
+        self.resumed_units = len(results)
+        self.warnings.extend(warnings)
+
+    def restore(self, k: int, module: LiftedModule, weights: dict[str, torch.Tensor]) -> None:
+        """Put back the weights an earlier run kept for finished unit k, at the point where tuning it
+        would have left them, so the streams that follow see what they saw then."""
+        for name in parameters_of(self.units[k]):
+            module.get_parameter(name).data.copy_(weights[name])
+        result = self.results[k]
+        logger.info("unit %d/%d %s: restored from the checkpoint (loss %.4g -> %.4g, %s)",
+                    k + 1, len(self.units), result.name, result.loss_before, result.loss_after, result.status)
 
     def tune(self, k: int, module: LiftedModule, train: fx.GraphModule, inputs: CachedValue, float_inputs: CachedValue,
              targets: CachedValue, starts: dict[str, torch.Tensor] | None = None) -> UnitResult:

@@ -65,7 +65,8 @@ def format_report(report: dict[str, Any]) -> str:
     after = sum(u["loss_after"] for u in units)
     per_iteration = report["seconds_per_unit_iteration"]
     timing = f"{per_iteration * 1e3:.2f} ms per unit-iteration, " if per_iteration else ""
+    resumed = f", {report['resumed_units']} restored from the checkpoint" if report["resumed_units"] else ""
     warned = f"; {len(report['warnings'])} warning(s), listed in the report" if report["warnings"] else ""
     return (f"fast finetune ({report['algorithm']}, {report['device']}, float reference: {report['float_reference']}): "
-            f"{len(units)} units, {report['kept']} kept, {report['reverted']} reverted; summed reconstruction loss "
+            f"{len(units)} units, {report['kept']} kept, {report['reverted']} reverted{resumed}; summed reconstruction loss "
             f"{before:.4g} -> {after:.4g}; {timing}{report['total_seconds']:.1f} s{warned}")

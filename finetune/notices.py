@@ -12,7 +12,7 @@ from typing import Literal
 
 NAMES_SHOWN = 8  # names per reason in one log or summary line; the summary JSON lists them all
 
-Subject = Literal["tensor", "node", "model", "config"]
+Subject = Literal["tensor", "node", "model", "config", "unit"]  # "unit": a fine-tuning unit or layer
 
 
 @dataclass(frozen=True)

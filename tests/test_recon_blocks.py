@@ -119,7 +119,7 @@ def test_a_partial_last_batch_trains_on_sequence_first_values(models: dict[str, 
     assert [w["unit"] for w in report["warnings"]] == sequence_first
     assert all(w["reason"].startswith("5 of the 15 rows of its inputs (slices along their leading axis) are left out of its "
                                       "training batches") for w in report["warnings"])
-    assert [r.message.split(":")[0] for r in caplog.records if "are left out of its training" in r.message] == sequence_first
+    assert [r.message.split(":")[0].removeprefix("unit ") for r in caplog.records if "are left out of its training" in r.message] == sequence_first
 
 
 def test_a_layer_that_cannot_join_a_block_is_a_warning(caplog: pytest.LogCaptureFixture) -> None:
@@ -140,7 +140,7 @@ def test_a_layer_that_cannot_join_a_block_is_a_warning(caplog: pytest.LogCapture
     assert re.fullmatch(r"stays a layer unit \(unit: block asked for blocks\): a block of 1 layer\(s\) here would also "
                         r"read \[.*y.*\]", report["warnings"][0]["reason"])
     warned = [r.message for r in caplog.records if r.levelno == logging.WARNING]
-    assert any(message.startswith("/branch/conv/Conv: stays a layer unit") for message in warned)
+    assert any(message.startswith("unit /branch/conv/Conv: stays a layer unit") for message in warned)
 
 
 def test_output_quantizers_belong_to_layer_units_only() -> None:

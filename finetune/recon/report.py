@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from finetune.files import write_atomic, write_text_atomic
+from finetune.notices import Notice, warn
 
 logger = logging.getLogger(__name__)
 
@@ -18,9 +19,11 @@ class Warnings(list[dict[str, str]]):
     {"unit": name, "reason": why} of the report's "warnings" list, so nothing degrades unseen."""
 
     def add(self, unit: str, reason: str) -> None:
-        """Log one warning about a unit (or a layer) and keep it for the report."""
-        logger.warning("%s: %s", unit, reason)
-        self.append({"unit": unit, "reason": reason})
+        """Log one warning about a unit (or a layer) and keep it for the report, as the quantizer's
+        summary keeps its notices."""
+        notice = Notice("unit", unit, reason)
+        warn(logger, None, [notice])
+        self.append(notice.as_dict())
 
 
 def write_report(report: dict[str, Any], output_dir: Path, name: str) -> tuple[Path, Path]:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import logging
 import math
 import re
-from pathlib import Path
 
 import numpy as np
 import onnx

@@ -168,7 +168,8 @@ def _add_finetune_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--early-stop", action=argparse.BooleanOptionalAction, default=None,
                        help="stop a unit when its reconstruction loss stops improving")
     group.add_argument("--device", help="cpu, cuda, cuda:N or hip:N")
-    group.add_argument("--seed", type=int, help="random seed (same seed, data and device type: identical output)")
+    group.add_argument("--seed", type=int,
+                       help="random seed (same model, data, config, seed, device type and torch thread count: identical output)")
     group.add_argument("--unit", choices=["layer", "block"], help="reconstruction unit")
     group.add_argument("--resume", action="store_true",
                        help="continue a killed run from its checkpoint beside the output (model.onnx.finetune.ckpt for "

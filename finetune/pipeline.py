@@ -37,15 +37,15 @@ def quantize_and_finetune(
     is the quantized model with its quantizers off (its weights are the float ones), or the float
     model itself when weights are stored as codes."""
     config = load_config(config)
-    quantized = quantize_model(model, without_finetune(config), data)
     if config.fast_finetune is None:
+        quantized = quantize_model(model, config, data)
         return PipelineResult(quantized.model, quantized.summary, None)
-    if data is None:
-        raise ValueError("fast finetune needs calibration data: pass --data (or data= in Python)")
-    from finetune.recon import (
-        finetune_model,  # lightning takes seconds to import: only when tuning
-    )
+    from finetune.recon import finetune_model, resolve_device  # lightning takes seconds to import: only when tuning
 
+    if data is None:  # what tuning needs is checked before the quantizer's calibration pass
+        raise ValueError("fast finetune needs calibration data: pass --data (or data= in Python)")
+    resolve_device(config.fast_finetune.device)
+    quantized = quantize_model(model, without_finetune(config), data)
     float_model = quantized.float_model if config.weight_storage == "compact" else None
     tuned, report = finetune_model(quantized.model, data, config.fast_finetune, float_model, output_dir, name, callbacks, resume)
     return PipelineResult(tuned, quantized.summary, report)

@@ -132,6 +132,7 @@ def test_cli_errors_name_the_problem(digits: dict, tmp_path: Path, cli: Callable
     device = cli("quantize", str(digits["path"]), "--config", "XINT8", "--data", str(digits["data"]), "--finetune", "adaround",
                  "--device", "hip:0", "-o", str(tmp_path / "d.onnx"))
     assert device.returncode == 2 and "'hip:0' is not available" in device.stderr
+    assert "calibrating" not in device.stderr  # refused before the quantizer's calibration pass
 
 
 @pytest.mark.slow

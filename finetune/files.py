@@ -19,7 +19,7 @@ def write_atomic(path: str | os.PathLike, write: Callable[[Path], None]) -> None
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     except OSError as error:
-        raise OSError(error.errno, f"cannot write {path}: {error.strerror or error}") from error
+        raise _cannot_write(path, error) from error
     os.close(fd)
     tmp = Path(tmp_name)
     try:
@@ -28,10 +28,15 @@ def write_atomic(path: str | os.PathLike, write: Callable[[Path], None]) -> None
         # a model is no more private than its report
         os.chmod(tmp, NEW_FILE_MODE & ~_umask())
         os.replace(tmp, path)
-    except OSError as error:  # name the user's file, not the temporary
-        raise OSError(error.errno, f"cannot write {path}: {error.strerror or error}") from error
+    except OSError as error:
+        raise _cannot_write(path, error) from error
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def _cannot_write(path: Path, error: OSError) -> OSError:
+    """The error naming the user's file, not the temporary or folder the system call named."""
+    return OSError(error.errno, f"cannot write {path}: {error.strerror or error}")
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:

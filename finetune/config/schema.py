@@ -11,7 +11,7 @@ import functools
 import re
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, Literal, TypeVar, Union
 
 T = TypeVar("T")
@@ -75,7 +75,7 @@ def from_mapping(cls: type[T], data: Any, path: str = "") -> T:
     for key in data:
         if key not in names:
             allowed = cls.allowed_keys(data)
-            problem = f"unknown key; allowed: {', '.join(allowed)}{_did_you_mean(key, allowed)}"
+            problem = f"unknown key; allowed: {', '.join(allowed)}{did_you_mean(key, allowed)}"
             raise ConfigError(join_path(path, str(key)), problem)
     for f in dataclasses.fields(cls):
         if f.name not in data and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
@@ -86,9 +86,12 @@ def from_mapping(cls: type[T], data: Any, path: str = "") -> T:
         raise error.under(path) from None
 
 
-def _did_you_mean(key: Any, allowed: tuple[str, ...]) -> str:
-    close = difflib.get_close_matches(str(key), allowed, n=1)
-    return f" (did you mean {close[0]}?)" if close else ""
+def did_you_mean(key: Any, allowed: Iterable[str], quote: bool = False) -> str:
+    """' (did you mean X?)' for the closest allowed name (quoted, for names that may hold spaces), or ''."""
+    close = difflib.get_close_matches(str(key), list(allowed), n=1)
+    if not close:
+        return ""
+    return f" (did you mean {close[0]!r}?)" if quote else f" (did you mean {close[0]}?)"
 
 
 @functools.cache

@@ -5,17 +5,16 @@ a compact form, one-element block-format tensors, MX rounding modes without effe
 
 from __future__ import annotations
 
-import difflib
 import logging
 import math
 import re
-from collections.abc import Iterable
 
 import numpy as np
 import onnx
 from onnx import numpy_helper
 
 from finetune.config import QuantConfig
+from finetune.config.schema import did_you_mean
 from finetune.formats import BFPSpec, MXSpec
 from finetune.notices import Notice, warn
 from finetune.onnx.domains import DEFAULT_DOMAINS
@@ -80,13 +79,13 @@ def check_names(model: onnx.ModelProto, config: QuantConfig, notices: list[Notic
     tensors = {name for node in graph.node for name in (*node.input, *node.output) if name}
     tensors |= {t.name for t in graph.initializer} | {v.name for v in (*graph.input, *graph.output)}
     unmatched = [
-        *(f"tensor_overrides[{name!r}] names no tensor{_closest(name, tensors)}" for name in config.tensor_overrides
-          if name not in tensors),
-        *(f"node_overrides[{name!r}] names no node{_closest(name, nodes)}" for name in config.node_overrides
-          if name not in nodes),
-        *(f"exclude_nodes[{i}] {pattern!r} matches no node{_closest(pattern, nodes)}" for i, pattern in enumerate(config.exclude_nodes)
-          if not any(_excludes(pattern, name) for name in nodes)),
-        *(f"op_type_overrides[{op_type!r}] is no ONNX op type{_closest(op_type, _onnx_op_types())}"
+        *(f"tensor_overrides[{name!r}] names no tensor{did_you_mean(name, tensors, quote=True)}"
+          for name in config.tensor_overrides if name not in tensors),
+        *(f"node_overrides[{name!r}] names no node{did_you_mean(name, nodes, quote=True)}"
+          for name in config.node_overrides if name not in nodes),
+        *(f"exclude_nodes[{i}] {pattern!r} matches no node{did_you_mean(pattern, nodes, quote=True)}"
+          for i, pattern in enumerate(config.exclude_nodes) if not any(_excludes(pattern, name) for name in nodes)),
+        *(f"op_type_overrides[{op_type!r}] is no ONNX op type{did_you_mean(op_type, _onnx_op_types(), quote=True)}"
           for op_type in config.op_type_overrides if not onnx.defs.has(op_type)),
     ]
     if unmatched:
@@ -116,12 +115,6 @@ def _excludes(pattern: str, node_name: str) -> bool:
 
 def _onnx_op_types() -> list[str]:
     return [schema.name for schema in onnx.defs.get_all_schemas() if schema.domain in DEFAULT_DOMAINS]
-
-
-def _closest(name: str, candidates: Iterable[str]) -> str:
-    """' (did you mean X?)' for the closest candidate name, or ''."""
-    close = difflib.get_close_matches(name, list(candidates), n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def format_notices(model: onnx.ModelProto, uses: list[Use], compact: bool) -> list[Notice]:

@@ -1,5 +1,6 @@
-"""The activation cache's spill files: unlinked as soon as they are mapped, so a killed run leaves
-no data, and the empty folders of dead runs are removed by the next one."""
+"""The activation cache's spill files: unlinked as soon as they are open, so a killed run leaves
+no data, the empty folders of dead runs are removed by the next one, and reading spilled values
+back leaves no pages in the resident set."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
-from finetune.recon.cache import SPILL_PREFIX, ActivationCache, remove_stale_spills
+from finetune.recon.cache import SPILL_PREFIX, ActivationCache, CachedValue, SpilledArray, remove_stale_spills
 
 
 def test_a_spilled_array_has_no_file_but_keeps_its_values(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -22,7 +24,8 @@ def test_a_spilled_array_has_no_file_but_keeps_its_values(tmp_path: Path, monkey
         (folder,) = tmp_path.iterdir()
         assert folder.name.startswith(f"{SPILL_PREFIX}{os.getpid()}_")
         assert list(folder.iterdir()) == []
-        assert isinstance(stored, np.memmap) and np.array_equal(stored, values)
+        assert isinstance(stored, SpilledArray) and np.array_equal(np.asarray(stored), values)
+        assert np.array_equal(stored[[1]], values[[1]]) and len(stored) == 2
         assert cache.on_disk == values.nbytes
         cache.drop(stored)
         assert cache.on_disk == 0
@@ -44,3 +47,28 @@ def test_folders_of_dead_runs_are_removed_and_live_or_foreign_ones_kept(tmp_path
     with ActivationCache(budget=0) as cache:  # the first spill of a run cleans up first
         cache.store(np.zeros(4, np.float32), "x")
         assert not dead.exists()
+
+
+def _resident_kib() -> int:
+    """This process's resident set now (VmRSS of /proc/self/status)."""
+    status = Path("/proc/self/status").read_text()
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS:")))
+
+
+def test_spilled_values_read_back_do_not_stay_resident(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Writing 256 MiB of spills and gathering every row back twice raises the resident set by far
+    less than the spilled size (through a plain memory map it rose by all of it)."""
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    chunk = np.ones((64, 2**20 // 4), np.float32)  # 64 rows of 1 MiB
+    with ActivationCache(budget=0) as cache:
+        value = CachedValue(cache, "x")
+        before = _resident_kib()
+        for _ in range(4):
+            value.append(torch.from_numpy(chunk))
+        for _ in range(2):
+            for start in range(0, value.rows, 16):
+                rows = value.gather(np.arange(start, start + 16))
+                assert float(rows.sum()) == rows.numel()
+        grown = _resident_kib() - before
+        assert cache.on_disk == 4 * chunk.nbytes
+    assert grown < 64 * 1024, f"resident memory grew by {grown} KiB while reading back 256 MiB of spills"

@@ -31,6 +31,7 @@ import pickle
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from lightning.fabric.loggers import CSVLogger, Logger, TensorBoardLogger
 from tqdm.auto import tqdm
@@ -233,7 +234,7 @@ def run_fingerprint(sources: dict[str, str | None], config: FastFinetune, inputs
     for value in inputs:
         for chunk in value.chunks:
             data.update(f"{chunk.dtype}{chunk.shape}".encode())
-            data.update(chunk.tobytes())
+            data.update(np.asarray(chunk).tobytes())
     return {**sources, "config": settings, "samples": inputs[0].rows, "data": data.hexdigest()[:16],
             "torch": str(torch.__version__), "threads": torch.get_num_threads()}
 

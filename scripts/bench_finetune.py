@@ -12,6 +12,7 @@ in its own process, so its peak RSS is its own. AdaRound tunes layers and AdaQua
 
     python scripts/bench_finetune.py                                  # everything
     python scripts/bench_finetune.py --models digits --presets XINT8 --iterations 20   # smoke run
+    python scripts/bench_finetune.py --memory 64,256,1024 --iterations 2   # peak RSS against the cache budget
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import argparse
 import json
 import logging
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -97,11 +97,22 @@ def prepare(model: str, directory: Path, calibration: int | None) -> None:
 
 def load_case_data(directory: Path) -> tuple[list[dict[str, np.ndarray]], dict[str, np.ndarray]]:
     """Calibration feeds and evaluation arrays written by `prepare`."""
-    with np.load(directory / "calibration.npz") as stored:
-        calibration = [{"x": stored[f"arr_{i}"]} for i in range(len(stored.files))]
     with np.load(directory / "eval.npz") as stored:
         evaluation = {key: stored[key] for key in stored.files}
-    return calibration, evaluation
+    return load_calibration(directory), evaluation
+
+
+def load_calibration(directory: Path) -> list[dict[str, np.ndarray]]:
+    """The calibration feeds written by `prepare`."""
+    with np.load(directory / "calibration.npz") as stored:
+        return [{"x": stored[f"arr_{i}"]} for i in range(len(stored.files))]
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident set (VmHWM), in MiB. Not getrusage's ru_maxrss, which survives
+    exec and so reports the parent's peak when that was higher."""
+    status = Path("/proc/self/status").read_text()
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM:"))) / 1024
 
 
 def session(model: onnx.ModelProto | Path) -> ort.InferenceSession:
@@ -211,7 +222,7 @@ def run_case(model: str, preset: str, directory: Path, iterations: int, adaquant
         "per_unit_iteration_ours": (training + ours) / max(1, report["iterations"]),
         "activation_cache_peak_mb_in_memory": report["cache"]["peak_bytes_in_memory"] / 2**20,
         "activation_cache_peak_mb_on_disk": report["cache"]["peak_bytes_on_disk"] / 2**20,
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # counts spilled pages read back, too
+        "peak_rss_mb": peak_rss_mb(),
         "threads": torch.get_num_threads(),
     }
 
@@ -233,7 +244,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="reconstruction unit (default auto: layers for AdaRound, blocks for AdaQuant)")
     parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--work-dir", type=Path, help="where to keep models and data (default: a temporary folder)")
+    parser.add_argument("--memory", metavar="CROPS", help="instead of the cases: peak RSS of EfficientNet-Lite0 at MX4 "
+                        "(AdaQuant over layers) at these comma-separated calibration crop counts, with the activation cache "
+                        "unbounded and with --cache-budget-mb")
+    parser.add_argument("--cache-budget-mb", type=int, default=1024, help="the bounded cache of --memory (default 1024)")
     parser.add_argument("--case", nargs=3, metavar=("MODEL", "PRESET", "DIR"), help=argparse.SUPPRESS)
+    parser.add_argument("--memory-case", nargs=2, metavar=("DIR", "BUDGET_MB"), help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
@@ -251,6 +267,13 @@ def main(argv: list[str] | None = None) -> None:
         os.environ["OMP_NUM_THREADS"] = str(args.threads)
     if args.case:
         child(args)
+        return
+    if args.memory_case:
+        directory, budget_mb = args.memory_case
+        print(json.dumps(memory_case(Path(directory), int(budget_mb), args.iterations)))
+        return
+    if args.memory:
+        print(json.dumps(memory_table([int(crops) for crops in args.memory.split(",")], args), indent=1))
         return
     models, presets = args.models.split(","), args.presets.split(",")
     unknown = (set(models) - set(MODELS)) | (set(presets) - set(PRESETS))
@@ -284,6 +307,48 @@ def run_child(model: str, preset: str, directory: Path, args: argparse.Namespace
     case = json.loads(result.stdout.strip().splitlines()[-1])
     case["case_wall_seconds"] = time.perf_counter() - start
     return case
+
+
+# --- peak memory against the activation cache's budget ---------------------------------------------
+
+UNBOUNDED_MB = 2**30  # a cache budget nothing reaches: every activation stays in memory
+
+
+def memory_case(directory: Path, budget_mb: int, iterations: int) -> dict[str, Any]:
+    """Tune the MX4 model with the cache bounded at `budget_mb`; this process's peak RSS."""
+    calibration = load_calibration(directory)
+    quantized = onnx.load(directory / "mx4.onnx")
+    config = FastFinetune(algorithm="adaquant", iterations=iterations, seed=0, unit="layer", cache_budget_bytes=budget_mb * 2**20)
+    start = time.perf_counter()
+    _, report = finetune_model(quantized, calibration, config)
+    return {"finetune_seconds": time.perf_counter() - start,
+            "cache_peak_mb_in_memory": report["cache"]["peak_bytes_in_memory"] / 2**20,
+            "cache_peak_mb_on_disk": report["cache"]["peak_bytes_on_disk"] / 2**20,
+            "peak_rss_mb": peak_rss_mb()}
+
+
+def memory_table(crop_counts: list[int], args: argparse.Namespace) -> dict[str, Any]:
+    """Peak RSS of EfficientNet-Lite0 tuning at each crop count, unbounded and bounded, each run
+    in its own process (quantized here, so the peak is the tuning's)."""
+    rows = []
+    with tempfile.TemporaryDirectory() as scratch:
+        for crops in crop_counts:
+            directory = (args.work_dir or Path(scratch)) / f"efficientnet-{crops}"
+            log(f"preparing EfficientNet-Lite0 with {crops} calibration crops")
+            prepare("efficientnet", directory, crops)
+            onnx.save(quantize_model(directory / "float.onnx", load_config("MX4"), load_calibration(directory)).model,
+                      directory / "mx4.onnx")
+            for budget_mb in (UNBOUNDED_MB, args.cache_budget_mb):
+                command = [sys.executable, __file__, "--memory-case", str(directory), str(budget_mb), "--iterations", str(args.iterations)]
+                start = time.perf_counter()
+                result = subprocess.run(command, capture_output=True, text=True, check=False)
+                if result.returncode:
+                    raise RuntimeError(f"memory case {crops} crops, budget {budget_mb} MiB failed:\n{result.stderr[-4000:]}")
+                row = {"crops": crops, "cache_budget_mb": None if budget_mb == UNBOUNDED_MB else budget_mb,
+                       **json.loads(result.stdout.strip().splitlines()[-1]), "wall_seconds": time.perf_counter() - start}
+                log(json.dumps(row))
+                rows.append(row)
+    return {"model": "efficientnet_lite0", "preset": "MX4", "iterations_per_unit": args.iterations, "rows": rows}
 
 
 if __name__ == "__main__":

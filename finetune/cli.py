@@ -47,8 +47,8 @@ def quantize(args: argparse.Namespace) -> None:
     if args.resume and config.fast_finetune is None:
         raise ValueError("--resume continues a fine-tuning run: add --finetune, or a config with a fast_finetune section")
     data = _calibration_data(args)
-    result = quantize_and_finetune(args.model, config, data, args.output.parent, _report_name(args.output), resume=args.resume)
-    save_model_atomic(result.model, args.output)
+    result = quantize_and_finetune(args.model, config, data, args.output.parent, _report_name(args.output), resume=args.resume,
+                                   model_path=args.output)
     summary_path = args.output.with_name(args.output.name + ".summary.json")
     write_text_atomic(summary_path, json.dumps(result.summary, indent=1))
     save_run_config(config, _config_path(args.output))
@@ -72,9 +72,8 @@ def tune(args: argparse.Namespace) -> None:
         config = with_finetune(config, {"algorithm": "adaround"})
     config = with_finetune(config, _finetune_overrides(args, config))
     data = CalibrationData(args.data, load_model(args.model), limit=config.fast_finetune.data_size)
-    tuned, report = finetune_model(args.model, data, config.fast_finetune, args.float_model, args.output.parent,
-                                   _report_name(args.output), resume=args.resume)
-    save_model_atomic(tuned, args.output)
+    _, report = finetune_model(args.model, data, config.fast_finetune, args.float_model, args.output.parent,
+                               _report_name(args.output), resume=args.resume, model_path=args.output)
     save_run_config(config, _config_path(args.output))
     print(format_report(report))
     logger.info("wrote %s and %s", args.output, _config_path(args.output))

@@ -16,6 +16,7 @@ import onnxruntime
 import torch
 
 from finetune.config import QuantConfig, load_config, save_config, to_dict
+from finetune.onnx.io import save_model_atomic
 from finetune.quantize import quantize_model
 
 
@@ -31,14 +32,18 @@ class PipelineResult:
 def quantize_and_finetune(
     model: str | Path | onnx.ModelProto, config: QuantConfig | str | dict, data: Any,
     output_dir: str | Path | None = None, name: str = "finetune", callbacks: Sequence[Any] = (), resume: bool = False,
+    model_path: str | Path | None = None,
 ) -> PipelineResult:
     """Quantize `model` with `config`; when the config has a fast_finetune section, tune the result
     on the same data (`callbacks` join the tuning's Fabric: see finetune_model). The float reference
     is the quantized model with its quantizers off (its weights are the float ones), or the float
-    model itself when weights are stored as codes."""
+    model itself when weights are stored as codes. With `model_path` the final model is written
+    there (atomically; when tuning, before the report: see finetune_model)."""
     config = load_config(config)
     if config.fast_finetune is None:
         quantized = quantize_model(model, config, data)
+        if model_path is not None:
+            save_model_atomic(quantized.model, model_path)
         return PipelineResult(quantized.model, quantized.summary, None)
     from finetune.recon import finetune_model, resolve_device  # lightning takes seconds to import: only when tuning
 
@@ -47,7 +52,8 @@ def quantize_and_finetune(
     resolve_device(config.fast_finetune.device)
     quantized = quantize_model(model, without_finetune(config), data)
     float_model = quantized.float_model if config.weight_storage == "compact" else None
-    tuned, report = finetune_model(quantized.model, data, config.fast_finetune, float_model, output_dir, name, callbacks, resume)
+    tuned, report = finetune_model(quantized.model, data, config.fast_finetune, float_model, output_dir, name, callbacks, resume,
+                                   model_path)
     return PipelineResult(tuned, quantized.summary, report)
 
 

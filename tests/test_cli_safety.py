@@ -98,7 +98,7 @@ def test_ctrl_c_ends_with_130_and_writes_nothing(files: dict[str, Path], tmp_pat
     monkeypatch.setattr("finetune.cli.quantize_and_finetune", interrupted)
     out = tmp_path / "out" / "q.onnx"
     code, log = run(caplog, *commands(files, out)["quantize"])
-    assert code == 130 and "interrupted: nothing was written" in log and "Traceback" not in log
+    assert code == 130 and "interrupted: the output was not written" in log and "Traceback" not in log
     assert not out.parent.exists()
 
 

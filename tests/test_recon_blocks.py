@@ -116,9 +116,10 @@ def test_a_partial_last_batch_trains_on_sequence_first_values(models: dict[str, 
     assert report["samples"] == 11 and len(report["units"]) == 8
     assert all(u["iterations"] == 20 for u in report["units"])
     sequence_first = ["/layers/0/self_attn/MatMul", "/layers/1/self_attn/MatMul"]  # the out-projections, on (5 tokens, batch, 16)
-    assert [w["unit"] for w in report["warnings"]] == sequence_first
+    units = [w for w in report["warnings"] if "unit" in w]  # the others: weights stored as codes, no float model
+    assert [w["unit"] for w in units] == sequence_first
     assert all(w["reason"].startswith("5 of the 15 rows of its inputs (slices along their leading axis) are left out of its "
-                                      "training batches") for w in report["warnings"])
+                                      "training batches") for w in units)
     assert [r.message.split(":")[0].removeprefix("unit ") for r in caplog.records if "are left out of its training" in r.message] == sequence_first
 
 
@@ -136,9 +137,10 @@ def test_a_layer_that_cannot_join_a_block_is_a_warning(caplog: pytest.LogCapture
     with caplog.at_level(logging.WARNING):
         _, report = finetune_model(quantized, batches, FastFinetune(iterations=5, unit="block"))
     assert [(u["name"], u["op_type"]) for u in report["units"]] == [("/branch/conv/Conv", "Conv")]
-    assert [w["unit"] for w in report["warnings"]] == ["/branch/conv/Conv"]
+    units = [w for w in report["warnings"] if "unit" in w]  # the others: weights stored as codes, no float model
+    assert [w["unit"] for w in units] == ["/branch/conv/Conv"]
     assert re.fullmatch(r"stays a layer unit \(unit: block asked for blocks\): a block of 1 layer\(s\) here would also "
-                        r"read \[.*y.*\]", report["warnings"][0]["reason"])
+                        r"read \[.*y.*\]", units[0]["reason"])
     warned = [r.message for r in caplog.records if r.levelno == logging.WARNING]
     assert any(message.startswith("unit /branch/conv/Conv: stays a layer unit") for message in warned)
 

@@ -190,3 +190,25 @@ def test_a_checkpoint_of_another_run_is_refused(quantized: tuple, tmp_path: Path
     checkpoint.write_bytes(b"not a checkpoint")
     with pytest.raises(ValueError, match=rf"^cannot read the checkpoint {checkpoint} \(UnpicklingError\): it is damaged"):
         resume()
+
+
+def test_a_run_whose_model_cannot_be_written_keeps_its_checkpoint_and_writes_no_report(
+        quantized: tuple, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The model is written before the report and the checkpoint is removed only after both: a run
+    that fails (or is killed) while writing its model leaves no report without a model, and resumes."""
+    model, feeds = quantized
+    config = FastFinetune(algorithm="adaquant", iterations=4, seed=5)
+    output = tmp_path / "tuned.onnx"
+
+    def full_disk(*_: Any) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("finetune.recon.api.save_model_atomic", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        finetune_model(model, feeds, config, output_dir=tmp_path, name="run", model_path=output)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.ckpt", "run.logs"]
+    monkeypatch.undo()
+    tuned, report = finetune_model(model, feeds, config, output_dir=tmp_path, name="run", model_path=output, resume=True)
+    assert report["resumed_units"] == len(report["units"])
+    assert output.read_bytes() == tuned.SerializeToString()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.json", "run.logs", "run.png", "tuned.onnx"]

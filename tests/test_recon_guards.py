@@ -62,8 +62,9 @@ def test_a_unit_whose_tuned_loss_is_nan_is_reverted_and_reported(cnn: dict, capl
     assert len(names) >= 3 and {u["status"] for u in diverged} == {"reverted: the tuned loss is nan"}
     assert report["kept"] == 0 and report["reverted"] == len(report["units"])
     assert all(u["loss_after"] == u["loss_before"] and u["rejected_loss"] is None for u in diverged)
-    assert [w["unit"] for w in report["warnings"]] == names
-    assert all(w["reason"].startswith("reverted: the tuned loss is nan") for w in report["warnings"])
+    reverted = [w for w in report["warnings"] if "unit" in w]  # the others: weights stored as codes, no float model
+    assert [w["unit"] for w in reverted] == names
+    assert all(w["reason"].startswith("reverted: the tuned loss is nan") for w in reverted)
     assert sum("the tuned loss is nan" in r.message for r in caplog.records if r.levelno == logging.WARNING) == len(names)
     assert tuned.graph.initializer == quantized.graph.initializer
 
@@ -115,7 +116,31 @@ def test_a_float_reference_must_quantize_to_the_stored_codes_up_to_rounding_ties
     _, report = finetune_model(result.model, cnn["feeds"], FastFinetune(iterations=2), float_model=reference(0.5))
     reason = (f"1 of {codes.size} weight codes ({1 / codes.size:.3%}) differ from those the float model's weight quantizes to, "
               "each at a rounding tie (another tool's arithmetic); tuning starts from the float weights")
-    assert report["warnings"] == [{"unit": "/stem/stem/0/Conv", "reason": reason}]
+    assert [w for w in report["warnings"] if "unit" in w] == [{"unit": "/stem/stem/0/Conv", "reason": reason}]
     with pytest.raises(ValueError, match=rf"/stem/stem/0/Conv does not quantize to the codes .*\(1 of {codes.size} differ away "
                                          "from rounding ties\\)"):
         finetune_model(result.model, cnn["feeds"], FastFinetune(iterations=2), float_model=reference(1.0))
+
+
+def test_what_tuning_cannot_do_as_asked_is_reported(cnn: dict) -> None:
+    """Each case where tuning goes on other than configured is a warning in the report: a batch
+    larger than the data, weights stored as codes tuned without their float model."""
+    compact = quantize_model(cnn["path"], {"preset": "XINT8", "weight_storage": "compact"}, cnn["feeds"]).model
+    _, report = finetune_model(compact, cnn["feeds"][:1], FastFinetune(iterations=1, batch_size=64))
+    reasons = {next(k for k in w if k != "reason"): w for w in report["warnings"]}
+    assert reasons["config"] == {"config": "fast_finetune.batch_size", "reason": "64 is more than the 4 calibration samples: "
+                                 "every training batch holds all 4 (lower batch_size, or give more data)"}
+    coded = [w for w in report["warnings"] if "tensor" in w]
+    assert len(coded) == len(report["units"])
+    assert all("stored as quantized codes and no float model was given" in w["reason"] for w in coded)
+
+
+def test_an_adaround_unit_with_no_quantized_weight_is_reported(cnn: dict) -> None:
+    """AdaRound has nothing to round in a layer whose weight is left float: the unit is skipped and
+    the report says so (it was an INFO line)."""
+    quantized = quantize_model(cnn["path"], {"preset": "XINT8", "node_overrides": {"/head/Gemm": {"weight": None}}},
+                               cnn["feeds"]).model
+    _, report = finetune_model(quantized, cnn["feeds"], FastFinetune(iterations=2, batch_size=4))
+    assert [u["status"] for u in report["units"] if u["name"] == "/head/Gemm"] == ["skipped: no weight of it is quantized "
+                                                                                   "(nothing to round)"]
+    assert {"unit": "/head/Gemm", "reason": "not tuned: no weight of it is quantized (nothing to round)"} in report["warnings"]

@@ -22,7 +22,7 @@ from finetune.config import FastFinetune, to_dict
 from finetune.export import export_model
 from finetune.lift import FakeQuantize, LiftedModule, lift_model
 from finetune.lift.params import fold_computed_weights
-from finetune.onnx.io import load_model
+from finetune.onnx.io import load_model, save_model_atomic
 
 from .adaround import check_int_weights
 from .cache import ActivationCache
@@ -52,13 +52,16 @@ def finetune_model(
     name: str = "finetune",
     callbacks: Sequence[Any] = (),
     resume: bool = False,
+    model_path: str | Path | None = None,
 ) -> tuple[onnx.ModelProto, dict[str, Any]]:
     """The QDQ model with tuned weights, and the report. `data` is anything CalibrationData reads;
     the float targets come from `float_model` or, without one, from the QDQ model with its
     quantizers off. With `output_dir`, `<name>.json`, `<name>.png` and `<name>.logs/` go there,
     and `<name>.ckpt` holds the finished units while the run lasts: `resume` continues from it
-    (the same model, data and settings give the bytes an uninterrupted run gives).
-    `callbacks` join the built-in ones in the Fabric that runs the units (hooks: see recon.callbacks)."""
+    (the same model, data and settings give the bytes an uninterrupted run gives). With
+    `model_path`, the tuned model is written there first, then the report, and only then is the
+    checkpoint removed: a run that fails or is killed on the way leaves no report without a model
+    and keeps its checkpoint. `callbacks` join the built-in ones in the Fabric that runs the units (hooks: see recon.callbacks)."""
     begin = time.perf_counter()
     device = resolve_device(config.device)
     checkpoint = _checkpoint_path(output_dir, name, resume)
@@ -76,7 +79,7 @@ def finetune_model(
         check_int_weights(module, units)
     float_proto = load_model(float_model) if float_model is not None else None
     sources["float_model"] = digest(float_proto.SerializeToString()) if float_proto is not None else None
-    reference = _reference(module, float_proto)
+    reference = _reference(module, float_proto, units, warnings)
     log_dir = Path(output_dir) / f"{name}.logs" if output_dir is not None else None
     run_callbacks = [*builtin_callbacks(config, log_dir), *callbacks]
     with _deterministic(config.seed, device), ActivationCache(config.cache_budget_bytes) as cache:
@@ -88,6 +91,8 @@ def finetune_model(
     tuned = export_model(module, original)
     report = _report(config, device, reference is module, tuner, [*warnings, *tuner.warnings], timing, cache_stats,
                      time.perf_counter() - begin)
+    if model_path is not None:
+        save_model_atomic(tuned, model_path)
     if output_dir is not None:
         write_report(report, Path(output_dir), name)
     if checkpoint is not None:
@@ -126,16 +131,19 @@ def _check_tunable(module: LiftedModule) -> None:
                              "before tuning it")
 
 
-def _reference(module: LiftedModule, float_model: onnx.ModelProto | None) -> LiftedModule:
-    """The lifted float model, or the QDQ module itself (to be run with its quantizers off)."""
+def _reference(module: LiftedModule, float_model: onnx.ModelProto | None, units: list[Unit],
+               warnings: Warnings) -> LiftedModule:
+    """The lifted float model, or the QDQ module itself (to be run with its quantizers off: a
+    weight stored as codes then has its dequantized codes as float reference, which is reported)."""
     if float_model is not None:
         logger.info("float reference: the given float model")
         return lift_model(float_model)
-    coded = sorted(s.initializer for s in module.finetune_params.values() if s.transform is not None)
+    weights = [module.finetune_params[layer.weight] for unit in units for layer in unit.layers]
+    coded = sorted(source.initializer for source in weights if source.transform is not None)
     logger.info("float reference: the quantized model with its quantizers disabled (no float model given)")
-    if coded:
-        logger.warning("%d weight(s) are stored as quantized codes (e.g. %s): without the float model their float "
-                       "reference is the dequantized codes", len(coded), coded[0])
+    for name in coded:
+        warnings.add(name, "stored as quantized codes and no float model was given: its float reference is the dequantized "
+                     "codes (pass the float model, --float-model, to tune towards the real float weights)", "tensor")
     return module
 
 
@@ -149,6 +157,9 @@ def _run(module: LiftedModule, reference: LiftedModule, units: list[Unit], origi
     feeds = CalibrationData(data, original, limit=config.data_size)
     inputs = cache_inputs(feeds, [info.name for info in feeds.inputs], cache)
     samples = inputs[0].rows
+    if samples < config.batch_size:
+        warnings.add("fast_finetune.batch_size", f"{config.batch_size} is more than the {samples} calibration samples: "
+                     f"every training batch holds all {samples} (lower batch_size, or give more data)", "config")
     module.to(device)
     reference.to(device)
     starts = _float_weights(module, reference, units, warnings) if reference is not module else {}

@@ -105,6 +105,7 @@ class Tuner:
                              "weights and the calibration data")
         skip = self._skip_reason(unit)
         if skip:
+            self.warnings.add(unit.name, f"not tuned: {skip}")
             return self._finish(k, module, before, before, f"skipped: {skip}", 0, begin)
         for name, start in (starts or {}).items():
             if name in original:

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from finetune.files import write_atomic, write_text_atomic
-from finetune.notices import Notice, warn
+from finetune.notices import Notice, Subject, warn
 
 logger = logging.getLogger(__name__)
 
@@ -18,10 +18,10 @@ class Warnings(list[dict[str, str]]):
     """What a run left out, kept back or undid: each logged at WARNING and kept as an entry
     {"unit": name, "reason": why} of the report's "warnings" list, so nothing degrades unseen."""
 
-    def add(self, unit: str, reason: str) -> None:
-        """Log one warning about a unit (or a layer) and keep it for the report, as the quantizer's
-        summary keeps its notices."""
-        notice = Notice("unit", unit, reason)
+    def add(self, unit: str, reason: str, subject: Subject = "unit") -> None:
+        """Log one warning about a unit (or a layer; or another subject: a config key, the model)
+        and keep it for the report, as the quantizer's summary keeps its notices."""
+        notice = Notice(subject, unit, reason)
         warn(logger, None, [notice])
         self.append(notice.as_dict())
 

@@ -43,6 +43,6 @@ def run_command(parser: argparse.ArgumentParser, argv: list[str] | None = None) 
         logger.error("%s", error, exc_info=args.debug)
         return USER_ERROR_STATUS
     except KeyboardInterrupt:
-        logger.error("interrupted: nothing was written", exc_info=args.debug)
+        logger.error("interrupted: the output was not written", exc_info=args.debug)
         return INTERRUPTED_STATUS
     return 0

@@ -176,3 +176,17 @@ def test_the_command_prints_the_warnings_and_writes_them_into_the_summary_json(t
     assert f"warning: tensor w: {reason}" in capsys.readouterr().out
     summary = json.loads(output.with_name("q.onnx.summary.json").read_text())
     assert summary["warnings"] == [{"tensor": "w", "reason": reason}]
+
+
+def test_nan_or_inf_inside_the_calibration_pass_is_reported() -> None:
+    """Finite data that overflows inside the model (Exp of 100 is Inf in float32): the activation's
+    range leaves the Inf out, and the summary says how many values were left out, per tensor."""
+    nodes = [helper.make_node("Exp", ["x"], ["e"], name="exp"), helper.make_node("MatMul", ["e", "w"], ["y"], name="mm")]
+    model = onnx_model(nodes, [tensor("x", ["n", 64])], [tensor("y", None)], {"w": W}, opset=17)
+    x = np.zeros((4, 64), np.float32)
+    x[0, :3] = 100.0
+    result = quantize_model(model, "A8W8", [{"x": x}])
+    assert warnings_of(result.summary, "3 NaN or Inf values") == [
+        {"tensor": "e", "reason": "3 NaN or Inf values in the calibration pass were left out of its range (an overflow in "
+                                  "the float model?)"}]
+    assert quantize_model(model, "A8W8", [{"x": np.zeros((4, 64), np.float32)}]).summary["warnings"] == []

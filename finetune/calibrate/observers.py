@@ -31,14 +31,17 @@ class Observer(ABC):
         self._axis_index = 0
         self._min = np.empty(0, np.float32)
         self._max = np.empty(0, np.float32)
+        self.non_finite = 0  # NaN and infinite values seen, left out of the statistics
 
     def update(self, x: np.ndarray | torch.Tensor) -> None:
-        """Fold one batch into the statistics; NaN and infinities are ignored."""
+        """Fold one batch into the statistics; NaN and infinities are left out (and counted)."""
         array = _float32(x)
         if array.size == 0:
             return
         rows = self._rows(array)
         lo, hi, finite = _finite_min_max(rows)
+        if not finite:
+            self.non_finite += int(rows.size - np.count_nonzero(np.isfinite(rows)))
         first = self._min.size == 0
         self._min = lo if first else np.minimum(self._min, lo)
         self._max = hi if first else np.maximum(self._max, hi)

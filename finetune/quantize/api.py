@@ -60,7 +60,7 @@ def quantize_model(
     uses = plan(normalized, config, notices)
     normalized = upgrade_opset(normalized, uses, changes, notices)
     check_plan(normalized, config, uses, changes, notices)
-    qparams = calibrate(normalized, uses, data, providers)
+    qparams = calibrate(normalized, uses, data, providers, notices)
     quantized = attach_custom_ops(insert_qdq(normalized, uses, qparams, config.weight_storage))
     summary = summarize(original, quantized, uses, changes, notices, time.perf_counter() - start)
     return QuantizeResult(quantized, summary, float_model)

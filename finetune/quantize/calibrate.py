@@ -14,6 +14,7 @@ from onnx import numpy_helper
 
 from finetune.calibrate import CalibrationData, Observer, collect_statistics, make_observer
 from finetune.formats import FloatSpec, FormatSpec, IntSpec
+from finetune.notices import Notice, warn
 
 from .plan import Use, with_producer_formats
 
@@ -22,9 +23,11 @@ logger = logging.getLogger(__name__)
 QParams = dict[tuple[str, FormatSpec], tuple[np.ndarray, np.ndarray]]
 
 
-def calibrate(model: onnx.ModelProto, uses: list[Use], data: Any, providers: list[str] | None) -> QParams:
+def calibrate(model: onnx.ModelProto, uses: list[Use], data: Any, providers: list[str] | None,
+              notices: list[Notice]) -> QParams:
     """Scale and zero point of every (tensor, format) that needs them: weights from their values,
-    activations from one streamed onnxruntime pass over the data, int32 biases from s_in * s_w."""
+    activations from one streamed onnxruntime pass over the data, int32 biases from s_in * s_w.
+    An activation that held NaN or Inf (left out of its range) is a notice."""
     initializers = {t.name: t for t in model.graph.initializer}
     observers: dict[tuple[str, FormatSpec], Observer] = {}
     for use in with_producer_formats(uses):
@@ -41,6 +44,9 @@ def calibrate(model: onnx.ModelProto, uses: list[Use], data: Any, providers: lis
                 "or --random-data to calibrate on random inputs"
             )
         _collect(model, data, activations, providers)
+        warn(logger, notices, [Notice("tensor", tensor, f"{observer.non_finite} NaN or Inf values in the calibration pass "
+                                      "were left out of its range (an overflow in the float model?)")
+                               for (tensor, _), observer in activations.items() if observer.non_finite])
     qparams = {key: observer.scale_zero_point() for key, observer in observers.items()}
     qparams.update(_int32_bias_qparams(uses, qparams))
     return qparams

@@ -10,6 +10,7 @@ from onnx import numpy_helper
 
 from finetune.config import FastFinetune, load_config
 from finetune.lift import lift_model
+from finetune.notices import Notice
 from finetune.onnx.equalize import MAX_SWEEPS, equalize_model, find_pairs
 from finetune.onnx.normalize import normalize_model
 from finetune.pipeline import quantize_and_finetune
@@ -162,3 +163,22 @@ def test_a_float_model_that_was_not_quantized_into_the_codes_is_refused() -> Non
         finetune_model(result.model, data, FastFinetune(iterations=5), float_model=model)
     _, report = finetune_model(result.model, data, FastFinetune(iterations=5), float_model=result.float_model)
     assert report["float_reference"] == "float model"
+
+
+def test_equalisation_that_does_nothing_or_does_not_settle_is_a_warning(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Asked for and without effect (float16 weights form no pair), or stopped by the sweep limit
+    before the scales settled: each a notice, as the quantizer's summary lists them."""
+    half = separable_cnn()
+    for tensor in half.graph.initializer:
+        if tensor.data_type == onnx.TensorProto.FLOAT and tensor.dims:
+            tensor.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(tensor).astype(np.float16), tensor.name))
+    notices: list[Notice] = []
+    _, changes = equalize_model(half, notices)
+    assert changes == [] and notices == [Notice("model", "cross_layer_equalization", "found no Conv pair to equalise (a Conv "
+                                                "with float32 weights feeding another, through Relu, Clip or Pad only): "
+                                                "nothing was equalised")]
+    monkeypatch.setattr("finetune.onnx.equalize.MAX_SWEEPS", 1)
+    notices = []
+    equalize_model(separable_cnn(), notices)
+    assert [n.name for n in notices] == ["cross_layer_equalization"]
+    assert notices[0].reason.startswith("did not settle in 1 sweeps (the last moved a scale by ")

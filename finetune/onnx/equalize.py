@@ -19,7 +19,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from finetune.notices import Notice
+from finetune.notices import Notice, warn
 
 from .domains import DEFAULT_DOMAINS
 from .normalize import infer_shapes, keep_only
@@ -59,7 +59,9 @@ def _equalize(model: onnx.ModelProto, notices: list[Notice] | None) -> list[str]
     graph = model.graph
     pairs = find_pairs(graph)
     if not pairs:
-        return ["cross-layer equalisation: no Conv pair to equalise"]
+        warn(logger, notices, [Notice("model", "cross_layer_equalization", "found no Conv pair to equalise (a Conv with float32 "
+                                      "weights feeding another, through Relu, Clip or Pad only): nothing was equalised")])
+        return []
     parameters = {name for pair in pairs for node in (pair.first, pair.second) for name in node.input[1:3] if name}
     weights = {t.name: numpy_helper.to_array(t).astype(np.float64) for t in graph.initializer if t.name in parameters}
     clip_scales: dict[str, np.ndarray] = {}
@@ -69,6 +71,9 @@ def _equalize(model: onnx.ModelProto, notices: list[Notice] | None) -> list[str]
         largest = max(_equalize_pair(pair, weights, clip_scales) for pair in pairs)
         if largest < SETTLED:
             break
+    else:
+        warn(logger, notices, [Notice("model", "cross_layer_equalization", f"did not settle in {MAX_SWEEPS} sweeps (the last "
+                                      f"moved a scale by {largest:.2g}): the weights are as equalised as those sweeps left them")])
     _store(graph, weights)
     clips = _rescale_clips(graph, clip_scales)
     change = (f"cross-layer equalisation: {len(pairs)} Conv pair(s) in {sweeps} sweep(s)"

@@ -58,6 +58,15 @@ def test_an_input_of_unknown_type_stays_float_and_is_reported(caplog: pytest.Log
     assert [r.levelname for r in caplog.records] == ["WARNING"] and "tensor t: stays float" in caplog.text
 
 
+def test_a_custom_op_output_typed_by_the_exporter_keeps_its_type_and_is_quantized() -> None:
+    """onnx cannot type a custom op's output, but the model's own value_info may: that type is kept
+    through constant folding's type refresh (it was dropped, so the MatMul behind stayed float)."""
+    model = behind_custom_op(import_domain=True)
+    model.graph.value_info.append(helper.make_tensor_value_info("t", onnx.TensorProto.FLOAT, [2, 64]))
+    result = quantize_model(model, "MXFP4", None)
+    assert result.summary["warnings"] == [] and result.summary["quantized_nodes"] == 1
+
+
 def test_failed_shape_inference_is_a_warning_and_in_the_summary(caplog: pytest.LogCaptureFixture) -> None:
     model = behind_custom_op(import_domain=False)
     notices: list[Notice] = []
@@ -190,3 +199,11 @@ def test_nan_or_inf_inside_the_calibration_pass_is_reported() -> None:
         {"tensor": "e", "reason": "3 NaN or Inf values in the calibration pass were left out of its range (an overflow in "
                                   "the float model?)"}]
     assert quantize_model(model, "A8W8", [{"x": np.zeros((4, 64), np.float32)}]).summary["warnings"] == []
+
+
+def test_a_model_with_nothing_to_quantize_is_a_warning() -> None:
+    """A config whose op types the model lacks quantizes nothing: said, not reported as a success."""
+    result = quantize_model(linear(), {"preset": "A8W8", "op_types": ["Conv"]}, [{"x": np.ones((2, 64), np.float32)}])
+    assert result.summary["quantized_nodes"] == 0
+    assert result.summary["warnings"] == [{"model": "test", "reason": "nothing was quantized: no node of the config's op types "
+                                           "(Conv) has a tensor the config quantizes, so the output computes what the input does"}]

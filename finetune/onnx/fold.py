@@ -35,13 +35,18 @@ def infer_types(model: onnx.ModelProto) -> None:
 
 def refresh_types(model: onnx.ModelProto) -> str | None:
     """Replace the model's value_info by onnx's inferred shapes and types (in place), so none is
-    stale; when onnx cannot infer them, the stored ones stay and the reason is returned."""
+    stale; a value onnx cannot type (the output of a custom op) keeps the type stored for it (by
+    the exporter, say). When onnx cannot infer at all, the stored ones stay and the reason is returned."""
     stored = list(model.graph.value_info)
     del model.graph.value_info[:]
     failure = try_infer_shapes(model)
     if failure is not None:
         model.graph.value_info.extend(stored)
-    return failure
+        return failure
+    inferred = {info.name for info in model.graph.value_info}
+    produced = {name for node in model.graph.node for name in node.output}
+    model.graph.value_info.extend(info for info in stored if info.name in produced and info.name not in inferred)
+    return None
 
 
 def tensor_types(model: onnx.ModelProto) -> dict[str, onnx.TypeProto.Tensor]:

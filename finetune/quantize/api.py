@@ -11,7 +11,7 @@ from typing import Any
 import onnx
 
 from finetune.config import QuantConfig, available_presets, load_config
-from finetune.notices import Notice
+from finetune.notices import Notice, warn
 from finetune.onnx import attach_custom_ops
 from finetune.onnx.equalize import equalize_model
 from finetune.onnx.fold import fold_constants
@@ -58,6 +58,11 @@ def quantize_model(
         changes += equalized
     float_model = normalized
     uses = plan(normalized, config, notices)
+    if not uses:
+        op_types = "all" if config.op_types == "all" else ", ".join(config.op_types)
+        warn(logger, notices, [Notice("model", normalized.graph.name or "model", f"nothing was quantized: no node of the "
+                                      f"config's op types ({op_types}) has a tensor the config quantizes, so the output "
+                                      "computes what the input does")])
     normalized = upgrade_opset(normalized, uses, changes, notices)
     check_plan(normalized, config, uses, changes, notices)
     qparams = calibrate(normalized, uses, data, providers, notices)

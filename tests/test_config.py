@@ -261,6 +261,8 @@ def test_python_built_configs_are_validated_and_normalised() -> None:
         load_config({"fast_finetune": {"seed": "x"}})
     with pytest.raises(ConfigError, match=r"lr: must be > 0"):
         FastFinetune(lr=-1.0)
+    with pytest.raises(ConfigError, match=r"lr: must be <= 10.0, got 1e\+38"):  # Adam's step overflowed: a crash
+        load_config({"fast_finetune": {"lr": 1e38}})
 
 
 # --- resolution helpers the quantizer uses ---------------------------------------------------------

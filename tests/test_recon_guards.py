@@ -50,13 +50,23 @@ def overwrite(tensor: onnx.TensorProto, change: callable) -> None:
     tensor.CopyFrom(numpy_helper.from_array(change(values), tensor.name))
 
 
-def test_a_unit_whose_tuned_loss_is_nan_is_reverted_and_reported(cnn: dict, caplog: pytest.LogCaptureFixture) -> None:
-    """An infinite learning rate makes weights NaN (or merely worse): a unit whose tuned loss is NaN
-    is reverted with a status naming the NaN (it was "kept": NaN > loss is false), logged at
-    WARNING and listed in the report; no unit is kept, and the model keeps its weights."""
+def test_a_unit_whose_tuned_loss_is_nan_is_reverted_and_reported(cnn: dict, caplog: pytest.LogCaptureFixture,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """An optimiser step that leaves NaN weights: a unit whose tuned loss is NaN is reverted with a
+    status naming the NaN (it was "kept": NaN > loss is false), logged at WARNING and listed in the
+    report; no unit is kept, and the model keeps its weights."""
     quantized = quantize_model(cnn["path"], "XINT8", cnn["feeds"]).model
+    adam_step = torch.optim.Adam.step
+
+    def diverging_step(self: torch.optim.Adam, *args: object) -> None:
+        adam_step(self, *args)
+        for group in self.param_groups:
+            for parameter in group["params"]:
+                parameter.data.fill_(math.nan)
+
+    monkeypatch.setattr(torch.optim.Adam, "step", diverging_step)
     with caplog.at_level(logging.WARNING):
-        tuned, report = finetune_model(quantized, cnn["feeds"], FastFinetune(algorithm="adaquant", iterations=3, lr=math.inf))
+        tuned, report = finetune_model(quantized, cnn["feeds"], FastFinetune(algorithm="adaquant", iterations=3))
     diverged = [u for u in report["units"] if u["status"] != "reverted"]
     names = [u["name"] for u in diverged]
     assert len(names) >= 3 and {u["status"] for u in diverged} == {"reverted: the tuned loss is nan"}
@@ -141,6 +151,6 @@ def test_an_adaround_unit_with_no_quantized_weight_is_reported(cnn: dict) -> Non
     quantized = quantize_model(cnn["path"], {"preset": "XINT8", "node_overrides": {"/head/Gemm": {"weight": None}}},
                                cnn["feeds"]).model
     _, report = finetune_model(quantized, cnn["feeds"], FastFinetune(iterations=2, batch_size=4))
-    assert [u["status"] for u in report["units"] if u["name"] == "/head/Gemm"] == ["skipped: no weight of it is quantized "
-                                                                                   "(nothing to round)"]
+    skipped = "skipped: no weight of it is quantized (nothing to round)"
+    assert [u["status"] for u in report["units"] if u["name"] == "/head/Gemm"] == [skipped]
     assert {"unit": "/head/Gemm", "reason": "not tuned: no weight of it is quantized (nothing to round)"} in report["warnings"]

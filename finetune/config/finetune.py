@@ -11,6 +11,7 @@ from .formats import DEFAULT_OP_TYPES
 from .schema import ConfigError, Section
 
 DEFAULT_LR = {"adaround": 0.1, "adaquant": 1e-3}  # adaquant: Quark says 1e-5, which barely moves 4-bit weights
+MAX_LR = 10.0  # Adam's first step moves each weight by about lr; from 3.4e37 its step overflows float32 (a crash)
 # The device-string syntax, for the config check and for resolving it to a torch device: "cpu", or
 # a `kind` (cuda, or hip on ROCm builds of torch) with an optional device `index`.
 DEVICE_PATTERN = r"cpu|(?P<kind>cuda|hip)(?::(?P<index>\d+))?"
@@ -41,7 +42,7 @@ class FastFinetune(Section):
 
     algorithm: Literal["adaround", "adaquant"] = "adaround"
     iterations: int = field(default=1000, metadata={"min": 1})
-    lr: float | None = field(default=None, metadata={"above": 0})
+    lr: float | None = field(default=None, metadata={"above": 0, "max": MAX_LR})
     batch_size: int = field(default=16, metadata={"min": 1})
     data_size: int | None = field(default=None, metadata={"min": 1})
     early_stop: EarlyStop = field(default_factory=EarlyStop)

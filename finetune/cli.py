@@ -73,7 +73,7 @@ def tune(args: argparse.Namespace) -> None:
     config = with_finetune(config, _finetune_overrides(args, config))
     data = CalibrationData(args.data, load_model(args.model), limit=config.fast_finetune.data_size)
     _, report = finetune_model(args.model, data, config.fast_finetune, args.float_model, args.output.parent,
-                               _report_name(args.output), resume=args.resume, model_path=args.output)
+                               _report_name(args.output), resume=args.resume, model_path=args.output, attach_ops=args.attach_ops)
     save_run_config(config, _config_path(args.output))
     print(format_report(report))
     logger.info("wrote %s and %s", args.output, _config_path(args.output))
@@ -140,6 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--config", help="preset or YAML file whose fast_finetune section to use (default: defaults)")
     t.add_argument("--data-size", type=int, help="use at most this many samples")
     t.add_argument("-o", "--output", type=Path, required=True, help="where to write the tuned model")
+    t.add_argument("--attach-ops", action="store_true",
+                   help="give AMD Quark's custom ops (com.amd.quark) function bodies, so stock onnxruntime runs the tuned "
+                        "model (default: the model keeps its own form, for Quark's runtime and toolchain)")
     _add_finetune_flags(t)
     t.set_defaults(run=tune)
     convert = commands.add_parser(

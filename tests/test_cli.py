@@ -25,7 +25,8 @@ def finetune_cli(*args: str) -> subprocess.CompletedProcess:
 
 def quark_model(path: Path, names: list[str]) -> None:
     """A model with one com.amd.quark node per vector configuration, each on its own input, saved
-    as AMD Quark writes them (IR 8, opset 17), without function bodies."""
+    as AMD Quark 0.13 writes them (IR 8, opset 17, its domains imported at version 1000 and
+    onnxruntime's, used or not), without function bodies."""
     nodes, inputs, outputs = [], [], []
     for i, name in enumerate(names):
         vectors = VECTORS[name]
@@ -33,7 +34,8 @@ def quark_model(path: Path, names: list[str]) -> None:
         inputs.append(helper.make_tensor_value_info(f"x{i}", onnx.TensorProto.FLOAT, None))
         outputs.append(helper.make_tensor_value_info(f"y{i}", onnx.TensorProto.FLOAT, None))
     model = helper.make_model(helper.make_graph(nodes, "quark", inputs, outputs),
-                              opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(QUARK_DOMAIN, 1)])
+                              opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(QUARK_DOMAIN, 1000),
+                                             helper.make_opsetid("com.vai.quantize", 1000), helper.make_opsetid("com.microsoft", 1)])
     model.ir_version = 8
     onnx.save(model, path)
 

@@ -113,12 +113,19 @@ def _custom_op_model() -> onnx.ModelProto:
 
 def test_custom_op_model_round_trip() -> None:
     """Float weights behind BFP / Q→DQ are written as floats; the exported model carries the
-    custom-op function bodies and matches the torch module up to summation order."""
+    function bodies of our com.finetune ops, keeps AMD Quark's node as Quark wrote it (bodies with
+    attach_ops, the same weights), and matches the torch module up to summation order."""
     original = _custom_op_model()
     inputs = [random_input((2, 8, 4, 4), seed=2)]
     module, exported = _round_trip(original, inputs)
-    assert {f.name for f in exported.functions} == {"MXQuantizeDequantize", "BFPQuantizeDequantize"}
+    assert {f.name for f in exported.functions} == {"MXQuantizeDequantize"}
+    quark_node = next(n for n in exported.graph.node if n.domain == QUARK_DOMAIN)
+    assert quark_node == next(n for n in original.graph.node if n.domain == QUARK_DOMAIN)
+    attached = export_model(module, original, attach_ops=True)
+    assert {f.name for f in attached.functions} == {"MXQuantizeDequantize", "BFPQuantizeDequantize"}
+    assert list(attached.graph.initializer) == list(exported.graph.initializer)
     assert_same(exported, module, inputs, FLOAT_ATOL, FLOAT_RTOL)
+    assert_same(attached, module, inputs, FLOAT_ATOL, FLOAT_RTOL)
     assert {s.quantizer for s in module.finetune_params.values()} == {"w/bfp", "m/dq", None}
 
 

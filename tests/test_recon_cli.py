@@ -269,24 +269,34 @@ def test_cli_tune_a_quantize_static_model_with_and_without_the_float_model(digit
 
 
 def test_cli_tune_a_model_with_amd_quark_nodes(digits: dict, tmp_path: Path, cli: Callable[..., Outcome]) -> None:
-    """Our MX4 model with its BFP nodes moved to the com.amd.quark domain and the function bodies
-    dropped (as AMD Quark writes it): tuned with AdaQuant, written back with bodies attached."""
+    """Our MX4 model with its BFP nodes moved to the com.amd.quark domain, imported at version 1000
+    beside com.vai.quantize and com.microsoft, and the function bodies dropped (as AMD Quark 0.13
+    writes it): tuned with AdaQuant and written back in that form (Quark's nodes, domains and
+    versions, no bodies); with --attach-ops the same weights with bodies, which stock onnxruntime
+    runs, as it runs the first after `attach-ops`."""
     model = quantize_model(digits["path"], "MX4", None).model
     for node in model.graph.node:
         if node.domain == CUSTOM_DOMAIN:
             node.domain, node.overload = QUARK_DOMAIN, ""
     del model.functions[:]
-    model.opset_import.append(onnx.helper.make_opsetid(QUARK_DOMAIN, 1))
-    source, out = tmp_path / "quark.onnx", tmp_path / "tuned.onnx"
+    del model.opset_import[1:]
+    model.opset_import.extend([onnx.helper.make_opsetid(domain, version)
+                               for domain, version in ((QUARK_DOMAIN, 1000), ("com.vai.quantize", 1000), ("com.microsoft", 1))])
+    source, out, attached = tmp_path / "quark.onnx", tmp_path / "tuned.onnx", tmp_path / "attached.onnx"
     onnx.save(model, source)
     config = tmp_path / "tune.yaml"
     config.write_text("fast_finetune: {algorithm: adaquant, iterations: 15, lr: 1.0e-3}\n")
-    result = cli("tune", str(source), "--data", str(digits["data"]), "--config", str(config), "-o", str(out))
-    assert result.returncode == 0, result.stderr
-    tuned = onnx.load(out)
-    assert {n.domain for n in tuned.graph.node if "Quantize" in n.op_type and n.domain} == {QUARK_DOMAIN}
-    assert {f.domain for f in tuned.functions} == {QUARK_DOMAIN}
-    assert (run(out, digits["x"]).argmax(1) == digits["y"]).mean() >= 0.95
+    for output, flags in ((out, []), (attached, ["--attach-ops"])):
+        result = cli("tune", str(source), "--data", str(digits["data"]), "--config", str(config), "-o", str(output), *flags)
+        assert result.returncode == 0, result.stderr
+    tuned, with_bodies = onnx.load(out), onnx.load(attached)
+    assert list(tuned.graph.node) == list(model.graph.node) and list(tuned.opset_import) == list(model.opset_import)
+    assert not tuned.functions and {f.domain for f in with_bodies.functions} == {QUARK_DOMAIN}
+    assert list(tuned.graph.initializer) == list(with_bodies.graph.initializer)
+    assert list(tuned.graph.initializer) != list(model.graph.initializer)
+    assert cli("attach-ops", str(out), str(tmp_path / "later.onnx")).returncode == 0
+    assert np.array_equal(run(tmp_path / "later.onnx", digits["x"]), run(attached, digits["x"]))
+    assert (run(attached, digits["x"]).argmax(1) == digits["y"]).mean() >= 0.95
 
 
 class UnitNames:

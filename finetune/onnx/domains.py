@@ -8,7 +8,8 @@ DEFAULT_DOMAINS = ("", "ai.onnx")
 CUSTOM_DOMAIN = "com.finetune"
 QUARK_DOMAIN = "com.amd.quark"
 DOMAINS = (CUSTOM_DOMAIN, QUARK_DOMAIN)
-DOMAIN_VERSION = 1
+DOMAIN_VERSION = 1  # the version a model imports our domains at when we add them; any imported version is accepted
+ONNXRUNTIME_DOMAIN = "com.microsoft"  # onnxruntime's contrib ops (QuantizeLinear/DequantizeLinear among them)
 
 BFP = "BFPQuantizeDequantize"
 MX = "MXQuantizeDequantize"

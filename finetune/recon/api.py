@@ -22,6 +22,7 @@ from finetune.config import FastFinetune, to_dict
 from finetune.export import export_model
 from finetune.lift import FakeQuantize, LiftedModule, lift_model
 from finetune.lift.params import fold_computed_weights
+from finetune.onnx import attach_custom_ops
 from finetune.onnx.io import load_model, save_model_atomic
 
 from .adaround import check_int_weights
@@ -53,6 +54,7 @@ def finetune_model(
     callbacks: Sequence[Any] = (),
     resume: bool = False,
     model_path: str | Path | None = None,
+    attach_ops: bool = False,
 ) -> tuple[onnx.ModelProto, dict[str, Any]]:
     """The QDQ model with tuned weights, and the report. `data` is anything CalibrationData reads;
     the float targets come from `float_model` or, without one, from the QDQ model with its
@@ -61,11 +63,15 @@ def finetune_model(
     (the same model, data and settings give the bytes an uninterrupted run gives). With
     `model_path`, the tuned model is written there first, then the report, and only then is the
     checkpoint removed: a run that fails or is killed on the way leaves no report without a model
-    and keeps its checkpoint. `callbacks` join the built-in ones in the Fabric that runs the units (hooks: see recon.callbacks)."""
+    and keeps its checkpoint. The tuned model keeps the input's form (see export_model); with
+    `attach_ops`, AMD Quark's custom ops get function bodies too (checked before any tuning).
+    `callbacks` join the built-in ones in the Fabric that runs the units (hooks: see recon.callbacks)."""
     begin = time.perf_counter()
     device = resolve_device(config.device)
     checkpoint = _checkpoint_path(output_dir, name, resume)
     original = load_model(qdq_model)
+    if attach_ops:
+        attach_custom_ops(original)  # a node whose body cannot be written fails here, not after the tuning
     sources = {"model": digest(original.SerializeToString())}
     for change in fold_computed_weights(original):  # so a weight computed from constants is tuned too
         logger.info("weights computed from constants: %s", change)
@@ -88,7 +94,7 @@ def finetune_model(
         cache_stats = {"peak_bytes_in_memory": cache.peak_in_memory, "peak_bytes_on_disk": cache.peak_on_disk,
                        "spilled_arrays": cache.spilled}
     module.cpu()
-    tuned = export_model(module, original)
+    tuned = export_model(module, original, attach_ops)
     report = _report(config, device, reference is module, tuner, [*warnings, *tuner.warnings], timing, cache_stats,
                      time.perf_counter() - begin)
     if model_path is not None:

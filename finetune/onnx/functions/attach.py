@@ -6,7 +6,7 @@ onnxruntime runs it. The numerics are those of FORMATS.md, bit for bit.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 
 import numpy as np
 import onnx
@@ -112,23 +112,21 @@ def _default_opset(model: onnx.ModelProto) -> int:
 
 
 def _import_domains(model: onnx.ModelProto, domains: set[str]) -> None:
-    """Import each used custom domain at version 1, refusing other versions."""
-    imported = {o.domain: o.version for o in model.opset_import}
-    for domain in sorted(domains):
-        if domain not in imported:
-            model.opset_import.append(helper.make_opsetid(domain, DOMAIN_VERSION))
-        elif imported[domain] != DOMAIN_VERSION:
-            raise ValueError(
-                f"the model imports {domain!r} at version {imported[domain]}; only {DOMAIN_VERSION} is defined"
-            )
+    """Import each used custom domain the model does not import yet, at version 1. A version the
+    model already imports stays: the ops' semantics do not depend on it (AMD Quark writes 1000),
+    and a model-local function is found by domain, name and overload alone."""
+    imported = {o.domain for o in model.opset_import}
+    for domain in sorted(domains - imported):
+        model.opset_import.append(helper.make_opsetid(domain, DOMAIN_VERSION))
 
 
-def attach_custom_ops(model: onnx.ModelProto) -> onnx.ModelProto:
-    """A copy of `model` in which every com.finetune / com.amd.quark node (subgraphs included) has a
-    standard-op function body, so stock onnxruntime runs it; idempotent, the input is untouched."""
+def attach_custom_ops(model: onnx.ModelProto, domains: Collection[str] = DOMAINS) -> onnx.ModelProto:
+    """A copy of `model` in which every node of `domains` (com.finetune and com.amd.quark by default;
+    subgraphs included) has a standard-op function body, so stock onnxruntime runs it; idempotent,
+    the input is untouched."""
     result = onnx.ModelProto()
     result.CopyFrom(model)
-    custom = [node for graph in _graphs(result.graph) for node in graph.node if node.domain in DOMAINS]
+    custom = [node for graph in _graphs(result.graph) for node in graph.node if node.domain in domains]
     if not custom:
         return result
     opset = _default_opset(result)
@@ -144,7 +142,7 @@ def attach_custom_ops(model: onnx.ModelProto) -> onnx.ModelProto:
                 functions[key] = _qdq_function(node.domain, node.op_type, spec, opset, io_type)
             else:
                 functions[key] = _linear_function(node.domain, node.op_type, spec, opset)
-    others = [f for f in result.functions if f.domain not in DOMAINS]
+    others = [f for f in result.functions if f.domain not in domains]
     del result.functions[:]
     result.functions.extend(others + [functions[key] for key in sorted(functions)])
     _import_domains(result, {node.domain for node in custom})

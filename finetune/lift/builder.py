@@ -28,7 +28,7 @@ from finetune.onnx.normalize import normalize_model
 from . import ops  # noqa: F401  (registers the converters)
 from .fake_quant import FakeQuantize
 from .params import Dequantize, ParamSource, tensor_array, trainable_initializers
-from .qdq import QUANTIZE_TO_DEQUANTIZE, is_folded_quantize
+from .qdq import QOPERATOR_OPS, QUANTIZE_TO_DEQUANTIZE, is_folded_quantize
 from .registry import find_converter
 
 logger = logging.getLogger(__name__)
@@ -82,7 +82,14 @@ class _Builder:
         self.dequantized: set[str] = set()  # initializers whose codes were dequantized for their one reader
 
     def build(self) -> LiftedModule:
-        """Placeholders, every node that is not a folded quantize, outputs; then the parameter map."""
+        """Placeholders, every node that is not a folded quantize, outputs; then the parameter map.
+        A model in QOperator format is refused first, naming its first such node."""
+        qoperator = next((node for node in self.graph.nodes.values() if node.operation_type in QOPERATOR_OPS), None)
+        if qoperator is not None:
+            raise LiftError(f"cannot lift node {qoperator.name!r} ({qoperator.domain or 'ai.onnx'}::{qoperator.operation_type}): "
+                            "a QOperator-format op computes in integers inside the op, with no float op to tune; quantize "
+                            "the float model in QDQ format (QuantizeLinear/DequantizeLinear around float ops: "
+                            "quantize_static(quant_format=QuantFormat.QDQ), or finetune quantize)")
         for name in self.graph.input_values:
             self.values[name] = self.fx_graph.placeholder(_identifier(name))
         for node in self.graph.nodes.values():

@@ -8,17 +8,28 @@ from __future__ import annotations
 from onnx2torch.onnx_node import OnnxNode
 
 from finetune.onnx import CUSTOM_DOMAIN, QUARK_DOMAIN
-from finetune.onnx.domains import DEFAULT_DOMAINS
+from finetune.onnx.domains import DEFAULT_DOMAINS, ONNXRUNTIME_DOMAIN
 
 CUSTOM_DOMAINS = (CUSTOM_DOMAIN, QUARK_DOMAIN)
 QUANTIZE_TO_DEQUANTIZE = {"QuantizeLinear": "DequantizeLinear", "ExtendedQuantizeLinear": "ExtendedDequantizeLinear"}
 BLOCK_OPS = ("BFPQuantizeDequantize", "MXQuantizeDequantize")
 EXTENDED_OPS = ("ExtendedQuantizeLinear", "ExtendedDequantizeLinear")
+# Domains whose QuantizeLinear / DequantizeLinear have the standard semantics: onnxruntime's contrib
+# pair (com.microsoft) is the standard one with int16/uint16/int4/uint4 codes before opset 21.
+LINEAR_QDQ_DOMAINS = (*DEFAULT_DOMAINS, ONNXRUNTIME_DOMAIN)
+# Ops of the QOperator format (integer arithmetic inside the op, onnxruntime's quantize_static with
+# QuantFormat.QOperator): there is no float op with a quantizer around it to lift.
+QOPERATOR_OPS = frozenset((
+    "QLinearConv", "QLinearMatMul", "QGemm", "QLinearAdd", "QLinearMul", "QLinearAveragePool", "QLinearGlobalAveragePool",
+    "QLinearConcat", "QLinearLeakyRelu", "QLinearSigmoid", "QLinearSoftmax", "QLinearReduceMean", "QLinearWhere",
+    "QAttention", "QEmbedLayerNormalization", "MatMulInteger", "ConvInteger", "MatMulIntegerToFloat",
+    "DynamicQuantizeLinear", "DynamicQuantizeMatMul",
+))
 
 
 def is_quantizer(domain: str, op_type: str) -> bool:
     """Whether a node of this domain and type quantizes and/or dequantizes its first input."""
-    if domain in DEFAULT_DOMAINS:
+    if domain in LINEAR_QDQ_DOMAINS:
         return op_type in ("QuantizeLinear", "DequantizeLinear")
     return domain in CUSTOM_DOMAINS and (op_type in BLOCK_OPS or op_type in EXTENDED_OPS)
 

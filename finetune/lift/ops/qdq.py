@@ -1,5 +1,6 @@
 """Converters that lift quantize-dequantize patterns to FakeQuantize modules: QuantizeLinear →
-DequantizeLinear pairs (and the Extended pair of com.finetune / com.amd.quark), a lone
+DequantizeLinear pairs (standard or onnxruntime's com.microsoft contrib pair, and the Extended pair
+of com.finetune / com.amd.quark), a lone
 DequantizeLinear of a quantized initializer, and BFPQuantizeDequantize / MXQuantizeDequantize."""
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from onnx2torch.utils.common import OperationConverterResult
 from finetune.formats import INT_RANGES, BFPSpec, FloatSpec, IntSpec, MXSpec
 from finetune.formats.floats import FLOAT_TYPES
 from finetune.onnx import CUSTOM_DOMAIN, QUARK_DOMAIN
+from finetune.onnx.domains import ONNXRUNTIME_DOMAIN
 from finetune.onnx.dtypes import type_name
 
 from ..fake_quant import FakeQuantize
@@ -29,6 +31,7 @@ _FLOAT32_ONLY = {"QuantizeLinear": "precision", "DequantizeLinear": "output_dtyp
 
 
 @register("QuantizeLinear", schema_versions("", "QuantizeLinear"))
+@register("QuantizeLinear", (1,), domain=ONNXRUNTIME_DOMAIN)
 @register("ExtendedQuantizeLinear", (1,), domain=CUSTOM_DOMAIN)
 @register("ExtendedQuantizeLinear", (1,), domain=QUARK_DOMAIN)
 def _quantize(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
@@ -40,6 +43,7 @@ def _quantize(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
 
 
 @register("DequantizeLinear", schema_versions("", "DequantizeLinear"))
+@register("DequantizeLinear", (1,), domain=ONNXRUNTIME_DOMAIN)
 @register("ExtendedDequantizeLinear", (1,), domain=CUSTOM_DOMAIN)
 @register("ExtendedDequantizeLinear", (1,), domain=QUARK_DOMAIN)
 def _dequantize(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:

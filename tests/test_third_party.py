@@ -6,8 +6,6 @@ the node and saying to quantize in QDQ format."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import onnx
 import pytest

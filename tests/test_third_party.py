@@ -1,10 +1,13 @@
-"""Models another tool quantized, made here with onnxruntime's own quantizer (part of onnxruntime,
-a dependency): its A16W8 QDQ model uses the com.microsoft contrib QuantizeLinear/DequantizeLinear
+"""Models other tools quantized. AMD Quark for ONNX's own outputs (committed fixtures, made by
+tests/fixtures/third_party/make_fixtures.py in a separate environment) attach, run, lift and tune.
+onnxruntime's own quantizer (part of onnxruntime, a dependency) runs here: its A16W8 QDQ model uses the com.microsoft contrib QuantizeLinear/DequantizeLinear
 (int16 Q/DQ below opset 21), which lifts like the standard pair, tunes and is written back with its
 contrib nodes as they were; its QOperator model (QLinearConv, ...) is refused with one line naming
 the node and saying to quantize in QDQ format."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -13,6 +16,7 @@ from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantTy
 
 from finetune.config import FastFinetune
 from finetune.lift import LiftError, lift_model
+from finetune.onnx import attach_custom_ops
 from finetune.recon import finetune_model
 from finetune.zoo import digits_split
 
@@ -92,3 +96,54 @@ def test_a_qoperator_model_is_refused_naming_the_node(digits: dict) -> None:
     with pytest.raises(LiftError, match=rf"^cannot lift node '{first.name}' \(ai.onnx::{first.op_type}\): a "
                                         "QOperator-format op .* quantize the float model in QDQ format"):
         lift_model(model)
+
+
+# --- AMD Quark for ONNX's own outputs (tests/fixtures/third_party, made by its make_fixtures.py) ----
+
+FIXTURES = Path(__file__).parent / "fixtures" / "third_party"
+QUARK_CONFIGS = ("XINT8", "A8W8", "A16W8", "BF16", "BFP16", "MX4", "MX6", "MX9", "MXINT8", "MXFP4E2M1")
+QUARK_CASES = [f"{model}.{config}" for model in ("cnn", "transformer") for config in QUARK_CONFIGS]
+
+
+@pytest.fixture(scope="module")
+def quark_data() -> dict[str, np.ndarray]:
+    with np.load(FIXTURES / "data.npz") as data, np.load(FIXTURES / "quark_runtime_outputs.npz") as outputs:
+        return {"calibration": data["calibration"], "check": data["check"], **{k: outputs[k] for k in outputs.files}}
+
+
+@pytest.mark.parametrize("case", QUARK_CASES)
+def test_a_quark_model_runs_in_stock_onnxruntime_as_in_quarks_runtime_and_lifts(case: str, quark_data: dict) -> None:
+    """Quark's model (its domains at version 1000, its attributes, in XINT8 its nodes out of
+    topological order) with our function bodies attached gives in stock onnxruntime the bits
+    Quark's own custom-op library gave; the lifted module gives onnxruntime's bits (int16
+    activations: up to summation order, every top-1 the same)."""
+    model = onnx.load(FIXTURES / f"{case}.onnx")
+    x = quark_data["check"]
+    ours = run(attach_custom_ops(model), x)
+    assert np.array_equal(ours, quark_data[case])
+    lifted = run_torch(lift_model(model), [x])[0]
+    if case.endswith("A16W8"):
+        np.testing.assert_allclose(lifted, ours, atol=2e-3)
+        assert np.array_equal(lifted.argmax(1), ours.argmax(1))
+    else:
+        assert np.array_equal(lifted, ours)
+
+
+@pytest.mark.parametrize("case", ["cnn.MX6", "transformer.MX4", "cnn.BF16", "transformer.A16W8"])
+def test_a_quark_model_tunes_and_is_written_back_in_its_own_form(case: str, quark_data: dict) -> None:
+    """A short AdaQuant run lowers the summed reconstruction loss (XINT8 and A8W8 are left out: Quark equalises
+    its weights across layers first, so the float model is not its reference, which tune refuses
+    with that reason); the tuned model keeps Quark's
+    nodes, domains and versions (deployable with Quark's runtime), and with attach_ops carries the
+    same weights with function bodies that stock onnxruntime runs."""
+    model = onnx.load(FIXTURES / f"{case}.onnx")
+    feeds = [{"x": quark_data["calibration"][i : i + 16]} for i in range(0, 64, 16)]
+    config = FastFinetune(algorithm="adaquant", iterations=10, batch_size=16)
+    float_model = FIXTURES / f"{case.split('.')[0]}.float.onnx"
+    tuned, report = finetune_model(model, feeds, config, float_model)
+    assert sum(u["loss_after"] for u in report["units"]) < sum(u["loss_before"] for u in report["units"])
+    assert list(tuned.graph.node) == list(model.graph.node) and list(tuned.opset_import) == list(model.opset_import)
+    assert not tuned.functions
+    attached, _ = finetune_model(model, feeds, config, float_model, attach_ops=True)
+    assert list(attached.graph.initializer) == list(tuned.graph.initializer)
+    assert run(attached, quark_data["check"]).shape == quark_data[case].shape

@@ -3,6 +3,7 @@ weights as initializers, unique node names, a recent opset and inferred shapes."
 
 from __future__ import annotations
 
+import heapq
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -39,6 +40,7 @@ def normalize_model(
     result = onnx.ModelProto()
     result.CopyFrom(model)
     steps: list[Callable[[onnx.ModelProto], list[str]]] = [
+        _sort_topologically,
         lambda m: _upgrade_opset(m, min_opset),
         _constants_to_initializers,
         _bypass_initializer_identities,
@@ -165,6 +167,36 @@ def keep_only(items: Any, keep: Callable[[Any], bool]) -> int:
         del items[:]
         items.extend(kept)
     return removed
+
+
+def _sort_topologically(model: onnx.ModelProto) -> list[str]:
+    """Order the nodes so each follows the producers of its inputs, keeping the given order where
+    it allows (AMD Quark writes some nodes after their readers: onnxruntime sorts, the checker, the
+    version converter and the lifter need the order)."""
+    graph = model.graph
+    producer = {name: index for index, node in enumerate(graph.node) for name in node.output if name}
+    waiting_on = [{producer[name] for name in node.input if name in producer} - {index} for index, node in enumerate(graph.node)]
+    readers: dict[int, list[int]] = {}
+    for index, needs in enumerate(waiting_on):
+        for needed in needs:
+            readers.setdefault(needed, []).append(index)
+    ready = [index for index, needs in enumerate(waiting_on) if not needs]
+    heapq.heapify(ready)
+    order: list[int] = []
+    while ready:
+        index = heapq.heappop(ready)
+        order.append(index)
+        for reader in readers.get(index, []):
+            waiting_on[reader].discard(index)
+            if not waiting_on[reader]:
+                heapq.heappush(ready, reader)
+    if order == list(range(len(graph.node))) or len(order) < len(graph.node):  # sorted already, or a cycle: left as is
+        return []
+    nodes = [graph.node[index] for index in order]
+    moved = sum(position != index for position, index in enumerate(order))
+    del graph.node[:]
+    graph.node.extend(nodes)
+    return [f"sorted the nodes topologically ({moved} moved)"]
 
 
 def _name_nodes(model: onnx.ModelProto) -> list[str]:

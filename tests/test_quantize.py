@@ -19,6 +19,7 @@ from finetune.config import load_config
 from finetune.lift import lift_model
 from finetune.onnx.normalize import default_opset
 from finetune.onnx.session import inference_session
+from finetune.pipeline import quantize_and_finetune
 from finetune.quantize import quantize_model, quantizer_presets
 from finetune.zoo import digits_split, train_digits_cnn
 
@@ -231,3 +232,21 @@ def test_float16_model_is_quantized_in_float32_between_casts(digits: dict, tmp_p
     logits = run(quantized, digits["x"].astype(np.float16))
     assert logits.dtype == np.float16
     assert accuracy(logits.astype(np.float32), digits["y"]) >= accuracy(run(path, digits["x"].astype(np.float16)), digits["y"]) - 0.03
+
+
+INT_PRESETS = ("XINT8", "A8W8", "A16W8", "INT4_PER_CHANNEL", "UINT4_PER_CHANNEL", "INT4_BLOCK32", "UINT4_BLOCK32")
+
+
+@pytest.mark.parametrize("preset", INT_PRESETS)
+def test_int_presets_write_plain_qdq_with_int32_bias_codes(digits: dict, preset: str) -> None:
+    """Every INT preset writes a model of the standard domain only (an NPU compiler or another QDQ
+    tool takes it): each int32 bias is its codes read by a standard DequantizeLinear (it was a
+    com.finetune ExtendedQuantizeLinear/ExtendedDequantizeLinear pair), tuned or not."""
+    model = quantize_model(digits["path"], preset, digits["calibration"]).model
+    assert {n.domain for n in model.graph.node} == {""} and not model.functions
+    first_inputs = {n.input[0]: n for n in model.graph.node}
+    biases = [t for t in model.graph.initializer if t.data_type == onnx.TensorProto.INT32 and t.name in first_inputs]
+    assert all(first_inputs[t.name].op_type == "DequantizeLinear" for t in biases)
+    assert len(biases) == (5 if preset in ("XINT8", "A8W8", "A16W8") else 0)  # INT4 presets leave activations float
+    tuned = quantize_and_finetune(digits["path"], {"preset": preset, "fast_finetune": {"iterations": 2}}, digits["calibration"]).model
+    assert {n.domain for n in tuned.graph.node} == {""} and not tuned.functions

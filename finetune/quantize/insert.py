@@ -23,7 +23,8 @@ from .summary import format_label
 def insert_qdq(model: onnx.ModelProto, uses: list[Use], qparams: QParams, weight_storage: str) -> onnx.ModelProto:
     """A copy with one quantize-dequantize per distinct (tensor, format chain), each consumer
     rewired to the one of its format; compact weight storage keeps codes + DequantizeLinear where
-    standard; float16 tensors are quantized in float32 between Casts (FORMATS.md)."""
+    standard (int32 biases always); float16 tensors are quantized in float32 between Casts
+    (FORMATS.md)."""
     result = onnx.ModelProto()
     result.CopyFrom(model)
     types, _ = tensor_types_and_ranks(result)
@@ -48,7 +49,9 @@ class _Inserter:
     def rewire(self, use: Use) -> None:
         """Point the use's node input at the output of its (possibly dual) QDQ chain."""
         source = use.tensor if use.before is None else self._ensure(use.before, use.tensor, use.node, False)
-        compact = self.compact and use.tensor in self.initializers
+        # a constant int32 bias is always its codes + a standard DequantizeLinear: no Quantize node, and
+        # a model a QDQ toolchain (an NPU compiler) takes; its dequantized values are those of the pair
+        compact = (self.compact or use.choice == "int32") and use.tensor in self.initializers
         self.nodes[use.node].input[use.index] = self._ensure(use, source, use.node, compact)
 
     def finish(self) -> None:

@@ -14,21 +14,26 @@ from finetune.lift import LiftedModule, ParamSource
 from finetune.onnx import CUSTOM_DOMAIN, QUARK_DOMAIN, attach_custom_ops
 from finetune.onnx.io import load_model
 from finetune.onnx.normalize import constant_of_shape_value
+from finetune.onnx.qdq import bf16_pairs_to_casts
 
 
-def export_model(module: LiftedModule, original_model: str | Path | onnx.ModelProto, attach_ops: bool = False) -> onnx.ModelProto:
+def export_model(module: LiftedModule, original_model: str | Path | onnx.ModelProto, attach_ops: bool = False,
+                 bf16_as_cast: bool = False) -> onnx.ModelProto:
     """A copy of `original_model` whose weights are the module's parameters: float initializers
     get the values, integer/float8 initializers the codes of the original scale and zero point.
     The model keeps its own form (domains, op types, attributes), so a model made for another
     toolchain (AMD Quark's com.amd.quark ops) stays deployable there; our com.finetune ops, which
     only we define, get their function bodies, and with `attach_ops` so do AMD Quark's, for stock
-    onnxruntime to run them."""
+    onnxruntime to run them. With `bf16_as_cast`, our bfloat16 quantize-dequantize pairs become
+    Cast pairs (onnx.qdq.bf16_pairs_to_casts)."""
     model = load_model(original_model)
     tensors = _writable_tensors(model.graph)
     for name, source in module.finetune_params.items():
         _check_quantizer_unchanged(module, source)
         tensor = _target_tensor(model.graph, tensors, source.initializer)
         tensor.CopyFrom(numpy_helper.from_array(_stored_array(module.get_parameter(name), source, tensor), tensor.name))
+    if bf16_as_cast:
+        bf16_pairs_to_casts(model)
     return attach_custom_ops(model, (CUSTOM_DOMAIN, QUARK_DOMAIN) if attach_ops else (CUSTOM_DOMAIN,))
 
 

@@ -37,7 +37,8 @@ def quantize_and_finetune(
     """Quantize `model` with `config`; when the config has a fast_finetune section, tune the result
     on the same data (`callbacks` join the tuning's Fabric: see finetune_model). The float reference
     is the quantized model with its quantizers off (its weights are the float ones), or the float
-    model itself when weights are stored as codes. With `model_path` the final model is written
+    model itself when weights are stored as codes; bf16_as_cast applies to the tuned model (the
+    pairs are what tuning reads). With `model_path` the final model is written
     there (atomically; when tuning, before the report: see finetune_model)."""
     config = load_config(config)
     if config.fast_finetune is None:
@@ -50,10 +51,10 @@ def quantize_and_finetune(
     if data is None:  # what tuning needs is checked before the quantizer's calibration pass
         raise ValueError("fast finetune needs calibration data: pass --data (or data= in Python)")
     resolve_device(config.fast_finetune.device)
-    quantized = quantize_model(model, without_finetune(config), data)
+    quantized = quantize_model(model, dataclasses.replace(without_finetune(config), bf16_as_cast=False), data)
     float_model = quantized.float_model if config.weight_storage == "compact" else None
     tuned, report = finetune_model(quantized.model, data, config.fast_finetune, float_model, output_dir, name, callbacks, resume,
-                                   model_path)
+                                   model_path, bf16_as_cast=config.bf16_as_cast)
     return PipelineResult(tuned, quantized.summary, report)
 
 

@@ -7,6 +7,7 @@ the node and saying to quantize in QDQ format."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -14,13 +15,16 @@ import onnx
 import pytest
 from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
 
-from finetune.config import FastFinetune
+from finetune.config import FastFinetune, load_config
 from finetune.lift import LiftError, lift_model
 from finetune.onnx import attach_custom_ops
+from finetune.onnx.session import inference_session
+from finetune.pipeline import quantize_and_finetune
+from finetune.quantize import quantize_model
 from finetune.recon import finetune_model
 from finetune.zoo import digits_split
 
-from .lift_helpers import run_torch
+from .lift_helpers import onnx_model, run_torch, tensor
 from .recon_helpers import export_digits_cnn, one_thread, run  # noqa: F401  (one_thread: autouse fixture)
 
 
@@ -147,3 +151,46 @@ def test_a_quark_model_tunes_and_is_written_back_in_its_own_form(case: str, quar
     attached, _ = finetune_model(model, feeds, config, float_model, attach_ops=True)
     assert list(attached.graph.initializer) == list(tuned.graph.initializer)
     assert run(attached, quark_data["check"]).shape == quark_data[case].shape
+
+
+# --- AMD Quark's documented BF16 + AdaQuant config, verbatim --------------------------------------
+
+QUARK_BF16_ADAQUANT = {
+    "activation_type": "ExtendedQuantType.QBFloat16", "weight_type": "ExtendedQuantType.QBFloat16", "include_fast_ft": True,
+    "extra_options": {"BF16QDQToCast": True, "QuantizeAllOpTypes": True, "ForceQuantizeNoInputCheck": True,
+                      "FastFinetune": {"NumIterations": 1000, "LearningRate": 1e-6, "OptimAlgorithm": "adaquant"}},
+}
+
+
+def test_quarks_documented_bf16_adaquant_config_loads_tunes_and_writes_cast_pairs(quark_data: dict) -> None:
+    """The config of Quark's documentation (BF16 with AdaQuant) loads as it is; every op type is
+    quantized, tuned (10 iterations here instead of its 1000), and the final model holds its
+    bfloat16 quantize-dequantize pairs as Cast pairs: no node outside the standard domain, and the
+    same outputs in onnxruntime as the pairs give."""
+    config = load_config(QUARK_BF16_ADAQUANT, config_format="quark")
+    assert config.bf16_as_cast and config.op_types == "all" and config.fast_finetune.algorithm == "adaquant"
+    short = dataclasses.replace(config, fast_finetune=dataclasses.replace(config.fast_finetune, iterations=10))
+    feeds = [{"x": quark_data["calibration"][i : i + 16]} for i in range(0, 64, 16)]
+    model = FIXTURES / "cnn.float.onnx"
+    cast = quantize_and_finetune(model, short, feeds).model
+    pairs = quantize_and_finetune(model, dataclasses.replace(short, bf16_as_cast=False), feeds).model
+    assert {n.domain for n in cast.graph.node} == {""} and not cast.functions
+    casts = [n for n in cast.graph.node if n.op_type == "Cast"]
+    assert len(casts) == 2 * sum(n.op_type == "ExtendedQuantizeLinear" for n in pairs.graph.node) > 0
+    kept = {t.name for t in cast.graph.initializer}
+    assert [t for t in pairs.graph.initializer if t.name in kept] == list(cast.graph.initializer)  # tuned alike
+    assert not {t.name for t in pairs.graph.initializer if t.name.endswith(("_bfloat16_scale", "_bfloat16_zero_point"))} & kept
+    assert np.array_equal(run(cast, quark_data["check"]), run(pairs, quark_data["check"]))
+
+
+def test_bf16_cast_pairs_differ_from_the_quantize_dequantize_pairs_only_past_bfloat16s_range() -> None:
+    """Both round to nearest even; past bfloat16's largest finite value the pair saturates and the
+    Cast gives inf (what bf16_as_cast's documentation says)."""
+    relu = onnx.helper.make_node("Relu", ["x"], ["y"], name="relu")
+    model = onnx_model([relu], [tensor("x", [4])], [tensor("y", None)], opset=17)
+    pairs = quantize_model(model, {"preset": "BF16", "op_types": "all"}, None).model
+    cast = quantize_model(model, {"preset": "BF16", "op_types": "all", "bf16_as_cast": True}, None).model
+    x = np.array([1.00390625, 3.3e38, 3.4e38, np.nan], np.float32)
+    (from_pairs,), (from_cast,) = inference_session(pairs).run(None, {"x": x}), inference_session(cast).run(None, {"x": x})
+    assert np.array_equal(from_pairs[[0, 1, 3]], from_cast[[0, 1, 3]], equal_nan=True) and from_pairs[0] == 1.0
+    assert from_pairs[2] == np.float32(3.3895314e38) and from_cast[2] == np.inf

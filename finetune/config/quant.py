@@ -16,6 +16,7 @@ Schema (YAML keys are the dataclass field names; `preset:` is the one extra key,
     dual_quant: false
     cross_layer_equalization: false  # rescale Conv pairs to equal channel ranges before quantizing
     weight_storage: float  # float | compact
+    bf16_as_cast: false    # write bfloat16 QDQ pairs as Cast(to bfloat16) -> Cast(to float) in the final model
     fast_finetune: null    # or a FastFinetune mapping
 """
 
@@ -49,6 +50,7 @@ class QuantConfig(Section):
     dual_quant: bool = False
     cross_layer_equalization: bool = False
     weight_storage: Literal["float", "compact"] = "float"
+    bf16_as_cast: bool = False  # the final model's bfloat16 quantize-dequantize pairs as Cast pairs
     fast_finetune: FastFinetune | None = None
 
     @classmethod

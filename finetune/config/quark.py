@@ -139,6 +139,7 @@ class _Translation:
             "dual_quant": self.attempt(self.dual_quant, False),
             "cross_layer_equalization": self.attempt(self.cross_layer_equalization, False),
             "weight_storage": self.attempt(self.weight_storage, "float"),
+            "bf16_as_cast": self.attempt(self.flag, False, "BF16QDQToCast", False),
             "fast_finetune": self.attempt(self.fast_finetune, None),
         }
 

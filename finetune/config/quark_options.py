@@ -87,7 +87,7 @@ EXTRA_MAPPED = (
     "ActivationSymmetric", "WeightSymmetric", "CalibTensorRangeSymmetric", "Percentile", "WeightCalibrateMethod",
     "Int32Bias", "QuantizeBias", "BFPAttributes", "MXAttributes", "RefineBlockAxis", "MixedPrecisionTensor",
     "TensorQuantOverrides", "AutoMixprecision", "EnableDualQuantNodePairs", "FastFinetune", "OpTypesToQuantize",
-    "ExtraOpTypesToQuantize", "QuantizeAllOpTypes", "WeightsOnly", "AddQDQPairToWeight",
+    "ExtraOpTypesToQuantize", "QuantizeAllOpTypes", "WeightsOnly", "AddQDQPairToWeight", "BF16QDQToCast",
 )
 EXTRA_NO_EFFECT = (
     "ExecutionProviders", "DebugMode", "PrintSummary", "IgnoreWarnings", "TmpDir", "CalibWorkerNum",
@@ -111,6 +111,9 @@ FINETUNE_DOES = {
 }
 EXTRA_ACCEPTED_ONLY: dict[str, tuple[Any, ...]] = {
     **CLE_OPTIONS,
+    # finetune quantizes the inputs of every selected op whether or not its own input is quantized:
+    # what true asks for; false (only ops whose input is quantized) has no equivalent
+    "ForceQuantizeNoInputCheck": (True, None),
     "AdjustBiasScale": (True, None),
     "MinMSEMode": ("All", None),
     "MinMSEModePof2Scale": ("All", None),
@@ -126,7 +129,7 @@ EXTRA_ACCEPTED_ONLY: dict[str, tuple[Any, ...]] = {
     **dict.fromkeys(
         (
             "UseRandomData", "CalibMovingAverage", "Int16Scale", "UseUnsignedReLU", "Int16Bias", "QuantizeFP16",
-            "ActivationScaled", "WeightScaled", "SimplifyModel", "EnableSubgraph", "ForceQuantizeNoInputCheck",
+            "ActivationScaled", "WeightScaled", "SimplifyModel", "EnableSubgraph",
             "MatMulConstBOnly", "DedicatedQDQPair", "ConvertBNToConv", "ConvertReduceMeanToGlobalAvgPool",
             "SplitLargeKernelPool", "ConvertSplitToSlice", "FuseInstanceNorm", "FuseL2Norm", "FuseGelu",
             "FuseLayerNorm", "ConvertClipToRelu", "SimulateDPU", "ConvertLeakyReluToDPUVersion",
@@ -137,7 +140,7 @@ EXTRA_ACCEPTED_ONLY: dict[str, tuple[Any, ...]] = {
             "AlignSlice", "AlignTranspose", "AlignReshape", "ReplaceClip6Relu", "RemoveQDQConvClip",
             "RemoveQDQConvRelu", "RemoveQDQConvLeakyRelu", "RemoveQDQConvPRelu", "RemoveQDQConvGelu",
             "RemoveQDQMulAdd", "RemoveQDQInstanceNorm", "RemoveFusedQDQ", "FoldBatchNorm", "BF16WithClip",
-            "BF16QDQToCast", "FoldRelu", "AlignEltwiseQuantType", "EnableVaimlBF16", "UseGPTQ", "UseMatMulNBits",
+            "FoldRelu", "AlignEltwiseQuantType", "EnableVaimlBF16", "UseGPTQ", "UseMatMulNBits",
             "ConvertFP16ToFP32", "ConvertNCHWToNHWC", "CryptoMode",
         ),
         _OFF,

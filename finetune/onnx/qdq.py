@@ -80,3 +80,58 @@ def _linear_attributes(spec: IntSpec | FloatSpec, scale: np.ndarray) -> dict[str
     if block_size and not uses_standard_ops(spec):
         raise ValueError(f"blocked scales need a standard QuantizeLinear type, not {spec.dtype}")
     return {"axis": spec.axis, **({"block_size": block_size} if block_size else {})}
+
+
+def bf16_pairs_to_casts(model: onnx.ModelProto) -> int:
+    """Rewrite, in place, each bfloat16 quantize-dequantize pair of scale 1 and zero point 0 (our
+    Extended pair) as Cast to bfloat16 and Cast back to float32, the form runtimes without our
+    ops take; returns how many. The values are the same (both round to nearest even) but beyond
+    bfloat16's largest finite value, where Cast gives inf and the pair saturates. Their scale and
+    zero point initializers go with them."""
+    graph = model.graph
+    initializers = {t.name: t for t in graph.initializer}
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+    outputs = {o.name for o in graph.output}
+    rewritten = 0
+    for node in graph.node:
+        if node.op_type != QUANTIZE or node.domain != CUSTOM_DOMAIN or not _bf16_identity_params(node, initializers):
+            continue
+        pair = readers.get(node.output[0], [])
+        if not pair or node.output[0] in outputs or not all(
+                r.op_type == DEQUANTIZE and r.domain == CUSTOM_DOMAIN and r.input[1:] == node.input[1:] for r in pair):
+            continue
+        _become_cast(node, onnx.TensorProto.BFLOAT16)
+        for dequantize in pair:
+            _become_cast(dequantize, onnx.TensorProto.FLOAT)
+        rewritten += 1
+    read = {name for node in graph.node for name in node.input} | outputs
+    kept_initializers = [t for t in graph.initializer if t.name in read]
+    del graph.initializer[:]
+    graph.initializer.extend(kept_initializers)
+    used = {(n.domain, n.op_type, n.overload) for n in graph.node}
+    kept = [f for f in model.functions if f.domain != CUSTOM_DOMAIN or (f.domain, f.name, f.overload) in used]
+    del model.functions[:]
+    model.functions.extend(kept)
+    return rewritten
+
+
+def _bf16_identity_params(node: onnx.NodeProto, initializers: dict[str, onnx.TensorProto]) -> bool:
+    """Whether a quantize node's zero point is a bfloat16 0 and its scale 1 (per tensor)."""
+    if len(node.input) < 3 or node.input[1] not in initializers or node.input[2] not in initializers:
+        return False
+    scale, zero_point = initializers[node.input[1]], initializers[node.input[2]]
+    return (zero_point.data_type == onnx.TensorProto.BFLOAT16 and numpy_helper.to_array(scale).size == 1
+            and float(numpy_helper.to_array(scale)) == 1.0 and float(numpy_helper.to_array(zero_point).astype(np.float32)) == 0.0)
+
+
+def _become_cast(node: onnx.NodeProto, to: int) -> None:
+    """Turn a quantize or dequantize node into a default-domain Cast of its first input."""
+    source = node.input[0]
+    del node.input[:]
+    node.input.append(source)
+    del node.attribute[:]
+    node.attribute.append(helper.make_attribute("to", to))
+    node.op_type, node.domain, node.overload = "Cast", "", ""

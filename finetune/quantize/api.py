@@ -17,6 +17,7 @@ from finetune.onnx.equalize import equalize_model
 from finetune.onnx.fold import fold_constants
 from finetune.onnx.io import load_model
 from finetune.onnx.normalize import normalize_model
+from finetune.onnx.qdq import bf16_pairs_to_casts
 
 from .calibrate import calibrate
 from .checks import check_plan
@@ -67,6 +68,8 @@ def quantize_model(
     check_plan(normalized, config, uses, changes, notices)
     qparams = calibrate(normalized, uses, data, providers, notices)
     quantized = attach_custom_ops(insert_qdq(normalized, uses, qparams, config.weight_storage))
+    if config.bf16_as_cast:
+        changes.append(f"bf16_as_cast: {bf16_pairs_to_casts(quantized)} bfloat16 quantize-dequantize pair(s) written as Cast pairs")
     summary = summarize(original, quantized, uses, changes, notices, time.perf_counter() - start)
     return QuantizeResult(quantized, summary, float_model)
 

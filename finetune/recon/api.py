@@ -55,6 +55,7 @@ def finetune_model(
     resume: bool = False,
     model_path: str | Path | None = None,
     attach_ops: bool = False,
+    bf16_as_cast: bool = False,
 ) -> tuple[onnx.ModelProto, dict[str, Any]]:
     """The QDQ model with tuned weights, and the report. `data` is anything CalibrationData reads;
     the float targets come from `float_model` or, without one, from the QDQ model with its
@@ -64,7 +65,8 @@ def finetune_model(
     `model_path`, the tuned model is written there first, then the report, and only then is the
     checkpoint removed: a run that fails or is killed on the way leaves no report without a model
     and keeps its checkpoint. The tuned model keeps the input's form (see export_model); with
-    `attach_ops`, AMD Quark's custom ops get function bodies too (checked before any tuning).
+    `attach_ops`, AMD Quark's custom ops get function bodies too (checked before any tuning); with
+    `bf16_as_cast`, bfloat16 quantize-dequantize pairs are written as Cast pairs.
     `callbacks` join the built-in ones in the Fabric that runs the units (hooks: see recon.callbacks)."""
     begin = time.perf_counter()
     device = resolve_device(config.device)
@@ -94,7 +96,7 @@ def finetune_model(
         cache_stats = {"peak_bytes_in_memory": cache.peak_in_memory, "peak_bytes_on_disk": cache.peak_on_disk,
                        "spilled_arrays": cache.spilled}
     module.cpu()
-    tuned = export_model(module, original, attach_ops)
+    tuned = export_model(module, original, attach_ops, bf16_as_cast)
     report = _report(config, device, reference is module, tuner, [*warnings, *tuner.warnings], timing, cache_stats,
                      time.perf_counter() - begin)
     if model_path is not None:

@@ -398,3 +398,43 @@ def test_an_unavailable_device_fails_before_any_work(digits: dict) -> None:
         pytest.skip("this machine has a GPU")
     with pytest.raises(ValueError, match="'cuda:1' is not available"):
         finetune_model(digits["path"], digits["small"], FastFinetune(device="cuda:1"))
+
+
+class SettingsSeen:
+    """A callback noting the deterministic and TF32 settings in force while a unit tunes."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[bool, bool, bool, bool]] = []
+
+    def on_unit_start(self) -> None:
+        self.seen.append((torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+                          torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32))
+
+
+@pytest.mark.parametrize(("settings", "expected"), [({}, (True, False, False, False)),
+                                                    ({"deterministic": "warn", "allow_tf32": True}, (True, True, True, True))])
+def test_determinism_and_tf32_hold_while_tuning_and_are_restored(digits: dict, settings: dict, expected: tuple) -> None:
+    """Deterministic algorithms (warn_only with `deterministic: warn`) and TF32 off unless asked,
+    while the run lasts; the caller's settings come back afterwards."""
+    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+              torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    seen = SettingsSeen()
+    quantized = quantize_model(digits["path"], "XINT8", digits["small"]).model
+    finetune_model(quantized, digits["small"], FastFinetune(iterations=1, **settings), callbacks=[seen])
+    assert set(seen.seen) == {expected}
+    assert (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == before
+
+
+def test_an_op_without_a_deterministic_kernel_is_one_error_naming_it_and_the_switch(digits: dict,
+                                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """What torch raises from inside backward on CUDA (faked here on CPU) becomes one line."""
+    def no_deterministic_kernel(*_: object) -> None:
+        raise RuntimeError("adaptive_max_pool2d_backward_cuda does not have a deterministic implementation, but you set "
+                           "'torch.use_deterministic_algorithms(True)'. You can turn off determinism just for this operation")
+
+    monkeypatch.setattr(torch.optim.Adam, "step", no_deterministic_kernel)
+    quantized = quantize_model(digits["path"], "XINT8", digits["small"]).model
+    with pytest.raises(ValueError, match=r"^adaptive_max_pool2d_backward_cuda has no deterministic kernel on cpu: set "
+                                         r"fast_finetune.deterministic: warn to run it anyway"):
+        finetune_model(quantized, digits["small"], FastFinetune(iterations=1))

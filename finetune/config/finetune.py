@@ -38,7 +38,9 @@ class FastFinetune(Section):
     seed 0, cpu, the default op types, no bias update (adaquant only), output quantizers left out
     (a layer's activation is always in its unit), drop_ratio 0.5 (share of unit inputs taken from
     the quantized rather than the float model), 2 GiB of cached activations in memory, layer-wise
-    units (`block`: the layers of one exporter scope tuned together, as in BRECQ)."""
+    units (`block`: the layers of one exporter scope tuned together, as in BRECQ), deterministic
+    algorithms only (`warn`: an op without a deterministic kernel runs anyway, with a warning) and
+    float32 matrix products in full float32 (`allow_tf32: true` lets CUDA use TF32)."""
 
     algorithm: Literal["adaround", "adaquant"] = "adaround"
     iterations: int = field(default=1000, metadata={"min": 1})
@@ -54,6 +56,8 @@ class FastFinetune(Section):
     drop_ratio: float = field(default=0.5, metadata={"min": 0, "max": 1})
     cache_budget_bytes: int = field(default=2**31, metadata={"min": 1})
     unit: Literal["layer", "block"] = "layer"
+    deterministic: Literal[True, "warn"] = True
+    allow_tf32: bool = False
 
     def _check(self) -> None:
         if self.lr is None:

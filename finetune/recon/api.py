@@ -90,7 +90,7 @@ def finetune_model(
     reference = _reference(module, float_proto, units, warnings)
     log_dir = Path(output_dir) / f"{name}.logs" if output_dir is not None else None
     run_callbacks = [*builtin_callbacks(config, log_dir), *callbacks]
-    with _deterministic(config.seed, device), ActivationCache(config.cache_budget_bytes) as cache:
+    with _deterministic(config, device), ActivationCache(config.cache_budget_bytes) as cache:
         tuner, timing = _run(module, reference, units, original, data, config, device, cache, run_callbacks, warnings,
                              _Resumption(checkpoint, resume, sources))
         cache_stats = {"peak_bytes_in_memory": cache.peak_in_memory, "peak_bytes_on_disk": cache.peak_on_disk,
@@ -243,17 +243,29 @@ def _check_same_codes(module: LiftedModule, layer: Layer, value: torch.Tensor, w
 
 
 @contextlib.contextmanager
-def _deterministic(seed: int, device: torch.device) -> Iterator[None]:
-    """Seeded, deterministic algorithms inside the block; the global setting restored after."""
+def _deterministic(config: FastFinetune, device: torch.device) -> Iterator[None]:
+    """Seeded, deterministic algorithms (warn_only with `deterministic: warn`) and TF32 as the
+    config says inside the block, the global settings restored after. cuBLAS reads its workspace
+    setting when it starts, so it is set before any CUDA work. An op without a deterministic kernel
+    becomes a one-line error naming it and the switch, not a traceback from inside backward."""
     if device.type == "cuda":
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    previous = torch.are_deterministic_algorithms_enabled()
-    seed_everything(seed, verbose=False)
-    torch.use_deterministic_algorithms(True)
+    previous = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+                torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    seed_everything(config.seed, verbose=False)
+    torch.use_deterministic_algorithms(True, warn_only=config.deterministic == "warn")
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = config.allow_tf32
     try:
         yield
+    except RuntimeError as error:
+        op, found, _ = str(error).partition(" does not have a deterministic implementation")
+        if not found:
+            raise
+        raise ValueError(f"{op.strip()} has no deterministic kernel on {device}: set fast_finetune.deterministic: warn to run "
+                         "it anyway (results may then differ from run to run), or tune on another device") from error
     finally:
-        torch.use_deterministic_algorithms(previous)
+        torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = previous[2], previous[3]
 
 
 def _report(config: FastFinetune, device: torch.device, self_reference: bool, tuner: Tuner, warnings: list[dict[str, str]],

@@ -13,6 +13,8 @@ in its own process, so its peak RSS is its own. AdaRound tunes layers and AdaQua
     python scripts/bench_finetune.py                                  # everything
     python scripts/bench_finetune.py --models digits --presets XINT8 --iterations 20   # smoke run
     python scripts/bench_finetune.py --memory 64,256,1024 --iterations 2   # peak RSS against the cache budget
+    python scripts/bench_finetune.py --models digits,transformer --presets MX4,XINT8 --iterations 1000 \
+        --calibration 256 --compare-quark /path/to/quark-venv/bin/python    # side by side with AMD Quark
 """
 
 from __future__ import annotations
@@ -120,10 +122,13 @@ def session(model: onnx.ModelProto | Path) -> ort.InferenceSession:
     return inference_session(model)
 
 
-def logits(model: onnx.ModelProto | Path, x: np.ndarray) -> np.ndarray:
-    """The model's outputs over `x`, in batches of 50."""
+def logits(model: onnx.ModelProto | Path, x: np.ndarray, batch: int = 50, fixed: bool = False) -> np.ndarray:
+    """The model's outputs over `x`, in batches of `batch`; with `fixed`, the last batch is padded
+    to full size (for a model whose batch size is fixed) and the padding's outputs dropped."""
     run = session(model)
-    return np.concatenate([run.run(None, {"x": x[i : i + 50]})[0] for i in range(0, len(x), 50)])
+    pad = (-len(x)) % batch if fixed else 0
+    padded = np.concatenate([x, np.repeat(x[-1:], pad, axis=0)]) if pad else x
+    return np.concatenate([run.run(None, {"x": padded[i : i + batch]})[0] for i in range(0, len(padded), batch)])[: len(x)]
 
 
 def standard_error(percent: float, samples: int) -> float:
@@ -248,6 +253,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "(AdaQuant over layers) at these comma-separated calibration crop counts, with the activation cache "
                         "unbounded and with --cache-budget-mb")
     parser.add_argument("--cache-budget-mb", type=int, default=1024, help="the bounded cache of --memory (default 1024)")
+    parser.add_argument("--compare-quark", metavar="PYTHON", help="also run each case through AMD Quark for ONNX in this "
+                        "Python (an environment with amd-quark; scripts/quark_driver.py), alternating the tools, with the "
+                        "same data, iterations and batch size (16), early stopping off for both")
     parser.add_argument("--case", nargs=3, metavar=("MODEL", "PRESET", "DIR"), help=argparse.SUPPRESS)
     parser.add_argument("--memory-case", nargs=2, metavar=("DIR", "BUDGET_MB"), help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -288,7 +296,13 @@ def main(argv: list[str] | None = None) -> None:
             prepare(model, directory, args.photo_calibration if model == "efficientnet" else args.calibration)
             for preset in presets:
                 log(f"case {model} {preset}")
+                quark_first = args.compare_quark and len(cases) % 2 == 1  # alternate which tool runs first
+                quark = run_quark(preset, directory, args) if quark_first else None
                 cases.append(run_child(model, preset, directory, args))
+                if args.compare_quark:
+                    cases[-1]["quark"] = quark or run_quark(preset, directory, args)
+                    ours = cases[-1]["quantize_seconds"] + cases[-1]["finetune_wall_seconds"]
+                    cases[-1]["quark"]["ours_over_quark_seconds"] = ours / cases[-1]["quark"]["quark_seconds"]
                 log(json.dumps(cases[-1]))
     print(json.dumps({"torch": torch.__version__, "onnxruntime": ort.__version__, "cpus": os.cpu_count(),
                       "load_average": os.getloadavg(), "cases": cases}, indent=1))
@@ -307,6 +321,31 @@ def run_child(model: str, preset: str, directory: Path, args: argparse.Namespace
     case = json.loads(result.stdout.strip().splitlines()[-1])
     case["case_wall_seconds"] = time.perf_counter() - start
     return case
+
+
+# --- AMD Quark side by side ------------------------------------------------------------------------
+
+QUARK_CONFIGS = {"MX4": "MX4_ADAQUANT", "MXFP4": "MXFP4E2M1_ADAQUANT", "XINT8": "XINT8_ADAROUND"}  # Quark's names
+
+
+def run_quark(preset: str, directory: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """The case through AMD Quark (scripts/quark_driver.py in args.compare_quark's Python): its wall
+    time for quantize-and-tune, and its model's metric in stock onnxruntime (our function bodies
+    for Quark's ops give the bits Quark's runtime gives: tests/test_third_party.py)."""
+    if preset not in QUARK_CONFIGS:
+        return {"quark_seconds": None, "skipped": f"AMD Quark has no default config for {preset}"}
+    output = directory / f"quark.{preset}.onnx"
+    command = [args.compare_quark, str(Path(__file__).with_name("quark_driver.py")), str(directory / "float.onnx"),
+               str(directory / "calibration.npz"), QUARK_CONFIGS[preset], str(args.iterations), "16", str(output)]
+    result = subprocess.run(command, capture_output=True, text=True, check=False)
+    if result.returncode:
+        raise RuntimeError(f"AMD Quark failed on {preset}:\n{result.stderr[-4000:]}")
+    measured = json.loads(result.stdout.strip().splitlines()[-1])
+    calibration, evaluation = load_case_data(directory)
+    float_outputs = logits(directory / "float.onnx", evaluation["x"])
+    tuned = attach_custom_ops(onnx.load(output))  # Quark may fix the batch size to the calibration batches'
+    outputs = logits(tuned, evaluation["x"], len(calibration[0]["x"]), fixed=True)
+    return {**measured, "metric": scores(outputs, float_outputs, evaluation.get("y"))["metric"]}
 
 
 # --- peak memory against the activation cache's budget ---------------------------------------------

@@ -36,8 +36,8 @@ def quantize_and_finetune(
 ) -> PipelineResult:
     """Quantize `model` with `config`; when the config has a fast_finetune section, tune the result
     on the same data (`callbacks` join the tuning's Fabric: see finetune_model). The float reference
-    is the quantized model with its quantizers off (its weights are the float ones), or the float
-    model itself when weights are stored as codes; bf16_as_cast applies to the tuned model (the
+    is the float model the quantizer worked from (equalised, if asked): weights or int32 biases stored
+    as codes have their true float values only there; bf16_as_cast applies to the tuned model (the
     pairs are what tuning reads). With `model_path` the final model is written
     there (atomically; when tuning, before the report: see finetune_model)."""
     config = load_config(config)
@@ -52,7 +52,7 @@ def quantize_and_finetune(
         raise ValueError("fast finetune needs calibration data: pass --data (or data= in Python)")
     resolve_device(config.fast_finetune.device)
     quantized = quantize_model(model, dataclasses.replace(without_finetune(config), bf16_as_cast=False), data)
-    float_model = quantized.float_model if config.weight_storage == "compact" else None
+    float_model = quantized.float_model
     tuned, report = finetune_model(quantized.model, data, config.fast_finetune, float_model, output_dir, name, callbacks, resume,
                                    model_path, bf16_as_cast=config.bf16_as_cast)
     return PipelineResult(tuned, quantized.summary, report)

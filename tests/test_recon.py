@@ -26,6 +26,7 @@ from finetune.recon import (
     resolve_device,
 )
 from finetune.recon.adaround import SoftRounding
+from finetune.recon.loop import HostAdam
 from finetune.zoo import digits_split
 
 from .recon_helpers import (  # noqa: F401  (one_thread: autouse fixture)
@@ -433,7 +434,7 @@ def test_an_op_without_a_deterministic_kernel_is_one_error_naming_it_and_the_swi
         raise RuntimeError("adaptive_max_pool2d_backward_cuda does not have a deterministic implementation, but you set "
                            "'torch.use_deterministic_algorithms(True)'. You can turn off determinism just for this operation")
 
-    monkeypatch.setattr(torch.optim.Adam, "step", no_deterministic_kernel)
+    monkeypatch.setattr(HostAdam, "step", no_deterministic_kernel)
     quantized = quantize_model(digits["path"], "XINT8", digits["small"]).model
     with pytest.raises(ValueError, match=r"^adaptive_max_pool2d_backward_cuda has no deterministic kernel on cpu: set "
                                          r"fast_finetune.deterministic: warn to run it anyway"):

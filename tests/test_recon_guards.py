@@ -18,6 +18,7 @@ from onnx import numpy_helper
 from finetune.config import FastFinetune
 from finetune.quantize import quantize_model
 from finetune.recon import finetune_model
+from finetune.recon.loop import HostAdam
 from finetune.zoo import export_onnx
 
 from .lift_helpers import CNN_INPUT, ResidualCNN, randomized
@@ -56,7 +57,7 @@ def test_a_unit_whose_tuned_loss_is_nan_is_reverted_and_reported(cnn: dict, capl
     status naming the NaN (it was "kept": NaN > loss is false), logged at WARNING and listed in the
     report; no unit is kept, and the model keeps its weights."""
     quantized = quantize_model(cnn["path"], "XINT8", cnn["feeds"]).model
-    adam_step = torch.optim.Adam.step
+    adam_step = HostAdam.step  # the Adam that tunes on the CPU
 
     def diverging_step(self: torch.optim.Adam, *args: object) -> None:
         adam_step(self, *args)
@@ -64,7 +65,7 @@ def test_a_unit_whose_tuned_loss_is_nan_is_reverted_and_reported(cnn: dict, capl
             for parameter in group["params"]:
                 parameter.data.fill_(math.nan)
 
-    monkeypatch.setattr(torch.optim.Adam, "step", diverging_step)
+    monkeypatch.setattr(HostAdam, "step", diverging_step)
     with caplog.at_level(logging.WARNING):
         tuned, report = finetune_model(quantized, cnn["feeds"], FastFinetune(algorithm="adaquant", iterations=3))
     diverged = [u for u in report["units"] if u["status"] != "reverted"]

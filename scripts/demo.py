@@ -61,11 +61,13 @@ def run_case(name: str, out: Path, iterations: int | None) -> dict[str, Any]:
     config = load_config(settings)
     save_run_config(config, out / f"{name}.config.yaml")
     start = time.perf_counter()
-    quantized = quantize_model(float_path, without_finetune(config), calibration).model  # tuned below, timed apart
+    result = quantize_model(float_path, without_finetune(config), calibration)  # tuned below, timed apart
     quantize_seconds = time.perf_counter() - start
+    quantized = result.model
     save_model_atomic(quantized, out / f"{name}.quantized.onnx")
     start = time.perf_counter()
-    tuned, report = finetune_model(quantized, calibration, config.fast_finetune, output_dir=out, name=f"{name}.finetune")
+    tuned, report = finetune_model(quantized, calibration, config.fast_finetune, result.float_model, output_dir=out,
+                                   name=f"{name}.finetune")
     finetune_seconds = time.perf_counter() - start
     save_model_atomic(tuned, out / f"{name}.tuned.onnx")
     scores = {stage: accuracy(model, x, y) for stage, model in (("float", float_path), ("quantized", quantized), ("recovered", tuned))}

@@ -43,12 +43,13 @@ def main() -> None:
     config = copy.deepcopy(get_default_config(args.config))
     with np.load(args.calibration) as stored:
         samples = sum(len(stored[name]) for name in stored.files)
-    config.extra_options["FastFinetune"] = {**config.extra_options["FastFinetune"], "NumIterations": args.iterations,
-                                            "BatchSize": args.batch_size, "DataSize": samples, "EarlyStop": args.early_stop}
+    if "FastFinetune" in config.extra_options:  # a config without it (XINT8, MX4, ...) only quantizes
+        config.extra_options["FastFinetune"] = {**config.extra_options["FastFinetune"], "NumIterations": args.iterations,
+                                                "BatchSize": args.batch_size, "DataSize": samples, "EarlyStop": args.early_stop}
     start = time.perf_counter()
     ModelQuantizer(Config(global_quant_config=config)).quantize_model(args.float_model, args.output, Batches(args.calibration))
     print(json.dumps({"quark_seconds": time.perf_counter() - start, "config": args.config,
-                      "fast_finetune": config.extra_options["FastFinetune"]}))
+                      "fast_finetune": config.extra_options.get("FastFinetune")}))
 
 
 if __name__ == "__main__":

@@ -11,7 +11,10 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -36,20 +39,28 @@ def main() -> None:
     parser.add_argument("output")
     parser.add_argument("--early-stop", action="store_true", help="keep Quark's default early stopping (off: every iteration runs)")
     args = parser.parse_args()
+    float_model, calibration, output = (str(Path(path).resolve()) for path in (args.float_model, args.calibration, args.output))
+    with tempfile.TemporaryDirectory() as scratch:
+        os.chdir(scratch)  # Quark writes scratch files (*.data, quantized_info.csv) into the working folder
+        print(json.dumps(quantize(float_model, calibration, output, args)))
+
+
+def quantize(float_model: str, calibration: str, output: str, args: argparse.Namespace) -> dict:
+    """Quark's quantize (and fast finetune, when the config has one) with the given budget; its wall time."""
     from quark.onnx import ModelQuantizer
     from quark.onnx.quantization.config.config import Config
     from quark.onnx.quantization.config.custom_config import get_default_config
 
     config = copy.deepcopy(get_default_config(args.config))
-    with np.load(args.calibration) as stored:
+    with np.load(calibration) as stored:
         samples = sum(len(stored[name]) for name in stored.files)
     if "FastFinetune" in config.extra_options:  # a config without it (XINT8, MX4, ...) only quantizes
         config.extra_options["FastFinetune"] = {**config.extra_options["FastFinetune"], "NumIterations": args.iterations,
                                                 "BatchSize": args.batch_size, "DataSize": samples, "EarlyStop": args.early_stop}
     start = time.perf_counter()
-    ModelQuantizer(Config(global_quant_config=config)).quantize_model(args.float_model, args.output, Batches(args.calibration))
-    print(json.dumps({"quark_seconds": time.perf_counter() - start, "config": args.config,
-                      "fast_finetune": config.extra_options.get("FastFinetune")}))
+    ModelQuantizer(Config(global_quant_config=config)).quantize_model(float_model, output, Batches(calibration))
+    return {"quark_seconds": time.perf_counter() - start, "config": args.config,
+            "fast_finetune": config.extra_options.get("FastFinetune")}
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import pytest
 from onnx import helper
 
 from finetune.cli import main
+from finetune.config import load_config
 from finetune.notices import Notice
 from finetune.onnx.normalize import normalize_model
 from finetune.pipeline import quantize_and_finetune
@@ -152,9 +153,21 @@ def test_config_entries_that_match_nothing_are_an_error_naming_each() -> None:
 
 def test_a_quark_mixed_precision_tensor_that_matches_nothing_is_an_error() -> None:
     quark = {"quant_format": "QuantFormat.QDQ", "activation_type": "QuantType.QInt8", "weight_type": "QuantType.QInt8",
-             "extra_options": {"MixedPrecisionTensor": {"QuantType.QInt16": ["h0"]}}}
+             "specific_tensor_precision": True, "extra_options": {"MixedPrecisionTensor": {"QuantType.QInt16": ["h0"]}}}
     with pytest.raises(ValueError, match=r"tensor_overrides\['h0'\] names no tensor \(did you mean 'h'\?\)"):
         quantize_model(linear(), quark, None)  # before calibration: no data is asked for
+
+
+def test_quark_mixed_precision_tensors_apply_only_with_specific_tensor_precision(caplog: pytest.LogCaptureFixture) -> None:
+    """As in Quark, MixedPrecisionTensor has no effect unless specific_tensor_precision is true
+    (it was applied whatever the switch said): said at WARNING."""
+    quark = {"activation_type": "QuantType.QInt8", "weight_type": "QuantType.QInt8",
+             "extra_options": {"MixedPrecisionTensor": {"QuantType.QInt16": ["h"]}}}
+    with caplog.at_level(logging.WARNING):
+        assert load_config(quark, config_format="quark").tensor_overrides == {}
+    assert "extra_options.MixedPrecisionTensor given but specific_tensor_precision is false: no effect" in caplog.text
+    switched = load_config({**quark, "specific_tensor_precision": True}, config_format="quark")
+    assert switched.tensor_overrides["h"].dtype == "int16"
 
 
 def test_valid_overrides_that_change_nothing_are_reported() -> None:

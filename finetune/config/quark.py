@@ -132,7 +132,9 @@ class _Translation:
             "op_types": self.attempt(self.op_types, DEFAULT_OP_TYPES),
             "op_type_overrides": self.attempt(self.auto_mixprecision, {}),
             "tensor_overrides": {
-                **self.tensor_overrides("MixedPrecisionTensor", self.precision_tensors),
+                **(self.tensor_overrides("MixedPrecisionTensor", self.precision_tensors) if self.attempt(
+                    self.switched_on, False, "specific_tensor_precision", "extra_options.MixedPrecisionTensor",
+                    "MixedPrecisionTensor" in self.extra) else {}),
                 **self.tensor_overrides("TensorQuantOverrides", self.tensor_quant_override),
             },
             "exclude_nodes": self.exclude_nodes(),

@@ -59,10 +59,10 @@ QUANT_FORMATS: dict[str, str | None] = {
 TOP_MAPPED = (
     "quant_format", "calibrate_method", "activation_type", "weight_type", "op_types_to_quantize",
     "extra_op_types_to_quantize", "nodes_to_exclude", "per_channel", "include_fast_ft", "include_auto_mp",
-    "include_cle", "extra_options",
+    "include_cle", "specific_tensor_precision", "extra_options",
 )
 TOP_NO_EFFECT = (
-    "execution_providers", "specific_tensor_precision", "use_external_data_format", "debug_mode", "print_summary",
+    "execution_providers", "use_external_data_format", "debug_mode", "print_summary",
     "ignore_warnings", "log_severity_level",
 )
 TOP_ACCEPTED_ONLY: dict[str, tuple[Any, ...]] = {

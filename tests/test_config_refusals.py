@@ -189,3 +189,33 @@ def test_the_cli_names_every_problem_of_a_quark_config_on_one_line(
         code = main(["quantize", str(model), "--config", str(config), "--random-data", "2", "-o", str(tmp_path / "q.onnx")])
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert code == 2 and len(errors) == 1 and all(problem in errors[0] for problem in MANY_PROBLEM_PATHS)
+
+
+# --- Quark options that nothing reads, or that say two things -----------------------------------
+
+
+@pytest.mark.parametrize(
+    ("options", "said"),
+    [
+        ({"extra_options": {"Percentile": 99.9}}, "extra_options.Percentile given but no format here reads it"),
+        ({"activation_type": "ExtendedQuantType.QBFP", "weight_type": "ExtendedQuantType.QBFP",
+          "extra_options": {"ActivationSymmetric": True, "WeightCalibrateMethod": "CalibrationMethod.MinMax"}},
+         "extra_options.ActivationSymmetric given but no format here reads it"),
+        ({"quant_format": "VitisQuantFormat.BFPFixNeuron", "activation_type": "QuantType.QInt8"},
+         "activation_type: QuantType.QInt8 has no effect: quant_format VitisQuantFormat.BFPFixNeuron forces QBFP"),
+    ],
+)
+def test_quark_options_without_effect_are_named_at_warning(options: dict, said: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A calibration option no translated format reads (Percentile without the percentile method,
+    symmetry for block formats), or a type a forcing quant_format overrides: no effect, as in
+    Quark, and said (they were dropped without a word)."""
+    with caplog.at_level(logging.WARNING):
+        from_quark(options)
+    assert said in caplog.text
+
+
+def test_quark_op_types_given_twice_must_agree() -> None:
+    with pytest.raises(ConfigError, match=r"extra_options.OpTypesToQuantize: \['Conv'\] differs from op_types_to_quantize "
+                                          r"\['MatMul'\]: give one"):
+        from_quark({"op_types_to_quantize": ["MatMul"], "extra_options": {"OpTypesToQuantize": ["Conv"]}})
+    assert from_quark({"op_types_to_quantize": ["Conv"], "extra_options": {"OpTypesToQuantize": ["Conv"]}}).op_types == ("Conv",)

@@ -97,6 +97,10 @@ class _Translation:
         forced = self.attempt(enum_value, "", quant_format, QUANT_FORMATS, "quant_format")
         self.activation_type = forced or options.get("activation_type", "QuantType.QInt8")
         self.weight_type = forced or options.get("weight_type", "QuantType.QInt8")
+        for key in ("activation_type", "weight_type") if forced else ():
+            if key in options and not str(options[key]).endswith(forced):
+                log.warning("%s: %s has no effect: quant_format %s forces %s, as in Quark", key, options[key], quant_format, forced)
+        self.used: set[str] = set()  # the extra options below that some translated format read
 
     def check(self, options: Mapping[str, Any], mapped: tuple[str, ...], no_effect: tuple[str, ...],
               accepted_only: Mapping[str, tuple[Any, ...]], path: str) -> None:
@@ -120,11 +124,15 @@ class _Translation:
             raise ConfigError("", f"{len(messages)} problems in this Quark config: {'; '.join(messages)}")
 
     def mapping(self) -> dict[str, Any]:
-        """The finetune config mapping (validated afterwards by from_mapping)."""
+        """The finetune config mapping (validated afterwards by from_mapping); calibration options
+        no translated format reads have no effect, as in Quark, and are named at WARNING."""
         activation = self.attempt(self.choice, None, self.activation_type, "activation", "activation", "activation_type")
         weight = self.attempt(self.choice, None, self.weight_type, "weight", "weight", "weight_type")
         if self.attempt(self.flag, False, "WeightsOnly", False):
             activation = None
+        for key in sorted({"Percentile", "WeightCalibrateMethod", "ActivationSymmetric", "WeightSymmetric"} & set(self.extra) - self.used):
+            log.warning("extra_options.%s given but no format here reads it (calibrate_method, or the types): no effect, "
+                        "as in Quark", key)
         return {
             "activation": activation,
             "weight": weight,
@@ -196,6 +204,7 @@ class _Translation:
         source = "calibrate_method"
         if role == "weight" and "WeightCalibrateMethod" in self.extra:
             source = "extra_options.WeightCalibrateMethod"
+            self.used.add("WeightCalibrateMethod")
             method, power_of_two = enum_value(self.extra["WeightCalibrateMethod"], CALIBRATE_METHODS, source)
         elif role == "weight" and not power_of_two:
             method = "minmax"
@@ -206,6 +215,7 @@ class _Translation:
             out["power_of_two"] = power_of_two
         if method == "percentile" and "Percentile" in self.extra:
             out["percentile"] = self.extra["Percentile"]
+            self.used.add("Percentile")
         if at is not None:
             self.origins.update({f"{at}.calibration": source, f"{at}.percentile": "extra_options.Percentile"})
         return out
@@ -217,6 +227,7 @@ class _Translation:
         default = True if role == "weight" else (self.calibration[1] or self.flag("CalibTensorRangeSymmetric", False))
         if at is not None:
             self.origins[f"{at}.symmetric"] = f"extra_options.{key}"
+        self.used.add(key)
         return self.extra.get(key, default)
 
     def _block_choice(self, fmt: str, role: str, at: str | None) -> dict[str, Any]:
@@ -255,7 +266,10 @@ class _Translation:
         extra op types; QuantizeAllOpTypes gives all."""
         if self.flag("QuantizeAllOpTypes", False):
             return ALL
-        listed = self.options.get("op_types_to_quantize") or self.extra.get("OpTypesToQuantize") or DEFAULT_OP_TYPES
+        top, extra = self.options.get("op_types_to_quantize"), self.extra.get("OpTypesToQuantize")
+        if top and extra and list(top) != list(extra):
+            raise ConfigError("extra_options.OpTypesToQuantize", f"{extra} differs from op_types_to_quantize {top}: give one")
+        listed = top or extra or DEFAULT_OP_TYPES
         extra = [
             *(self.options.get("extra_op_types_to_quantize") or []),
             *(self.extra.get("ExtraOpTypesToQuantize") or []),

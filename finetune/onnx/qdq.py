@@ -95,6 +95,7 @@ def bf16_pairs_to_casts(model: onnx.ModelProto) -> int:
         for name in node.input:
             readers.setdefault(name, []).append(node)
     outputs = {o.name for o in graph.output}
+    parameters: set[str] = set()  # scales and zero points of the rewritten pairs
     rewritten = 0
     for node in graph.node:
         if node.op_type != QUANTIZE or node.domain != CUSTOM_DOMAIN or not _bf16_identity_params(node, initializers):
@@ -103,12 +104,13 @@ def bf16_pairs_to_casts(model: onnx.ModelProto) -> int:
         if not pair or node.output[0] in outputs or not all(
                 r.op_type == DEQUANTIZE and r.domain == CUSTOM_DOMAIN and r.input[1:] == node.input[1:] for r in pair):
             continue
+        parameters.update(node.input[1:])
         _become_cast(node, onnx.TensorProto.BFLOAT16)
         for dequantize in pair:
             _become_cast(dequantize, onnx.TensorProto.FLOAT)
         rewritten += 1
-    read = {name for node in graph.node for name in node.input} | outputs
-    kept_initializers = [t for t in graph.initializer if t.name in read]
+    unread = parameters - {name for node in graph.node for name in node.input} - outputs
+    kept_initializers = [t for t in graph.initializer if t.name not in unread]
     del graph.initializer[:]
     graph.initializer.extend(kept_initializers)
     used = {(n.domain, n.op_type, n.overload) for n in graph.node}

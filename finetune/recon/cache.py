@@ -86,15 +86,15 @@ class ActivationCache:
             logger.info("activation cache over its budget of %d bytes: spilling to %s", self.budget, self._directory)
         self._check_disk(array.nbytes, name)
         self._files += 1
-        spilled = SpilledArray.write(array, self._directory / f"{self._files:06d}.npy")
+        spilled = SpilledArray.write(array, self._directory / f"{self._files:06d}.bin")
         self.on_disk += array.nbytes
         self.peak_on_disk = max(self.peak_on_disk, self.on_disk)
         self.spilled += 1
         return spilled
 
     def _check_disk(self, nbytes: int, name: str) -> None:
-        """Refuse a spill the disk cannot hold: a memory map written past a full disk kills the
-        process (SIGBUS) instead of raising."""
+        """Refuse a spill the disk cannot hold, before writing it, with what to do about it (and a
+        reserve left for the output model)."""
         free = shutil.disk_usage(self._directory).free
         if nbytes + DISK_RESERVE > free:
             raise OSError(errno.ENOSPC, f"the activation cache cannot spill {name} ({_size(nbytes)}) to {self._directory}: "

@@ -32,7 +32,7 @@ def attach_ops(args: argparse.Namespace) -> None:
 
 def quantize(args: argparse.Namespace) -> None:
     """Quantize a float model with a preset or YAML config and calibration data."""
-    check_output(args.output, args.model, args.data)
+    check_output(args.output, args.model, args.data, args.evaluation_data)
     overrides: dict = {"preset": args.config}
     if args.op_types:
         overrides["op_types"] = args.op_types
@@ -42,6 +42,8 @@ def quantize(args: argparse.Namespace) -> None:
         overrides["weight_storage"] = args.weight_storage
     if args.per_channel is not None:
         overrides["weight"] = {"granularity": "channel" if args.per_channel else "tensor"}
+    if section := _auto_mp_overrides(args):
+        overrides["auto_mixed_precision"] = section
     config = load_config(overrides)
     config = with_finetune(config, _finetune_overrides(args, config))
     if args.resume and config.fast_finetune is None:
@@ -53,6 +55,10 @@ def quantize(args: argparse.Namespace) -> None:
     write_text_atomic(summary_path, json.dumps(result.summary, indent=1))
     save_run_config(config, _config_path(args.output))
     print(format_summary(result.summary))
+    if result.auto_mp_report is not None:
+        from finetune.automp.report import summary_line
+
+        print(summary_line(result.auto_mp_report))
     if result.report is not None:
         from finetune.recon.report import format_report  # lightning takes seconds to import: only after tuning
 
@@ -77,6 +83,20 @@ def tune(args: argparse.Namespace) -> None:
     save_run_config(config, _config_path(args.output))
     print(format_report(report))
     logger.info("wrote %s and %s", args.output, _config_path(args.output))
+
+
+def _auto_mp_overrides(args: argparse.Namespace) -> dict:
+    """The auto_mixed_precision keys the --auto-mp flags set, merged over the config's section."""
+    flags = {"ladder": args.ladder, "target": args.target, "max_drop": args.max_drop, "metric": args.metric,
+             "evaluation_data": str(args.evaluation_data) if args.evaluation_data else None}
+    given = {key: value for key, value in flags.items() if value is not None}
+    if given and not args.auto_mp:
+        raise ValueError(f"{', '.join('--' + k.replace('_', '-') for k in given)} set(s) the mixed-precision search: add --auto-mp")
+    if not args.auto_mp:
+        return {}
+    if "target" in given or "max_drop" in given:  # the goal given here replaces the config's
+        given = {"target": None, "max_drop": None, "keep_top": None, **given}
+    return given
 
 
 def _finetune_overrides(args: argparse.Namespace, config: QuantConfig) -> dict:
@@ -130,6 +150,13 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--per-channel", action=argparse.BooleanOptionalAction, default=None, help="INT weights per channel")
     q.add_argument("--weight-storage", choices=["float", "compact"], help="float initializers + QDQ, or stored codes")
     q.add_argument("-o", "--output", type=Path, required=True, help="where to write the quantized model")
+    amp = q.add_argument_group("automatic mixed precision (override the config's auto_mixed_precision section)")
+    amp.add_argument("--auto-mp", action="store_true", help="search per-layer precision against a target")
+    amp.add_argument("--ladder", nargs="+", metavar="PRESET", help="rungs, cheapest first (e.g. MX4 MX6 MX9)")
+    amp.add_argument("--target", type=float, help="the metric the final model must reach")
+    amp.add_argument("--max-drop", type=float, help="or: how far below the float model's metric it may fall")
+    amp.add_argument("--metric", help="l2, cosine, top1_agreement, top1_accuracy (labels.npy) or module:function")
+    amp.add_argument("--evaluation-data", type=Path, help="folder to judge the target on (default: the calibration data)")
     _add_finetune_flags(q)
     q.set_defaults(run=quantize)
     t = commands.add_parser("tune", help="recover the accuracy of an already quantized QDQ model (AdaRound / AdaQuant)")

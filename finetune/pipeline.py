@@ -27,6 +27,7 @@ class PipelineResult:
     model: onnx.ModelProto
     summary: dict[str, Any]
     report: dict[str, Any] | None
+    auto_mp_report: dict[str, Any] | None = None
 
 
 def quantize_and_finetune(
@@ -38,9 +39,18 @@ def quantize_and_finetune(
     on the same data (`callbacks` join the tuning's Fabric: see finetune_model). The float reference
     is the float model the quantizer worked from (equalised, if asked): weights or int32 biases stored
     as codes have their true float values only there; bf16_as_cast applies to the tuned model (the
-    pairs are what tuning reads). With `model_path` the final model is written
+    pairs are what tuning reads). A config with an auto_mixed_precision section runs the search
+    (finetune.automp), whose report is `auto_mp_report`. With `model_path` the final model is written
     there (atomically; when tuning, before the report: see finetune_model)."""
     config = load_config(config)
+    if config.auto_mixed_precision is not None:
+        from finetune.automp import auto_mixed_precision
+
+        if resume:
+            raise ValueError("--resume continues a fine-tuning run; an auto mixed precision run starts afresh")
+        result = auto_mixed_precision(model, config, data, output_dir=output_dir, name=f"{name}.automp" if output_dir else name,
+                                      model_path=model_path)
+        return PipelineResult(result.model, result.summary, result.finetune_report, result.report)
     if config.fast_finetune is None:
         quantized = quantize_model(model, config, data)
         if model_path is not None:

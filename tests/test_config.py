@@ -552,10 +552,11 @@ def test_quark_layer_wise_auto_mixprecision_and_dual_quant() -> None:
     conv = config.node_formats("/conv", "Conv")
     assert conv.activation.spec(rank=4) == dataclasses.replace(BFP16, axis=1) and conv.weight.format == "bfp"
     assert config.node_formats("/reshape", "Reshape").activation.dtype == "bfloat16"
-    with pytest.raises(ConfigError, match=r"Top1AccTarget.*no equivalent"):
-        from_quark(
-            {**options, "extra_options": {"AutoMixprecision": {"TargetQuantType": "QBFP", "Top1AccTarget": 0.01}}}
-        )
+    assert config.auto_mixed_precision is None  # no accuracy goal: the target types, no search
+    searched = from_quark({**options, "extra_options": {"AutoMixprecision": {"TargetQuantType": "QBFP", "Top1AccTarget": 0.01}}})
+    section = searched.auto_mixed_precision
+    assert not searched.op_type_overrides and (section.metric, section.max_drop) == ("top1_accuracy", 0.01)
+    assert [c.format for c in section.ladder.activation] == ["float", "bfp"]  # [activation_type, the target type]
 
 
 def test_load_config_detects_quark_files_and_mappings(tmp_path: Path) -> None:

@@ -22,6 +22,7 @@ Items = Callable[[], Iterator[tuple[str, Any]]]  # one pass over (label for erro
 ModelLike = onnx.ModelProto | str | os.PathLike | Sequence["InputInfo"]
 
 DATA_SUFFIXES = (".npy", ".npz")
+LABELS_FILE = "labels.npy"  # in a data folder: one label per sample, in file order (not an input)
 RANDOM_INT_HIGH = 16  # random integer inputs are drawn from [0, RANDOM_INT_HIGH)
 
 
@@ -80,6 +81,7 @@ class CalibrationData:
         if limit is not None and limit < 1:
             raise ValueError(f"limit must be a positive number of samples, got {limit}")
         self.limit = limit
+        self.source = source
         self._items = _open_source(source)
         self._warned_extra = False
 
@@ -254,10 +256,33 @@ def _folder_items(folder: Path) -> Items:
     """Passes over the .npy/.npz files of a folder, in name order."""
     if not folder.is_dir():
         raise FileNotFoundError(f"calibration data folder {folder} does not exist or is not a folder")
-    files = sorted((p for p in folder.iterdir() if p.suffix in DATA_SUFFIXES and p.is_file()), key=lambda p: p.name)
+    files = sorted((p for p in folder.iterdir() if p.suffix in DATA_SUFFIXES and p.is_file() and p.name != LABELS_FILE),
+                   key=lambda p: p.name)
     if not files:
         raise ValueError(f"calibration data folder {folder} holds no .npy or .npz files")
     return lambda: ((str(path), _load_file(path)) for path in files)
+
+
+def data_labels(source: Any, model: ModelLike) -> np.ndarray | None:
+    """The labels a data source carries, one per sample in order: `labels.npy` in a data folder, or
+    the item after the inputs of every tuple a re-iterable yields (a DataLoader's (x, y)); None
+    when it carries none."""
+    if isinstance(source, CalibrationData):
+        labels = data_labels(source.source, model)
+        return labels if labels is None or source.limit is None else labels[: source.limit]
+    if isinstance(source, (str, os.PathLike)):
+        path = Path(source) / LABELS_FILE
+        return np.load(path, allow_pickle=False).reshape(-1) if path.is_file() else None
+    if isinstance(source, (Mapping, Iterator)) or callable(getattr(source, "get_next", None)) or not isinstance(source, Iterable):
+        return None
+    count = len(_inputs_of(model))
+    labels = []
+    for raw in source:
+        if not isinstance(raw, (tuple, list)) or len(raw) != count + 1:
+            return None
+        label = raw[-1]
+        labels.append(np.asarray(label.detach().cpu() if isinstance(label, torch.Tensor) else label).reshape(-1))
+    return np.concatenate(labels) if labels else None
 
 
 def _load_file(path: Path) -> np.ndarray | dict[str, np.ndarray]:

@@ -18,6 +18,7 @@ Schema (YAML keys are the dataclass field names; `preset:` is the one extra key,
     weight_storage: float  # float | compact
     bf16_as_cast: false    # write bfloat16 QDQ pairs as Cast(to bfloat16) -> Cast(to float) in the final model
     fast_finetune: null    # or a FastFinetune mapping
+    auto_mixed_precision: null  # or an AutoMixedPrecision mapping (per-layer precision search)
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from .automp import AutoMixedPrecision
 from .finetune import FastFinetune
 from .formats import ALL, DEFAULT_OP_TYPES, Bias, FormatChoice, NodeFormats, Override, resolve_bias
 from .schema import ConfigError, Section, join_path
@@ -52,6 +54,7 @@ class QuantConfig(Section):
     weight_storage: Literal["float", "compact"] = "float"
     bf16_as_cast: bool = False  # the final model's bfloat16 quantize-dequantize pairs as Cast pairs
     fast_finetune: FastFinetune | None = None
+    auto_mixed_precision: AutoMixedPrecision | None = None
 
     @classmethod
     def allowed_keys(cls, data: Mapping[str, Any]) -> tuple[str, ...]:

@@ -16,10 +16,8 @@ from typing import Any, TypeVar
 
 from .finetune import DEVICE_HELP, DEVICE_PATTERN
 from .formats import ALL, AUTO, DEFAULT_OP_TYPES, family_keys
+from . import quark_automp
 from .quark_options import (
-    AUTO_MP_ACCEPTED_ONLY,
-    AUTO_MP_MAPPED,
-    AUTO_MP_NO_EFFECT,
     CALIBRATE_METHODS,
     CLE_OPTIONS,
     EXTRA_ACCEPTED_ONLY,
@@ -133,12 +131,14 @@ class _Translation:
         for key in sorted({"Percentile", "WeightCalibrateMethod", "ActivationSymmetric", "WeightSymmetric"} & set(self.extra) - self.used):
             log.warning("extra_options.%s given but no format here reads it (calibrate_method, or the types): no effect, "
                         "as in Quark", key)
+        auto_mp = self.attempt(quark_automp.translate, ({}, None), self)
         return {
             "activation": activation,
             "weight": weight,
             "bias": self.attempt(self.bias, "auto", weight),
             "op_types": self.attempt(self.op_types, DEFAULT_OP_TYPES),
-            "op_type_overrides": self.attempt(self.auto_mixprecision, {}),
+            "op_type_overrides": auto_mp[0],
+            "auto_mixed_precision": auto_mp[1],
             "tensor_overrides": {
                 **(self.tensor_overrides("MixedPrecisionTensor", self.precision_tensors) if self.attempt(
                     self.switched_on, False, "specific_tensor_precision", "extra_options.MixedPrecisionTensor",
@@ -276,39 +276,6 @@ class _Translation:
         ]
         self.origins["op_types"] = "op_types_to_quantize"
         return [*listed, *(t for t in extra if t not in listed)]
-
-    def auto_mixprecision(self) -> dict[str, Any]:
-        """With include_auto_mp and no accuracy target, Quark puts every TargetOpType node into the
-        target types: that is layer-wise mixed precision, i.e. op_type_overrides."""
-        path = "extra_options.AutoMixprecision"
-        block = _mapping(self.extra.get("AutoMixprecision"), path)
-        self.check(block, AUTO_MP_MAPPED, AUTO_MP_NO_EFFECT, AUTO_MP_ACCEPTED_ONLY, path)
-        if not self.switched_on("include_auto_mp", path, bool(block)):
-            return {}
-        act, weight = block.get("ActTargetQuantType"), block.get("WeightTargetQuantType")
-        if act is None and weight is None:
-            if block.get("TargetQuantType") is None:
-                problem = "required with include_auto_mp (or ActTargetQuantType / WeightTargetQuantType)"
-                raise ConfigError(f"{path}.TargetQuantType", problem)
-            act = weight = block["TargetQuantType"]
-        activation = self.choice(act or self.activation_type, "activation", None, f"{path}.ActTargetQuantType")
-        weight_choice = self.choice(weight or self.weight_type, "weight", None, f"{path}.WeightTargetQuantType")
-        bias = self._target_bias(block, weight_choice)
-        override = {"activation": activation, "weight": weight_choice, "bias": bias}
-        op_types = block.get("TargetOpType") or DEFAULT_OP_TYPES
-        self.origins["op_type_overrides"] = path
-        return {op_type: override for op_type in op_types}
-
-    def _target_bias(self, block: Mapping[str, Any], weight: dict[str, Any]) -> str:
-        if block.get("BiasTargetQuantType") is None:
-            return self.bias(weight)
-        path = "extra_options.AutoMixprecision.BiasTargetQuantType"
-        fmt, dtype = enum_value(block["BiasTargetQuantType"], QUANT_TYPES, path)
-        if (fmt, dtype) == ("int", "int32"):
-            return "int32"
-        if weight["format"] != "int" and (fmt, dtype) == (weight["format"], weight.get("dtype")):
-            return "auto"
-        raise ConfigError(path, "has no equivalent here: a bias is int32, float, or in its weight's float format")
 
     def tensor_overrides(self, option: str, entry: Callable[[Any, Any, str], dict[str, Any]]) -> dict[str, Any]:
         """The tensor_overrides that the mapping extra_options.`option` gives, each of its entries

@@ -161,13 +161,11 @@ QUARK_BLOCK_AXIS = 1
 
 AUTO_MP_MAPPED = (
     "TargetOpType", "TargetQuantType", "ActTargetQuantType", "WeightTargetQuantType", "BiasTargetQuantType",
-    "DualQuantNodes",
+    "DualQuantNodes", "OutputIndex", "L2Target", "Top1AccTarget", "EvaluateFunction", "NumTarget", "TargetTensors",
+    "TargetIndices", "ExcludeIndices", "AutoMixUseFastFT",
 )
-AUTO_MP_NO_EFFECT = ("DataSize", "OutputIndex", "NoInputQDQShared", "AutoMixUseFastFT")
-AUTO_MP_ACCEPTED_ONLY = {
-    "L2Target": (None,), "Top1AccTarget": (None,), "EvaluateFunction": (None,), "NumTarget": (0, None),
-    "TargetTensors": _EMPTY, "TargetIndices": _EMPTY, "ExcludeIndices": _EMPTY,
-}
+AUTO_MP_NO_EFFECT = ("DataSize", "NoInputQDQShared")
+AUTO_MP_ACCEPTED_ONLY: dict[str, tuple[Any, ...]] = {}
 
 TENSOR_OVERRIDE_KEYS = ("quant_type", "axis", "symmetric")
 TENSOR_OVERRIDE_ACCEPTED_ONLY = dict.fromkeys(("scale", "zero_point", "rmin", "rmax", "reduce_range"), (None,))

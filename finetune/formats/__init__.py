@@ -7,6 +7,7 @@ import torch
 from .bfp import BFP16, MX4, MX6, MX9, BFPSpec, bfp_quantize_dequantize
 from .bits import RoundFn
 from .blocks import broadcast_param
+from .cost import bits_per_element
 from .floats import BF16, FP8_E4M3FN, FP8_E5M2, FP16, FloatSpec, float_codes, float_quantize_dequantize
 from .integer import INT_RANGES, IntSpec, dequantize_linear, int_codes, int_quantize_dequantize, int_scale_zero_point
 from .mx import (
@@ -49,6 +50,7 @@ __all__ = [
     "MXSpec",
     "RoundFn",
     "bfp_quantize_dequantize",
+    "bits_per_element",
     "broadcast_param",
     "dequantize_linear",
     "float_codes",

@@ -1,0 +1,290 @@
+"""Automatic mixed precision: quantize the model once per rung, lift each, measure every target
+layer's sensitivity in the switchable torch model, search the assignment (search.Search), then
+write the chosen configuration as a real QDQ model, fine-tune it if the config asks, and re-measure
+the metric in onnxruntime: the number the report states, which must meet the target."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import torch
+
+from finetune.calibrate import CalibrationData, data_labels, model_inputs
+from finetune.config import QuantConfig, load_config
+from finetune.config.automp import AutoMixedPrecision
+from finetune.lift import lift_model
+from finetune.onnx.io import load_model, save_model_atomic
+from finetune.onnx.session import inference_session
+from finetune.quantize import quantize_model
+
+from .ladder import Item, Rung, assigned_config, ladders, search_items
+from .metrics import Metric, MetricFn, check_outputs, relative_l2, resolve_metric
+from .report import build_report, summary_line, write_report
+from .search import Point, Search
+from .switch import SwitchableModel
+
+logger = logging.getLogger(__name__)
+
+MAX_REPAIRS = 64  # raises of one layer after onnxruntime missed the target, before giving up
+
+
+@dataclass
+class AutoMPResult:
+    """The final model, the config that makes it (node overrides per searched layer) and the report."""
+
+    model: onnx.ModelProto
+    config: QuantConfig
+    report: dict[str, Any]
+    summary: dict[str, Any]  # the quantizer's summary of the final model
+    finetune_report: dict[str, Any] | None
+
+
+@dataclass
+class _Evaluation:
+    """The evaluation set: torch batches in graph-input order, float outputs, labels."""
+
+    feeds: list[dict[str, np.ndarray]]
+    batches: list[tuple[torch.Tensor, ...]]
+    float_outputs: np.ndarray
+    labels: np.ndarray | None
+    source: str
+
+
+def auto_mixed_precision(
+    model: str | Path | onnx.ModelProto, config: QuantConfig | str | dict, data: Any,
+    metric: str | MetricFn | Metric | None = None, labels: np.ndarray | None = None, evaluation_data: Any = None,
+    output_dir: str | Path | None = None, name: str = "automp", model_path: str | Path | None = None, curve_points: int = 0,
+) -> AutoMPResult:
+    """Search per-layer precision for `config`'s auto_mixed_precision section on `data` (calibration;
+    also the evaluation set unless `evaluation_data` or the section's evaluation_data names another),
+    judged by `metric` (default the section's). With `output_dir`, `<name>.json` and `<name>.png` go
+    there; with `model_path`, the model is written there (atomically) before the report."""
+    begin = time.perf_counter()
+    config = load_config(config)
+    settings = config.auto_mixed_precision
+    if settings is None:
+        raise ValueError("the config has no auto_mixed_precision section")
+    chosen_metric = resolve_metric(metric if metric is not None else settings.metric)
+    rungs = ladders(settings)
+    base = dataclasses.replace(config, auto_mixed_precision=None, fast_finetune=None, weight_storage="float", bf16_as_cast=False)
+    base_quantized = quantize_model(model, base, data)
+    items, fixed = search_items(base_quantized.float_model, base, settings)
+    if not items:
+        raise ValueError(f"auto_mixed_precision: the model has no node of the target op types {list(settings.target_op_types)} "
+                         "to search (or all are excluded)")
+    evaluation = _evaluation(base_quantized.float_model, evaluation_data or settings.evaluation_data, data, labels, settings,
+                             chosen_metric)
+    float_value = chosen_metric(evaluation.float_outputs, evaluation.float_outputs, evaluation.labels)
+    target = _target(settings, chosen_metric, float_value)
+    started = time.perf_counter()
+    switch = _switchable(model, base, base_quantized.model, items, rungs, data)
+    switch.measure_activations(evaluation.batches[0])
+    search = Search([len(rungs[_ladder_key(item)]) for item in items],
+                    lambda a: _measure(switch, items, a, evaluation, settings, chosen_metric),
+                    lambda a: _average_bits(switch, items, a, settings)[0], chosen_metric, fixed)
+    search.measure_sensitivity(_progress)
+    uniform = [search.measure(tuple(min(r, count - 1) for count in search.rungs), "uniform")
+               for r in range(max(search.rungs) - 1)]
+    sensitivity_seconds = time.perf_counter() - started
+    started = time.perf_counter()
+    if settings.finetune_in_loop:
+        search.evaluate = lambda a: _measure_tuned(model, base, config, items, a, rungs, data, evaluation, chosen_metric)
+    assignment = search.keep_top(settings.keep_top) if settings.keep_top is not None else search.run(target)
+    search.curve(curve_points)
+    search_seconds = time.perf_counter() - started
+    final, summary, assignment, measured, repairs, finetune_report = _final_model(
+        model, config, base, items, assignment, rungs, data, evaluation, chosen_metric, target, search)
+    final_config = dataclasses.replace(assigned_config(config, items, list(assignment), rungs),
+                                       weight_storage=config.weight_storage, bf16_as_cast=config.bf16_as_cast,
+                                       fast_finetune=config.fast_finetune)
+    report = build_report(
+        settings=settings, metric=chosen_metric, target=target, float_value=float_value, items=items, rungs=rungs,
+        search=search, switch=switch, assignment=assignment, uniform=uniform, onnxruntime_metric=measured, repairs=repairs,
+        evaluation_source=evaluation.source, samples=len(evaluation.float_outputs), finetune=finetune_report,
+        bits=_average_bits(switch, items, assignment, settings),
+        seconds={"sensitivity": sensitivity_seconds, "search": search_seconds,
+                 "finetune": finetune_report["total_seconds"] if finetune_report else 0.0,
+                 "total": time.perf_counter() - begin},
+    )
+    if model_path is not None:
+        save_model_atomic(final, model_path)
+    if output_dir is not None:
+        write_report(report, Path(output_dir), name)
+    logger.info(summary_line(report))
+    return AutoMPResult(final, final_config, report, summary, finetune_report)
+
+
+def _ladder_key(item: Item) -> str:
+    return "activation" if item.ladder == "split" else item.ladder
+
+
+def _progress(done: int, total: int) -> None:
+    if done == total or done % max(1, total // 10) == 0:
+        logger.info("sensitivity: %d of %d candidates measured", done, total)
+
+
+def _target(settings: AutoMixedPrecision, metric: Metric, float_value: float) -> float:
+    """The target the final model must meet: given, or `max_drop` from the float model's value
+    (for keep_top, which has none, the float value: reported only)."""
+    if settings.target is not None:
+        return settings.target
+    if settings.max_drop is not None:
+        return metric.target_from_drop(float_value, settings.max_drop)
+    return float_value
+
+
+def _evaluation(float_model: onnx.ModelProto, source: Any, data: Any, labels: np.ndarray | None,
+                settings: AutoMixedPrecision, metric: Metric) -> _Evaluation:
+    """Read the evaluation data once, run the float model on it in onnxruntime, and check the
+    metric can be computed (labels, score outputs) before any search."""
+    own = source is not None
+    source = source if own else data
+    if source is None:
+        raise ValueError("auto mixed precision needs data: pass --data (or data= in Python)")
+    feeds = list(CalibrationData(source, float_model))
+    labels = labels if labels is not None else data_labels(source, float_model)
+    session = inference_session(float_model)
+    outputs = session.get_outputs()
+    if settings.output_index >= len(outputs):
+        raise ValueError(f"auto_mixed_precision.output_index {settings.output_index}: the model has {len(outputs)} output(s)")
+    float_outputs = np.concatenate([session.run(None, feed)[settings.output_index] for feed in feeds])
+    check_outputs(metric, float_outputs, None if labels is None else np.asarray(labels), settings.output_index)
+    names = [info.name for info in model_inputs(float_model)]
+    batches = [tuple(torch.from_numpy(np.ascontiguousarray(feed[n])) for n in names) for feed in feeds]
+    described = str(source) if isinstance(source, (str, Path)) else type(source).__name__
+    return _Evaluation(feeds, batches, float_outputs, labels, described if own else f"the calibration data ({described})")
+
+
+def _switchable(model: Any, base: QuantConfig, base_model: onnx.ModelProto, items: list[Item], rungs: dict[str, list[Rung]],
+                data: Any) -> SwitchableModel:
+    """The base model lifted, with slots filled from the model quantized at each rung."""
+    lifted = {}
+    for key, config in _uniform_configs(base, items, rungs).items():
+        logger.info("quantizing every searched layer at rung %s", key)
+        lifted[key] = lift_model(quantize_model(model, config, data).model)
+    nodes = list(dict.fromkeys((item.node, item.op_type) for item in items))
+    return SwitchableModel(lift_model(base_model), lifted, nodes)
+
+
+def _uniform_configs(base: QuantConfig, items: list[Item], rungs: dict[str, list[Rung]]) -> dict[str, QuantConfig]:
+    """One config per model key: every searched layer at that rung (for a split ladder, that
+    rung of one role and the top rung of the other)."""
+    layers = [Item(node, op_type, "layer", "layer") for node, op_type in dict.fromkeys((i.node, i.op_type) for i in items)]
+    if "layer" in rungs:
+        return {f"layer{r}": assigned_config(base, layers, [r] * len(layers), rungs) for r in range(len(rungs["layer"]))}
+    configs = {}
+    top = {role: rungs[role][-1] for role in ("activation", "weight")}
+    for role, other in (("activation", "weight"), ("weight", "activation")):
+        for r, rung in enumerate(rungs[role]):
+            mixed = {role: rung, other: top[other]}
+            ladder = {"layer": [Rung(rung.name, mixed["activation"].activation, mixed["weight"].weight)]}
+            configs[f"{role}{r}"] = assigned_config(base, layers, [0] * len(layers), ladder)
+    return configs
+
+
+def _keys(items: list[Item], assignment: tuple[int, ...]) -> dict[str, dict[str, str]]:
+    """Per node, the model key each role's slots take their modules from."""
+    keys: dict[str, dict[str, str]] = {}
+    for item, rung in zip(items, assignment, strict=True):
+        node = keys.setdefault(item.node, {})
+        if item.ladder == "layer":
+            node.update(activation=f"layer{rung}", weight=f"layer{rung}")
+        elif item.role == "layer":
+            node.update(activation=f"activation{rung}", weight=f"weight{rung}")
+        else:
+            node[item.role] = f"{item.role}{rung}"
+    return keys
+
+
+def _measure(switch: SwitchableModel, items: list[Item], assignment: tuple[int, ...], evaluation: _Evaluation,
+             settings: AutoMixedPrecision, metric: Metric) -> tuple[float, float]:
+    """(metric, relative L2) of the switchable model with `assignment` on the evaluation set."""
+    for node, keys in _keys(items, assignment).items():
+        switch.set(node, keys)
+    outputs = switch.outputs(evaluation.batches, settings.output_index)
+    return metric(outputs, evaluation.float_outputs, evaluation.labels), relative_l2(outputs, evaluation.float_outputs)
+
+
+def _average_bits(switch: SwitchableModel, items: list[Item], assignment: tuple[int, ...],
+                  settings: AutoMixedPrecision) -> tuple[float, float, float]:
+    """Average bits per element of the searched layers (all, weights, activations), each element
+    weighted by `costs` of its node or op type."""
+    ops = {item.node: item.op_type for item in items}
+    totals = {"all": [0.0, 0.0], "weight": [0.0, 0.0], "activation": [0.0, 0.0]}
+    for node, keys in _keys(items, assignment).items():
+        weight = settings.costs.get(node, settings.costs.get(ops[node], 1.0))
+        for slot in switch.slots[node]:
+            bits = slot.bits(keys[slot.role if slot.role != "bias" else "weight"])
+            for group in ("all", "activation" if slot.role == "activation" else "weight"):
+                totals[group][0] += weight * slot.elements * bits
+                totals[group][1] += weight * slot.elements
+    return tuple(total / count if count else 0.0 for total, count in totals.values())  # type: ignore[return-value]
+
+
+def _onnxruntime_metric(model: onnx.ModelProto, evaluation: _Evaluation, metric: Metric, output_index: int) -> tuple[float, float]:
+    """(metric, relative L2) of a model in onnxruntime (exact session options) on the evaluation set."""
+    session = inference_session(model)
+    outputs = np.concatenate([session.run(None, feed)[output_index] for feed in evaluation.feeds])
+    return metric(outputs, evaluation.float_outputs, evaluation.labels), relative_l2(outputs, evaluation.float_outputs)
+
+
+def _tune(quantized: Any, config: QuantConfig, data: Any, iterations: int | None = None) -> tuple[onnx.ModelProto, dict]:
+    from finetune.recon import finetune_model  # lightning takes seconds to import: only when tuning
+
+    settings = config.fast_finetune if iterations is None else dataclasses.replace(config.fast_finetune, iterations=iterations)
+    return finetune_model(quantized.model, data, settings, quantized.float_model, bf16_as_cast=config.bf16_as_cast)
+
+
+def _measure_tuned(model: Any, base: QuantConfig, config: QuantConfig, items: list[Item], assignment: tuple[int, ...],
+                   rungs: dict[str, list[Rung]], data: Any, evaluation: _Evaluation, metric: Metric) -> tuple[float, float]:
+    """(metric, relative L2) in onnxruntime of the assignment quantized and fine-tuned with the
+    config's fast_finetune at the loop's iteration budget (finetune_in_loop)."""
+    quantized = quantize_model(model, assigned_config(base, items, list(assignment), rungs), data)
+    tuned, _ = _tune(quantized, config, data, config.auto_mixed_precision.loop_iterations)
+    return _onnxruntime_metric(tuned, evaluation, metric, config.auto_mixed_precision.output_index)
+
+
+def _final_model(model: Any, config: QuantConfig, base: QuantConfig, items: list[Item], assignment: tuple[int, ...],
+                 rungs: dict[str, list[Rung]], data: Any, evaluation: _Evaluation, metric: Metric, target: float,
+                 search: Search) -> tuple[onnx.ModelProto, dict, tuple[int, ...], float, int, dict | None]:
+    """The chosen assignment as a QDQ model, measured in onnxruntime; while it misses the target,
+    the lowered layer adding the most noise per bit is raised one rung (a repair, logged); then
+    the config's fast finetune, after which the target must still be met."""
+    settings = config.auto_mixed_precision
+    judged = settings.keep_top is None
+    final_config = lambda a: dataclasses.replace(assigned_config(base, items, list(a), rungs),
+                                                 weight_storage=config.weight_storage)
+    quantized = quantize_model(model, final_config(assignment), data)
+    measured, _ = _onnxruntime_metric(quantized.model, evaluation, metric, settings.output_index)
+    repairs = 0
+    while judged and not metric.meets(measured, target):
+        if repairs == MAX_REPAIRS:
+            raise ValueError(f"{metric.name} in onnxruntime is {measured:.6g}, missing the target {target:g} after "
+                             f"{repairs} repairs: torch and onnxruntime disagree on this model")
+        logger.warning("%s in onnxruntime is %.6g, missing the target %g that torch measured as met: raising one layer",
+                       metric.name, measured, target)
+        assignment = search.raise_one(assignment)
+        quantized = quantize_model(model, final_config(assignment), data)
+        measured, l2 = _onnxruntime_metric(quantized.model, evaluation, metric, settings.output_index)
+        search.trace.append(Point("repair", assignment, measured, l2, search.bits(assignment)))
+        repairs += 1
+    final = quantized.model
+    finetune_report = None
+    if config.fast_finetune is not None:
+        final, finetune_report = _tune(quantized, config, data)
+        measured, _ = _onnxruntime_metric(final, evaluation, metric, settings.output_index)
+        if judged and not metric.meets(measured, target):
+            raise ValueError(f"after fast finetune, {metric.name} in onnxruntime is {measured:.6g}, missing the target "
+                             f"{target:g} it met before tuning: run without fast_finetune or with fewer iterations")
+    elif config.bf16_as_cast:
+        from finetune.onnx.qdq import bf16_pairs_to_casts
+
+        bf16_pairs_to_casts(final)
+    return load_model(final), quantized.summary, assignment, measured, repairs, finetune_report

@@ -1,0 +1,254 @@
+"""Automatic mixed precision: the cost model, the search on real and constructed models, the
+onnxruntime re-measure, the report, Quark's AutoMixprecision names, and the refusals."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+from finetune.automp import auto_mixed_precision
+from finetune.automp.search import Search
+from finetune.cli import main as cli_main
+from finetune.config import ConfigError, load_config
+from finetune.formats import BF16, BFP16, FP8_E4M3FN, MX4, MX6, MX9, MXFP4, MXINT8, IntSpec, bits_per_element
+from finetune.onnx.session import inference_session
+from finetune.zoo import digits_split, export_onnx, train_digits_cnn
+
+from .recon_helpers import one_thread  # noqa: F401  (autouse fixture)
+
+MX_LADDER = {"preset": "MX9", "auto_mixed_precision": {"ladder": ["MX4", "MX6", "MX9"], "target": 0.98}}
+INT8_ACT = {"format": "int", "dtype": "int8", "symmetric": False, "granularity": "tensor", "power_of_two": False,
+            "calibration": "minmax"}
+INT8_WEIGHT = {**INT8_ACT, "symmetric": True}
+
+
+@pytest.mark.parametrize(("spec", "bits"), [
+    (MX4, 4.0), (MX6, 6.0), (MX9, 9.0), (BFP16, 9.0), (MXFP4, 4.25), (MXINT8, 8.25), (IntSpec("int8"), 8.0),
+    (IntSpec("uint16"), 16.0), (IntSpec("int4", axis=1, block_size=32), 5.0), (BF16, 16.0), (FP8_E4M3FN, 8.0), (None, 32.0),
+])
+def test_bits_per_element_of_notable_formats(spec: object, bits: float) -> None:
+    assert bits_per_element(spec) == bits
+
+
+@pytest.fixture(scope="module")
+def digits(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The trained digits CNN, calibration batches (training split) and labelled evaluation batches (test split)."""
+    folder = tmp_path_factory.mktemp("digits")
+    x_train, _, x_test, y_test = digits_split()
+    path = export_onnx(train_digits_cnn(), x_test[:2], folder / "cnn.onnx")
+    calibration = [{"x": b.numpy()} for b in x_train[:256].split(64)]
+    evaluation = [(a.numpy(), b.numpy()) for a, b in zip(x_test.split(128), y_test.split(128))]
+    return {"path": path, "calibration": calibration, "evaluation": evaluation, "labels": y_test.numpy()}
+
+
+def _outputs(model: onnx.ModelProto | Path, batches: list) -> np.ndarray:
+    session = inference_session(model)
+    return np.concatenate([session.run(None, {"x": x})[0] for x, *_ in batches])
+
+
+def test_the_target_is_met_in_onnxruntime_on_the_evaluation_data(digits: dict, tmp_path: Path) -> None:
+    result = auto_mixed_precision(digits["path"], MX_LADDER, digits["calibration"], evaluation_data=digits["evaluation"],
+                                  output_dir=tmp_path, curve_points=3)
+    quantized, reference = _outputs(result.model, digits["evaluation"]), _outputs(digits["path"], digits["evaluation"])
+    agreement = float((quantized.argmax(1) == reference.argmax(1)).mean())
+    chosen = result.report["chosen"]
+    assert agreement >= 0.98 and agreement == chosen["onnxruntime_metric"] == chosen["torch_metric"] and chosen["met"]
+    uniform = {p["name"]: p for p in result.report["uniform"]}
+    assert uniform["MX4"]["metric"] < 0.98 <= uniform["MX9"]["metric"]  # the search had something to do
+    assert uniform["MX4"]["average_bits"] <= chosen["average_bits"] < uniform["MX6"]["average_bits"]
+    assert {layer["rung"] for layer in result.report["layers"]} <= {"MX4", "MX6", "MX9"}
+    # the model carries the formats the report states, node by node
+    rungs = {layer["node"]: layer["rung"] for layer in result.report["layers"]}
+    widths = {"MX4": 11, "MX6": 13, "MX9": 16}
+    for node in result.model.graph.node:
+        if node.op_type == "Conv" or node.op_type == "Gemm":
+            weight_qdq = next(n for n in result.model.graph.node if n.output and n.output[0] == node.input[1])
+            width = next(a.i for a in weight_qdq.attribute if a.name == "bit_width")
+            assert width == widths[rungs[node.name]], node.name
+    assert json.loads((tmp_path / "automp.json").read_text())["chosen"] == json.loads(json.dumps(chosen))
+    assert (tmp_path / "automp.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_reruns_give_the_same_bytes(digits: dict) -> None:
+    runs = [auto_mixed_precision(digits["path"], MX_LADDER, digits["calibration"], evaluation_data=digits["evaluation"])
+            for _ in range(2)]
+    assert runs[0].model.SerializeToString() == runs[1].model.SerializeToString()
+    for run in runs:
+        run.report.pop("seconds")
+    assert runs[0].report == runs[1].report
+
+
+def _mlp_with_one_sensitive_layer(path: Path) -> Path:
+    """Four Linear layers; the third has in every block of 16 weights one about 100 times the others,
+    on an input channel the second layer holds at zero: it adds nothing to the output, but sets the
+    block's exponent, so MX4's two mantissa bits round the block's other weights to zero (MX9 keeps them)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(4)])
+    with torch.no_grad():
+        model[1].weight[::16] = 0.0
+        model[1].bias[::16] = 0.0
+        model[2].weight[:, ::16] = 5.0
+    return export_onnx(model, torch.randn(2, 32), path)
+
+
+def test_one_obviously_sensitive_layer_stays_high_and_only_it(tmp_path: Path) -> None:
+    path = _mlp_with_one_sensitive_layer(tmp_path / "mlp.onnx")
+    data = [{"x": np.random.default_rng(i).standard_normal((64, 32)).astype(np.float32)} for i in range(4)]
+    config = {"preset": "MX9", "auto_mixed_precision": {"ladder": ["MX4", "MX9"], "metric": "l2", "target": 0.4}}
+    result = auto_mixed_precision(path, config, data)
+    rungs = [layer["rung"] for layer in result.report["layers"]]
+    assert rungs == ["MX4", "MX4", "MX9", "MX4"], result.report["layers"]
+    sensitivities = [layer["sensitivity"]["MX4"]["relative_l2"] for layer in result.report["layers"]]
+    assert max(sensitivities) == sensitivities[2] > 3 * sorted(sensitivities)[-2]
+
+
+def test_the_trace_is_monotone_where_it_must_be(digits: dict) -> None:
+    result = auto_mixed_precision(digits["path"], MX_LADDER, digits["calibration"], evaluation_data=digits["evaluation"],
+                                  curve_points=4)
+    trace = result.report["trace"]
+    curve = [p["average_bits"] for p in trace if p["phase"] == "curve"]
+    assert len(curve) == 4 and curve == sorted(curve, reverse=True)  # longer prefixes never cost more
+    uniform = [p["average_bits"] for p in result.report["uniform"]]
+    assert uniform == sorted(uniform) and len(uniform) == 3
+    assert result.report["evaluations"] == len(trace)
+
+
+def test_search_bisection_measures_log_of_the_moves() -> None:
+    """100 items, two rungs, the metric drops by one per lowered item: the search finds the exact
+    prefix with ~log2(100) evaluations beyond the sensitivity pass."""
+    from finetune.automp.metrics import METRICS
+
+    count = 100
+    def evaluate(assignment: tuple[int, ...]) -> tuple[float, float]:
+        lowered = count - sum(assignment)
+        return 1.0 - lowered / 1000, float(np.sqrt(sum(i + 1 for i, r in enumerate(assignment) if r == 0)))
+    def bits(assignment: tuple[int, ...]) -> float:
+        return float(sum(4 + 5 * r for r in assignment)) / count
+    search = Search([2] * count, evaluate, bits, METRICS["cosine"])
+    search.measure_sensitivity()
+    assert [m.item for m in search.moves[:3]] == [0, 1, 2]  # least noise per bit first
+    chosen = search.run(0.9605)
+    assert count - sum(chosen) == 39 and chosen[:39] == (0,) * 39
+    assert len([p for p in search.trace if p.phase == "search"]) <= 3 * 8
+
+
+def test_the_target_met_at_the_bottom_rung_puts_everything_there(digits: dict, caplog: pytest.LogCaptureFixture) -> None:
+    config = {"preset": "MX9", "auto_mixed_precision": {"ladder": ["MX4", "MX9"], "metric": "cosine", "target": 0.5}}
+    with caplog.at_level(logging.INFO, logger="finetune.automp"):
+        result = auto_mixed_precision(digits["path"], config, digits["calibration"])
+    assert {layer["rung"] for layer in result.report["layers"]} == {"MX4"}
+    assert any("bottom rung" in r.getMessage() for r in caplog.records)
+
+
+def test_top1_accuracy_with_labels_and_a_drop(digits: dict) -> None:
+    config = {"preset": "MX9", "auto_mixed_precision": {"ladder": ["MXFP4", "MXFP6_E2M3", "MXFP8_E4M3"],
+                                                        "metric": "top1_accuracy", "max_drop": 0.01}}
+    result = auto_mixed_precision(digits["path"], config, digits["calibration"], evaluation_data=digits["evaluation"])
+    report = result.report
+    reference = _outputs(digits["path"], digits["evaluation"])
+    assert report["float_metric"] == float((reference.argmax(1) == digits["labels"]).mean())
+    assert report["target"] == pytest.approx(report["float_metric"] - 0.01)
+    accuracy = float((_outputs(result.model, digits["evaluation"]).argmax(1) == digits["labels"]).mean())
+    assert accuracy == report["chosen"]["onnxruntime_metric"] >= report["target"]
+
+
+def test_tensor_granularity_with_int_ladders_agrees_with_onnxruntime(digits: dict) -> None:
+    """Activations and weights on separate INT ladders: an int32 bias between an int8 input and an
+    int16 weight takes s_input * s_weight in torch as the exported model does."""
+    config = {"activation": INT8_ACT, "weight": INT8_WEIGHT, "auto_mixed_precision": {
+        "ladder": {"activation": [INT8_ACT, {**INT8_ACT, "dtype": "int16"}], "weight": [INT8_WEIGHT, {**INT8_WEIGHT, "dtype": "int16"}]},
+        "granularity": "tensor", "metric": "l2", "target": 0.01}}
+    result = auto_mixed_precision(digits["path"], config, digits["calibration"])
+    chosen = result.report["chosen"]
+    assert chosen["onnxruntime_metric"] <= 0.01
+    assert chosen["torch_metric"] == pytest.approx(chosen["onnxruntime_metric"], rel=1e-4)
+    roles = {layer["role"] for layer in result.report["layers"]}
+    assert roles == {"activation", "weight"}
+
+
+def test_a_quark_auto_mixprecision_config_gives_the_native_choice(digits: dict) -> None:
+    quark = {"activation_type": "QInt8", "weight_type": "QInt8", "calibrate_method": "MinMax", "include_auto_mp": True,
+             "extra_options": {"AutoMixprecision": {"ActTargetQuantType": "QInt16", "WeightTargetQuantType": "QInt16",
+                                                    "L2Target": 0.01, "OutputIndex": 0, "ExcludeIndices": [4]}}}
+    native = {"activation": INT8_ACT, "weight": INT8_WEIGHT, "auto_mixed_precision": {
+        "ladder": {"activation": [INT8_ACT, {**INT8_ACT, "dtype": "int16"}], "weight": [INT8_WEIGHT, {**INT8_WEIGHT, "dtype": "int16"}]},
+        "metric": "l2", "target": 0.01, "exclude": [4]}}
+    assert load_config(quark) == load_config(native)
+    results = [auto_mixed_precision(digits["path"], config, digits["calibration"]) for config in (quark, native)]
+    assert results[0].model.SerializeToString() == results[1].model.SerializeToString()
+    layers = results[0].report["layers"]
+    assert len(layers) == 4 and "/classifier/classifier.3/Gemm" not in {layer["node"] for layer in layers}
+
+
+def test_keep_top_keeps_that_many_layers_high(digits: dict) -> None:
+    config = {"preset": "MX9", "auto_mixed_precision": {"ladder": ["MX4", "MX9"], "keep_top": 2}}
+    result = auto_mixed_precision(digits["path"], config, digits["calibration"])
+    rungs = [layer["rung"] for layer in result.report["layers"]]
+    assert sorted(rungs) == ["MX4", "MX4", "MX4", "MX9", "MX9"] and result.report["chosen"]["met"] is None
+
+
+@pytest.mark.parametrize(("section", "labels", "message"), [
+    ({"ladder": ["MX4", "MX9"], "target": 1e-6, "metric": "l2"}, None, r"l2 1e-06 is missed even with every searched layer at the top rung \(l2 0\.00"),
+    ({"ladder": ["MX4", "MX9"], "target": 0.9, "metric": "top1_accuracy"}, None, "needs labels"),
+    ({"ladder": ["MX4", "MX9"], "target": 0.9, "metric": "top1_accuracy"}, np.zeros(3), "labels hold 3 entries but the evaluation data hold 256"),
+    ({"ladder": ["MX4", "NOPE"], "target": 0.9}, None, r"ladder\[1\].*NOPE"),
+    ({"ladder": ["MX4", "MX9"], "target": 0.9, "metric": "tests.test_automp:nan_metric"}, None, "returned NaN"),
+    ({"ladder": ["MX4", "MX9"], "target": 0.9, "exclude": ["/no/such/node"]}, None, "neither a node"),
+])
+def test_bad_input_is_refused_in_one_line(digits: dict, section: dict, labels: np.ndarray | None, message: str) -> None:
+    with pytest.raises(ValueError, match=message) as error:
+        auto_mixed_precision(digits["path"], {"preset": "MX9", "auto_mixed_precision": section}, digits["calibration"],
+                             labels=labels)
+    assert "\n" not in str(error.value)
+
+
+def nan_metric(outputs: np.ndarray, float_outputs: np.ndarray, labels: np.ndarray | None) -> float:
+    return float("nan")
+
+
+def test_top1_on_an_output_that_is_not_a_score_vector_is_refused(tmp_path: Path) -> None:
+    path = export_onnx(torch.nn.Linear(8, 1), torch.randn(2, 8), tmp_path / "one.onnx")
+    with pytest.raises(ValueError, match="needs output 0 to be a batch of class scores"):
+        auto_mixed_precision(path, {"preset": "MX9", "auto_mixed_precision": {"ladder": ["MX4", "MX9"], "target": 0.9}},
+                             [{"x": np.ones((4, 8), np.float32)}])
+
+
+@pytest.mark.parametrize(("section", "message"), [
+    ({"ladder": ["MX4"]}, "exactly one of target, max_drop and keep_top"),
+    ({"ladder": ["MX4"], "target": 0.9, "keep_top": 2}, "exactly one of"),
+    ({"ladder": ["MX4"], "target": 1.5}, r"lies in \[0, 1\]"),
+    ({"ladder": ["MX4"], "target": 0.9, "metric": "accuracy"}, "must be one of l2, cosine"),
+    ({"ladder": {"activation": ["MX4"], "weight": ["MX4", "MX9"]}, "target": 0.9}, "ladders of one length"),
+    ({"ladder": [], "target": 0.9}, "at least one rung"),
+])
+def test_config_errors_name_the_key(section: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message) as error:
+        load_config({"preset": "MX9", "auto_mixed_precision": section})
+    assert str(error.value).startswith("auto_mixed_precision.")
+
+
+def test_cli_auto_mp_with_labels_in_the_evaluation_folder(digits: dict, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    calibration, evaluation = tmp_path / "cal", tmp_path / "eval"
+    calibration.mkdir()
+    evaluation.mkdir()
+    for i, feed in enumerate(digits["calibration"]):
+        np.save(calibration / f"{i:03d}.npy", feed["x"])
+    for i, (x, _) in enumerate(digits["evaluation"]):
+        np.save(evaluation / f"{i:03d}.npy", x)
+    np.save(evaluation / "labels.npy", digits["labels"])
+    output = tmp_path / "out.onnx"
+    code = cli_main(["quantize", str(digits["path"]), "--config", "MX9", "--data", str(calibration), "--auto-mp",
+                     "--ladder", "MX4", "MX6", "MX9", "--metric", "top1_accuracy", "--max-drop", "0.02",
+                     "--evaluation-data", str(evaluation), "-o", str(output)])
+    assert code == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("auto mixed precision:"))
+    report = json.loads(output.with_name("out.onnx.finetune.automp.json").read_text())
+    assert f"{report['chosen']['onnxruntime_metric']:.6g}" in line and report["evaluation_data"] == str(evaluation)
+    accuracy = float((_outputs(output, digits["evaluation"]).argmax(1) == digits["labels"]).mean())
+    assert accuracy == report["chosen"]["onnxruntime_metric"] >= report["target"]

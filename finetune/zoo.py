@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -204,11 +204,13 @@ def export_onnx(module: torch.nn.Module, example: torch.Tensor, path: Path, opse
     return path
 
 
-def photo_crops(count: int, size: int = IMAGENET_SIZE, seed: int = 0) -> torch.Tensor:
+def photo_crops(count: int, size: int = IMAGENET_SIZE, seed: int = 0, photos: Sequence[int] | None = None) -> torch.Tensor:
     """`count` random square crops of the sample photos (25-100 % of the shorter side, anywhere,
     half of them mirrored), resized to size x size and scaled as EfficientNet-Lite expects,
-    (pixel - 127) / 128: (count, 3, size, size) float32. Different seeds give independent sets."""
-    photos = [torch.from_numpy(np.array(photo)).permute(2, 0, 1).float() for photo in sample_photos()]
+    (pixel - 127) / 128: (count, 3, size, size) float32. Different seeds give independent sets;
+    `photos` picks which of sample_photos() to crop (default all), so two sets share no photo."""
+    every = sample_photos()
+    photos = [torch.from_numpy(np.array(every[i])).permute(2, 0, 1).float() for i in (photos or range(len(every)))]
     generator = torch.Generator().manual_seed(seed)
     crops = []
     for _ in range(count):

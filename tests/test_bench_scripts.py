@@ -55,3 +55,18 @@ def test_demo_quantizes_tunes_and_scores_both_cases(tmp_path: Path) -> None:
         assert case["iterations_per_unit"] == 20 and case["kept"] >= 1
         for suffix in ("float.onnx", "quantized.onnx", "tuned.onnx", "config.yaml", "finetune.json", "finetune.png"):
             assert (tmp_path / f"{case['case']}.{suffix}").stat().st_size > 0
+
+
+def test_bench_automp_reports_the_search_beside_the_uniform_rungs(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, str(SCRIPTS / "bench_automp.py"), "--models", "digits", "--ladders", "mx", "--drops", "0.02",
+         "--json", str(tmp_path / "automp.json")],
+        capture_output=True, text=True, check=True,
+    )
+    report = json.loads(result.stdout)
+    assert report == json.loads((tmp_path / "automp.json").read_text())
+    (row,) = report["results"]
+    assert row["model"] == "digits" and row["met"] and row["onnxruntime_metric"] >= row["target"]
+    assert [p["name"] for p in row["uniform"]] == ["MX4", "MX6", "MX9"]
+    assert row["uniform"][0]["average_bits"] <= row["average_bits"] <= row["uniform"][-1]["average_bits"]
+    assert set(row["seconds"]) >= {"sensitivity", "search", "finetune", "total"}

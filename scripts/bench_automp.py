@@ -1,0 +1,103 @@
+"""Benchmark automatic mixed precision: for each model and ladder, the search at several targets,
+beside the uniform rungs of the same ladder, measured in one run. JSON on stdout (and --json PATH).
+
+Cases: the digits CNN and transformer (trained here on scikit-learn's digits; calibration on the
+training split, judged by held-out top-1 accuracy with labels) on the MX ladder MX4/MX6/MX9, the
+OCP ladder MXFP4/MXFP6_E2M3/MXFP8_E4M3 and the INT ladder INT4W8A/A8W8/A16W8; EfficientNet-Lite0
+on MX4/MX6/MX9, calibrated on crops of four of the bundled photos and judged by top-1 agreement
+with the float model on crops of the other three (never the same photo).
+
+    python scripts/bench_automp.py --models digits,transformer                 # minutes
+    python scripts/bench_automp.py --models efficientnet --targets 0.86,0.7,0.52 --eval-crops 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from finetune.automp import auto_mixed_precision
+from finetune.files import write_text_atomic
+from finetune.zoo import digits_split, efficientnet_lite0, export_onnx, photo_crops, train_digits_cnn, train_digits_transformer
+
+INT4W8A = {"activation": {"format": "int", "dtype": "int8", "symmetric": True, "calibration": "minmax"},
+           "weight": {"format": "int", "dtype": "int4", "symmetric": True, "granularity": "channel", "calibration": "minmax"}}
+LADDERS = {"mx": ["MX4", "MX6", "MX9"], "mxfp": ["MXFP4", "MXFP6_E2M3", "MXFP8_E4M3"], "int": [INT4W8A, "A8W8", "A16W8"]}
+CALIBRATION_PHOTOS, EVALUATION_PHOTOS = (0, 1, 2, 3), (4, 5, 6)
+
+
+def digits_case(model: str, directory: Path) -> tuple[Path, list, list]:
+    """The trained model, calibration batches and labelled evaluation batches."""
+    x_train, _, x_test, y_test = digits_split()
+    network = train_digits_cnn() if model == "digits" else train_digits_transformer()
+    path = export_onnx(network, x_test[:2], directory / f"{model}.onnx")
+    calibration = [{"x": b.numpy()} for b in x_train[:256].split(32)]
+    evaluation = [(a.numpy(), b.numpy()) for a, b in zip(x_test.split(128), y_test.split(128))]
+    return path, calibration, evaluation
+
+
+def efficientnet_case(directory: Path, calibration_crops: int, evaluation_crops: int) -> tuple[Path, list, list]:
+    path = export_onnx(efficientnet_lite0(), torch.zeros(1, 3, 224, 224), directory / "efficientnet.onnx", 13)
+    calibration = [{"x": b.numpy()} for b in photo_crops(calibration_crops, seed=1, photos=CALIBRATION_PHOTOS).split(8)]
+    evaluation = [{"x": b.numpy()} for b in photo_crops(evaluation_crops, seed=2, photos=EVALUATION_PHOTOS).split(16)]
+    return path, calibration, evaluation
+
+
+def run(path: Path, calibration: list, evaluation: list, ladder: list, metric: str, goal: dict[str, float]) -> dict[str, Any]:
+    """One search; the numbers the closing note and the issue ask for."""
+    config = {"preset": ladder[-1] if isinstance(ladder[-1], str) else "A16W8",
+              "auto_mixed_precision": {"ladder": ladder, "metric": metric, **goal}}
+    start = time.perf_counter()
+    report = auto_mixed_precision(path, config, calibration, evaluation_data=evaluation).report
+    chosen = report["chosen"]
+    return {
+        **goal, "target": report["target"], "float_metric": report["float_metric"],
+        "average_bits": chosen["average_bits"], "weight_bits": chosen["weight_bits"], "activation_bits": chosen["activation_bits"],
+        "fractions": chosen["fractions"], "onnxruntime_metric": chosen["onnxruntime_metric"], "met": chosen["met"],
+        "repairs": chosen["repairs"], "evaluations": report["evaluations"], "uniform": report["uniform"],
+        "seconds": {**report["seconds"], "wall": time.perf_counter() - start},
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="digits,transformer", help="digits, transformer, efficientnet")
+    parser.add_argument("--ladders", default="mx,mxfp,int", help="for the digits models: mx, mxfp, int")
+    parser.add_argument("--drops", default="0.005,0.01,0.02", help="digits: allowed top-1 accuracy drops from float")
+    parser.add_argument("--targets", default="0.86,0.7,0.52", help="EfficientNet-Lite0: top-1 agreement targets")
+    parser.add_argument("--calibration-crops", type=int, default=32)
+    parser.add_argument("--eval-crops", type=int, default=64)
+    parser.add_argument("--json", type=Path, help="also write the JSON here")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
+    torch.set_num_threads(2)
+    results = []
+    with tempfile.TemporaryDirectory() as folder:
+        for model in args.models.split(","):
+            if model == "efficientnet":
+                case = efficientnet_case(Path(folder), args.calibration_crops, args.eval_crops)
+                for target in map(float, args.targets.split(",")):
+                    results.append({"model": model, "ladder": "mx", **run(*case, LADDERS["mx"], "top1_agreement", {"target": target})})
+                    print(json.dumps(results[-1]), file=sys.stderr)
+                continue
+            case = digits_case(model, Path(folder))
+            for ladder in args.ladders.split(","):
+                for drop in map(float, args.drops.split(",")):
+                    results.append({"model": model, "ladder": ladder, **run(*case, LADDERS[ladder], "top1_accuracy", {"max_drop": drop})})
+                    print(json.dumps(results[-1]), file=sys.stderr)
+    text = json.dumps({"torch_threads": 2, "results": results}, indent=1)
+    if args.json:
+        write_text_atomic(args.json, text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

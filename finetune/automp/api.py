@@ -154,7 +154,7 @@ def _evaluation(float_model: onnx.ModelProto, source: Any, data: Any, labels: np
     outputs = session.get_outputs()
     if settings.output_index >= len(outputs):
         raise ValueError(f"auto_mixed_precision.output_index {settings.output_index}: the model has {len(outputs)} output(s)")
-    float_outputs = np.concatenate([session.run(None, feed)[settings.output_index] for feed in feeds])
+    float_outputs = _onnxruntime_outputs(session, feeds, settings.output_index)
     check_outputs(metric, float_outputs, None if labels is None else np.asarray(labels), settings.output_index)
     names = [info.name for info in model_inputs(float_model)]
     batches = [tuple(torch.from_numpy(np.ascontiguousarray(feed[n])) for n in names) for feed in feeds]
@@ -228,10 +228,14 @@ def _average_bits(switch: SwitchableModel, items: list[Item], assignment: tuple[
     return tuple(total / count if count else 0.0 for total, count in totals.values())  # type: ignore[return-value]
 
 
+def _onnxruntime_outputs(session: Any, feeds: list[dict[str, np.ndarray]], output_index: int) -> np.ndarray:
+    """Output `output_index` of a session over all feeds, concatenated along samples."""
+    return np.concatenate([session.run(None, feed)[output_index] for feed in feeds])
+
+
 def _onnxruntime_metric(model: onnx.ModelProto, evaluation: _Evaluation, metric: Metric, output_index: int) -> tuple[float, float]:
     """(metric, relative L2) of a model in onnxruntime (exact session options) on the evaluation set."""
-    session = inference_session(model)
-    outputs = np.concatenate([session.run(None, feed)[output_index] for feed in evaluation.feeds])
+    outputs = _onnxruntime_outputs(inference_session(model), evaluation.feeds, output_index)
     return metric(outputs, evaluation.float_outputs, evaluation.labels), relative_l2(outputs, evaluation.float_outputs)
 
 

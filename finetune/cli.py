@@ -51,6 +51,8 @@ def quantize(args: argparse.Namespace) -> None:
     data = _calibration_data(args)
     result = quantize_and_finetune(args.model, config, data, args.output.parent, _report_name(args.output), resume=args.resume,
                                    model_path=args.output)
+    if result.model is None:
+        return  # another process of a data-parallel run: the first one writes and reports
     summary_path = args.output.with_name(args.output.name + ".summary.json")
     write_text_atomic(summary_path, json.dumps(result.summary, indent=1))
     save_run_config(config, _config_path(args.output))
@@ -78,8 +80,10 @@ def tune(args: argparse.Namespace) -> None:
         config = with_finetune(config, {"algorithm": "adaround"})
     config = with_finetune(config, _finetune_overrides(args, config))
     data = CalibrationData(args.data, load_model(args.model), limit=config.fast_finetune.data_size)
-    _, report = finetune_model(args.model, data, config.fast_finetune, args.float_model, args.output.parent,
-                               _report_name(args.output), resume=args.resume, model_path=args.output, attach_ops=args.attach_ops)
+    tuned, report = finetune_model(args.model, data, config.fast_finetune, args.float_model, args.output.parent,
+                                   _report_name(args.output), resume=args.resume, model_path=args.output, attach_ops=args.attach_ops)
+    if tuned is None:
+        return  # another process of a data-parallel run: the first one writes and reports
     save_run_config(config, _config_path(args.output))
     print(format_report(report))
     logger.info("wrote %s and %s", args.output, _config_path(args.output))
@@ -103,7 +107,8 @@ def _finetune_overrides(args: argparse.Namespace, config: QuantConfig) -> dict:
     """The fast_finetune keys the command-line flags set (None where a flag was not given);
     --data-size alone (a calibration limit too) does not turn fine-tuning on."""
     flags = {"algorithm": args.finetune, "iterations": args.iterations, "lr": args.lr, "batch_size": args.batch_size,
-             "early_stop": args.early_stop, "device": args.device, "seed": args.seed, "unit": args.unit}
+             "early_stop": args.early_stop, "device": args.device, "seed": args.seed, "unit": args.unit,
+             "devices": args.devices, "nodes": args.nodes, "strategy": args.strategy}
     tuning = config.fast_finetune is not None or any(value is not None for value in flags.values())
     return {**flags, "data_size": args.data_size if tuning else None}
 
@@ -197,6 +202,10 @@ def _add_finetune_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--early-stop", action=argparse.BooleanOptionalAction, default=None,
                        help="stop a unit when its reconstruction loss stops improving")
     group.add_argument("--device", help="cpu, cuda, cuda:N or hip:N")
+    group.add_argument("--devices", type=int, help="processes tuning data-parallel, each on its own device of that kind")
+    group.add_argument("--nodes", type=int, help="machines of a data-parallel run (each starts the command: torchrun)")
+    group.add_argument("--strategy", help="Lightning Fabric strategy for --devices (default ddp: runs this command again "
+                       "per process; ddp_spawn)")
     group.add_argument("--seed", type=int,
                        help="random seed (same model, data, config, seed, device type and torch thread count: identical output)")
     group.add_argument("--unit", choices=["layer", "block"], help="reconstruction unit")

@@ -39,8 +39,11 @@ class FastFinetune(Section):
     (a layer's activation is always in its unit), drop_ratio 0.5 (share of unit inputs taken from
     the quantized rather than the float model), 2 GiB of cached activations in memory, layer-wise
     units (`block`: the layers of one exporter scope tuned together, as in BRECQ), deterministic
-    algorithms only (`warn`: an op without a deterministic kernel runs anyway, with a warning) and
-    float32 matrix products in full float32 (`allow_tf32: true` lets CUDA use TF32)."""
+    algorithms only (`warn`: an op without a deterministic kernel runs anyway, with a warning),
+    float32 matrix products in full float32 (`allow_tf32: true` lets CUDA use TF32), and one
+    device (`devices: N` runs each unit's optimisation data-parallel over N processes per machine
+    on `nodes` machines, each holding a share of the calibration batches, launched by the Lightning
+    Fabric `strategy`)."""
 
     algorithm: Literal["adaround", "adaquant"] = "adaround"
     iterations: int = field(default=1000, metadata={"min": 1})
@@ -58,6 +61,14 @@ class FastFinetune(Section):
     unit: Literal["layer", "block"] = "layer"
     deterministic: Literal[True, "warn"] = True
     allow_tf32: bool = False
+    devices: int = field(default=1, metadata={"min": 1})
+    nodes: int = field(default=1, metadata={"min": 1})
+    strategy: str = "ddp"
+
+    @property
+    def processes(self) -> int:
+        """The processes of the run: one unless it is data-parallel."""
+        return self.devices * self.nodes
 
     def _check(self) -> None:
         if self.lr is None:
@@ -67,3 +78,7 @@ class FastFinetune(Section):
         if self.include_output_quant and self.unit == "block":
             raise ConfigError("include_output_quant", "applies to unit: layer only (a block ends where one value is live; "
                               "the quantizers reading it belong to the next block)")
+        if self.processes > 1 and not self.strategy.startswith("ddp"):
+            raise ConfigError("strategy", f"{self.strategy!r} does not shard the calibration data; data-parallel tuning "
+                              "takes a Lightning Fabric DDP strategy: ddp (launches this command again per process), "
+                              "ddp_spawn, ddp_fork or ddp_notebook")

@@ -67,6 +67,9 @@ class QuantConfig(Section):
             except re.error as error:
                 raise ConfigError(f"exclude_nodes[{i}]", f"not a valid regular expression ({error})") from None
         self._check_bias("bias", self.bias, self.activation, self.weight)
+        if self.auto_mixed_precision is not None and self.fast_finetune is not None and self.fast_finetune.processes > 1:
+            raise ConfigError("fast_finetune.devices", "the mixed-precision search tunes on one device (its candidates are "
+                              "not split across processes yet): use devices: 1 with auto_mixed_precision")
         for kind in ("op_type_overrides", "node_overrides"):
             for name, override in getattr(self, kind).items():
                 path = f"{kind}[{name!r}]"

@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -15,6 +16,7 @@ from typing import Any
 
 import onnx
 import torch
+from lightning.fabric import Fabric
 from lightning.fabric.utilities.seed import seed_everything
 
 from finetune.calibrate import CalibrationData
@@ -30,6 +32,7 @@ from .cache import ActivationCache
 from .callbacks import Checkpoint, builtin_callbacks, digest, run_fingerprint
 from .device import resolve_device
 from .loop import Tuner, UnitResult
+from .parallel import make_fabric, sum_across
 from .partition import cut
 from .report import Warnings, write_report
 from .stream import FloatStream, QuantizedStream, cache_inputs
@@ -70,11 +73,63 @@ def finetune_model(
     `callbacks` join the built-in ones in the Fabric that runs the units (hooks: see recon.callbacks)."""
     begin = time.perf_counter()
     device = resolve_device(config.device)
-    checkpoint = _checkpoint_path(output_dir, name, resume)
+    checkpoint = _checkpoint_path(output_dir, name, resume, config.processes)
     original = load_model(qdq_model)
     if attach_ops:
         attach_custom_ops(original)  # a node whose body cannot be written fails here, not after the tuning
-    sources = {"model": digest(original.SerializeToString())}
+    float_proto = load_model(float_model) if float_model is not None else None
+    log_dir = Path(output_dir) / f"{name}.logs" if output_dir is not None else None
+    saver = Checkpoint(checkpoint) if checkpoint is not None else None
+    run_callbacks = [*([saver] if saver else []), *builtin_callbacks(config, log_dir), *callbacks]
+    fabric = make_fabric(config, device, run_callbacks)
+    job = _Job(original, float_proto, data, config, _Resumption(saver, resume), run_callbacks, attach_ops, bf16_as_cast)
+    tuned, report = _tune_data_parallel(fabric, job) if config.processes > 1 else _tune(fabric, job)
+    if tuned is None:
+        return None, report  # a process other than the first of a data-parallel run: the first one writes
+    report["total_seconds"] = time.perf_counter() - begin
+    if model_path is not None:
+        save_model_atomic(tuned, model_path)
+    if output_dir is not None:
+        write_report(report, Path(output_dir), name)
+    if checkpoint is not None:
+        checkpoint.unlink(missing_ok=True)  # the run is complete: nothing is left to resume
+    return tuned, report
+
+
+class _Job:
+    """What a tuning process needs (each process of a data-parallel run gets a copy). A plain class,
+    not a dataclass: Fabric's process launcher rebuilds dataclass arguments field by field, which
+    frozen ones (the config) refuse."""
+
+    def __init__(self, original: onnx.ModelProto, float_model: onnx.ModelProto | None, data: Any, config: FastFinetune,
+                 resumption: _Resumption, callbacks: list[Any], attach_ops: bool, bf16_as_cast: bool) -> None:
+        self.original, self.float_model, self.data, self.config = original, float_model, data, config
+        self.resumption = resumption
+        self.callbacks = callbacks  # the Fabric's, whose on_step_end hooks the Tuner calls directly
+        self.attach_ops, self.bf16_as_cast = attach_ops, bf16_as_cast
+        self.result_file: Path | None = None  # where the first process of a data-parallel run leaves its results
+
+
+def _tune_data_parallel(fabric: Fabric, job: _Job) -> tuple[onnx.ModelProto | None, dict[str, Any]]:
+    """Launch the processes of a data-parallel run (Fabric's launcher: this process and others
+    running this command again, or spawned ones) and take the first one's model and report. These
+    come back through a file: a launcher hands results back through a pipe that it reads only after
+    every process ended, and a result over the pipe's 64 KiB would block the first one forever."""
+    with tempfile.TemporaryDirectory(prefix="finetune-result-") as folder:
+        job.result_file = Path(folder) / "result.pt"
+        returned = fabric.launch(_tune, job)
+        if not job.result_file.is_file():
+            return returned  # a process other than the first, which returned what it has
+        model_bytes, report = torch.load(job.result_file, weights_only=False)
+    return onnx.load_model_from_string(model_bytes), report
+
+
+def _tune(fabric: Fabric, job: _Job) -> tuple[onnx.ModelProto | None, dict[str, Any]]:
+    """Lift, tune every unit and export, in this process (one of a data-parallel run's, or the
+    only one). Only the first process exports: the others return no model."""
+    config, original, device = job.config, job.original, fabric.device
+    sources = {"model": digest(original.SerializeToString()),
+               "float_model": digest(job.float_model.SerializeToString()) if job.float_model is not None else None}
     for change in fold_computed_weights(original):  # so a weight computed from constants is tuned too
         logger.info("weights computed from constants: %s", change)
     module = lift_model(original)
@@ -85,44 +140,42 @@ def finetune_model(
         raise ValueError(f"the model has no {'/'.join(config.op_types)} layer with a trainable weight to tune")
     if config.algorithm == "adaround":
         check_int_weights(module, units)
-    float_proto = load_model(float_model) if float_model is not None else None
-    sources["float_model"] = digest(float_proto.SerializeToString()) if float_proto is not None else None
-    reference = _reference(module, float_proto, units, warnings)
-    log_dir = Path(output_dir) / f"{name}.logs" if output_dir is not None else None
-    run_callbacks = [*builtin_callbacks(config, log_dir), *callbacks]
+    reference = _reference(module, job.float_model, units, warnings)
     with _deterministic(config, device), ActivationCache(config.cache_budget_bytes) as cache:
-        tuner, timing = _run(module, reference, units, original, data, config, device, cache, run_callbacks, warnings,
-                             _Resumption(checkpoint, resume, sources))
+        tuner, timing = _run(module, reference, units, original, job, fabric, cache, warnings, sources)
         cache_stats = {"peak_bytes_in_memory": cache.peak_in_memory, "peak_bytes_on_disk": cache.peak_on_disk,
                        "spilled_arrays": cache.spilled}
+    report = _report(config, device, reference is module, tuner, [*warnings, *tuner.warnings], timing, cache_stats)
+    if not fabric.is_global_zero:
+        return None, report
     module.cpu()
-    tuned = export_model(module, original, attach_ops, bf16_as_cast)
-    report = _report(config, device, reference is module, tuner, [*warnings, *tuner.warnings], timing, cache_stats,
-                     time.perf_counter() - begin)
-    if model_path is not None:
-        save_model_atomic(tuned, model_path)
-    if output_dir is not None:
-        write_report(report, Path(output_dir), name)
-    if checkpoint is not None:
-        checkpoint.unlink(missing_ok=True)  # the run is complete: nothing is left to resume
-    return tuned, report
+    tuned = export_model(module, original, job.attach_ops, job.bf16_as_cast)
+    if job.result_file is None:
+        return tuned, report
+    torch.save((tuned.SerializeToString(), report), job.result_file)
+    return None, report
 
 
 @dataclasses.dataclass(frozen=True)
 class _Resumption:
-    """Where the run keeps its checkpoint (None: nowhere), whether it resumes from it, and the
-    digests of the models it started from (part of the checkpoint's fingerprint)."""
+    """The checkpoint the run keeps (None: none) and whether it resumes from it."""
 
-    path: Path | None
+    checkpoint: Checkpoint | None
     resume: bool
-    sources: dict[str, str | None]
 
 
-def _checkpoint_path(output_dir: str | Path | None, name: str, resume: bool) -> Path | None:
-    """Where the run checkpoints its finished units: `<name>.ckpt` in the output folder, if any."""
+def _checkpoint_path(output_dir: str | Path | None, name: str, resume: bool, devices: int) -> Path | None:
+    """Where the run checkpoints its finished units: `<name>.ckpt` in the output folder, if any
+    (a data-parallel run keeps none: each process's fingerprint would name its own share of the data)."""
+    if resume and devices > 1:
+        raise ValueError("resume is not available with devices > 1: a data-parallel run keeps no checkpoint "
+                         "(run on one device to keep one)")
     if output_dir is None:
         if resume:
             raise ValueError("resume needs output_dir: the checkpoint to resume from lives there, beside the report")
+        return None
+    if devices > 1:
+        logger.warning("a data-parallel run (devices %d) keeps no checkpoint: a killed run starts again", devices)
         return None
     return Path(output_dir) / f"{name}.ckpt"
 
@@ -155,16 +208,17 @@ def _reference(module: LiftedModule, float_model: onnx.ModelProto | None, units:
     return module
 
 
-def _run(module: LiftedModule, reference: LiftedModule, units: list[Unit], original: onnx.ModelProto, data: Any,
-         config: FastFinetune, device: torch.device, cache: ActivationCache, callbacks: list[Any], warnings: Warnings,
-         resumption: _Resumption) -> tuple[Tuner, dict[str, float]]:
-    """Cache the inputs, then tune unit after unit, advancing the float and the quantized stream to
-    each; units a resumed run finished earlier get their kept weights back where tuning would have
-    left them, so both streams pass through them exactly as before. The checkpoint is saved before
-    a user's callbacks hear of a unit's end."""
-    feeds = CalibrationData(data, original, limit=config.data_size)
-    inputs = cache_inputs(feeds, [info.name for info in feeds.inputs], cache)
-    samples = inputs[0].rows
+def _run(module: LiftedModule, reference: LiftedModule, units: list[Unit], original: onnx.ModelProto, job: _Job,
+         fabric: Fabric, cache: ActivationCache, warnings: Warnings, sources: dict[str, str | None]) -> tuple[Tuner, dict[str, float]]:
+    """Cache the inputs (this process's share of the calibration batches), then tune unit after
+    unit, advancing the float and the quantized stream to each; units a resumed run finished
+    earlier get their kept weights back where tuning would have left them, so both streams pass
+    through them exactly as before. The checkpoint is saved before a user's callbacks hear of a
+    unit's end."""
+    device, config = fabric.device, job.config
+    feeds = CalibrationData(job.data, original, limit=config.data_size)
+    inputs = cache_inputs(feeds, [info.name for info in feeds.inputs], cache, fabric.global_rank, fabric.world_size)
+    samples = int(sum_across(fabric, [inputs[0].rows])[0])
     if samples < config.batch_size:
         warnings.add("fast_finetune.batch_size", f"{config.batch_size} is more than the {samples} calibration samples: "
                      f"every training batch holds all {samples} (lower batch_size, or give more data)", "config")
@@ -175,11 +229,12 @@ def _run(module: LiftedModule, reference: LiftedModule, units: list[Unit], origi
     placeholders = [n.name for n in module.graph.nodes if n.op == "placeholder"]
     floats = FloatStream(reference, units, inputs, cache, device, quantizers_off=reference is module)
     stream = QuantizedStream(plan, placeholders, inputs, cache, device)
-    checkpoint = None
-    if resumption.path is not None:
-        checkpoint = Checkpoint(resumption.path, run_fingerprint(resumption.sources, config, inputs))
-    tuner = Tuner(config, device, units, callbacks if checkpoint is None else [checkpoint, *callbacks])
-    finished_weights = checkpoint.start(tuner, resumption.resume) if checkpoint is not None else {}
+    tuner = Tuner(config, fabric, units, job.callbacks)
+    checkpoint = job.resumption.checkpoint
+    finished_weights = {}
+    if checkpoint is not None:
+        checkpoint.fingerprint = run_fingerprint(sources, config, inputs)
+        finished_weights = checkpoint.start(tuner, job.resumption.resume)
     with tuner:
         for k, unit in enumerate(units):
             float_inputs, targets = floats.advance(k)
@@ -269,7 +324,7 @@ def _deterministic(config: FastFinetune, device: torch.device) -> Iterator[None]
 
 
 def _report(config: FastFinetune, device: torch.device, self_reference: bool, tuner: Tuner, warnings: list[dict[str, str]],
-            timing: dict[str, float], cache_stats: dict[str, int], seconds: float) -> dict[str, Any]:
+            timing: dict[str, float], cache_stats: dict[str, int]) -> dict[str, Any]:
     """The run's numbers: settings, per-unit losses and status, timing and cache use, the units
     restored from a checkpoint, and the warnings (what was left out or undid, and why)."""
     results: list[UnitResult] = tuner.results
@@ -291,5 +346,5 @@ def _report(config: FastFinetune, device: torch.device, self_reference: bool, tu
         "float_pass_seconds": timing["float_pass_seconds"],
         "quantized_stream_seconds": timing["quantized_stream_seconds"],
         "cache": cache_stats,
-        "total_seconds": seconds,
+        "processes": tuner.fabric.world_size,
     }

@@ -224,7 +224,10 @@ class CachedValue:
         return self._offsets
 
     def gather(self, rows: np.ndarray) -> torch.Tensor:
-        """The given rows (sorted ascending) along the leading axis, as one CPU tensor."""
+        """The given rows (sorted ascending) along the leading axis, as one CPU tensor (none: the
+        first chunk's shape with no rows, as a process of a data-parallel run may hold none of a batch)."""
+        if not len(rows):
+            return torch.from_numpy(np.array(self.chunks[0][:0]))
         chunk_of = np.searchsorted(self.offsets, rows, side="right") - 1
         parts = [self.chunks[c][rows[chunk_of == c] - self.offsets[c]] for c in np.unique(chunk_of)]
         return torch.from_numpy(np.concatenate(parts) if len(parts) > 1 else parts[0])

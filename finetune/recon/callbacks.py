@@ -145,7 +145,7 @@ class ProgressBar:
         """Open the bar."""
         iterations = tuner.config.iterations
         self.bar = tqdm(total=len(units) * iterations, initial=tuner.resumed_units * iterations, unit="it",
-                        dynamic_ncols=True, mininterval=0.5)
+                        dynamic_ncols=True, mininterval=0.5, disable=not tuner.fabric.is_global_zero)
 
     def on_unit_start(self, tuner: Tuner, index: int, unit: Unit) -> None:
         """Name the unit."""
@@ -176,8 +176,9 @@ class Checkpoint:
     (recon.qdrop), and nothing else in a run draws random numbers (no lifted op does: Dropout is
     the identity), so a resumed unit draws what it would have drawn."""
 
-    def __init__(self, path: Path, fingerprint: dict[str, Any]) -> None:
-        self.path, self.fingerprint = path, fingerprint
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.fingerprint: dict[str, Any] = {}  # what the run started from: set once its inputs are cached
 
     def start(self, tuner: Tuner, resume: bool) -> dict[str, torch.Tensor]:
         """With `resume`, hand `tuner` the finished units of the checkpoint and return their weights;

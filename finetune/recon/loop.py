@@ -25,6 +25,7 @@ from finetune.lift import LiftedModule
 
 from .adaround import REG_WEIGHT, SoftRounding, beta
 from .cache import CachedValue
+from .parallel import Rows, sum_across, sum_gradients
 from .qdrop import Batches, dropped_quantization
 from .report import Warnings
 from .units import Unit, parameters_of
@@ -63,16 +64,14 @@ class Tuner:
     block around the tune calls (on_run_start on entry, on_run_end on exit). A resumed run restores
     the units an earlier run finished instead of tuning them."""
 
-    def __init__(self, config: FastFinetune, device: torch.device, units: list[Unit], callbacks: Sequence[Any]) -> None:
+    def __init__(self, config: FastFinetune, fabric: Fabric, units: list[Unit], callbacks: Sequence[Any]) -> None:
         self.config = config
         self.units = units
         self.results: list[UnitResult] = []
         self.warnings = Warnings()  # what the tuning undid or left out, unit by unit
         self.resumed_units = 0  # the first units, finished by an earlier run
         self.should_stop = False  # a callback sets it to end the unit's optimisation after the current step
-        accelerator = "cpu" if device.type == "cpu" else "cuda"
-        devices = 1 if device.type == "cpu" else [device.index or 0]
-        self.fabric = Fabric(accelerator=accelerator, devices=devices, precision="32-true", callbacks=list(callbacks))
+        self.fabric = fabric  # holds the callbacks; over several processes, their process group
         self._step_hooks = [hook for hook in (getattr(c, "on_step_end", None) for c in callbacks) if callable(hook)]
 
     def __enter__(self) -> Self:
@@ -108,7 +107,7 @@ class Tuner:
         self.should_stop = False
         self.fabric.call("on_unit_start", tuner=self, index=k, unit=unit)
         original = {name: module.get_parameter(name).detach().clone() for name in parameters_of(unit)}
-        before, power = evaluate(train, inputs, targets, self.fabric.device)
+        before, power = evaluate(train, inputs, targets, self.fabric)
         if not math.isfinite(before):
             raise ValueError(f"unit {k + 1}/{len(self.units)} {unit.name}: its reconstruction loss before tuning is {before}, "
                              "so its weights, its quantized inputs or its float targets hold NaN or Inf; check the model's "
@@ -121,7 +120,7 @@ class Tuner:
             if name in original:
                 module.get_parameter(name).data.copy_(start)
         iterations = self._optimise(k, unit, module, train, inputs, float_inputs, targets, power)
-        after, _ = evaluate(train, inputs, targets, self.fabric.device)
+        after, _ = evaluate(train, inputs, targets, self.fabric)
         diverged = not math.isfinite(after)
         if diverged or after > before:
             for name, value in original.items():
@@ -146,11 +145,12 @@ class Tuner:
         MX4 that recovered 93 % of the quantization loss, against 40 % at a constant rate)."""
         config = self.config
         roundings, trainable, frozen = self._trainables(unit, module)
-        model = self.fabric.setup_module(train)
+        parallel = self.fabric.world_size > 1  # gradients are summed by hand: see parallel
+        model = train if parallel else self.fabric.setup_module(train)
         adam = HostAdam if self.fabric.device.type == "cpu" else torch.optim.Adam
         optimizer = self.fabric.setup_optimizers(adam(trainable, lr=config.lr))
         schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, config.iterations) if not roundings else None
-        batches = Batches(inputs, float_inputs, targets, config, k)
+        batches = Batches(inputs, float_inputs, targets, config, k, Rows.of(self.fabric, inputs, targets))
         if batches.left_out:
             self.warnings.add(unit.name, f"{batches.left_out} of the {inputs.rows} rows of its inputs (slices along their "
                               "leading axis) are left out of its training batches: they come from calibration batches whose "
@@ -162,9 +162,9 @@ class Tuner:
                 for rounding, _ in roundings:
                     installed.enter_context(rounding)
                 if unit.op_type == "block":
-                    installed.enter_context(dropped_quantization(train, config, k))
+                    installed.enter_context(dropped_quantization(train, config, k, self.fabric.global_rank))
                 for step in range(config.iterations):
-                    loss = self._step(model, optimizer, batches.next(self.fabric.device), power, roundings, step)
+                    loss = self._step(model, optimizer, batches.next(self.fabric.device), power, roundings, step, batches.size)
                     if schedule is not None:
                         schedule.step()
                     for hook in self._step_hooks:
@@ -198,20 +198,32 @@ class Tuner:
         return roundings, trainable, frozen
 
     def _step(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: tuple[torch.Tensor, torch.Tensor],
-              power: float, roundings: Roundings, step: int) -> float:
+              power: float, roundings: Roundings, step: int, batch_size: int) -> float:
         """One Adam step on MSE relative to the target power (plus AdaRound's regulariser, averaged
-        over every rounded weight element of the unit)."""
+        over every rounded weight element of the unit). Over several processes each holds some rows
+        of the batch of `batch_size`: its share of the loss is its rows' squared error over the whole
+        batch's element count, and the gradients are summed over processes before the step."""
         x, target = batch
         optimizer.zero_grad(set_to_none=True)
-        mse = F.mse_loss(model(x)[0], target)
+        world = self.fabric.world_size
+        if world == 1:
+            mse = F.mse_loss(model(x)[0], target)
+        else:
+            elements = batch_size * math.prod(target.shape[1:])
+            mse = (model(x)[0] - target).square().sum() / elements
         objective = mse / power
         exponent = beta(step, self.config.iterations) if roundings else None
         if exponent is not None:
             elements = sum(r.v.numel() for r, _ in roundings)
-            objective = objective + REG_WEIGHT * sum(r.regularizer(exponent) * (r.v.numel() / elements) for r, _ in roundings)
-        self.fabric.backward(objective, model=model)
+            regularizer = sum(r.regularizer(exponent) * (r.v.numel() / elements) for r, _ in roundings)
+            objective = objective + REG_WEIGHT * regularizer / world  # summed over the processes: once in all
+        self.fabric.backward(objective, model=model if world == 1 else None)
+        if world == 1:
+            optimizer.step()
+            return mse.detach().item()
+        sum_gradients(self.fabric, [p for group in optimizer.param_groups for p in group["params"]])
         optimizer.step()
-        return mse.detach().item()
+        return sum_across(self.fabric, [mse.detach().item()])[0]
 
     def _finish(self, k: int, module: LiftedModule, before: float, after: float, status: str, iterations: int,
                 begin: float, tried: float | None = None) -> UnitResult:
@@ -227,16 +239,18 @@ class Tuner:
         return result
 
 
-def evaluate(train: fx.GraphModule, inputs: CachedValue, targets: CachedValue, device: torch.device) -> tuple[float, float]:
+def evaluate(train: fx.GraphModule, inputs: CachedValue, targets: CachedValue, fabric: Fabric) -> tuple[float, float]:
     """(MSE of the unit's output against its float target, mean square of the target) over every
-    cached sample, computed in float64 sums so the result does not depend on chunking."""
+    cached sample of every process, computed in float64 sums so the result does not depend on
+    chunking."""
     squared_error = power = 0.0
     count = 0
     with torch.no_grad():
         for chunk in range(len(inputs.chunks)):
-            output = train(inputs.tensor(chunk, device))[0]
-            target = targets.tensor(chunk, device)
+            output = train(inputs.tensor(chunk, fabric.device))[0]
+            target = targets.tensor(chunk, fabric.device)
             squared_error += float((output - target).double().square().sum())
             power += float(target.double().square().sum())
             count += target.numel()
+    squared_error, power, count = sum_across(fabric, [squared_error, power, count])
     return squared_error / count, max(power / count, 1e-30)

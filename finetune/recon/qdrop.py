@@ -15,6 +15,7 @@ from finetune.config import FastFinetune
 from finetune.lift import FakeQuantize
 
 from .cache import CachedValue
+from .parallel import Rows
 from .units import constant_nodes
 
 
@@ -26,39 +27,45 @@ class Batches:
     Rows come from the chunks shaped like the first beyond the leading axis: a value laid out
     sequence-first, (tokens, batch, ...), has a smaller second axis in a last, partial batch, and
     its rows cannot join the others (they still count in the loss before and after); `left_out`
-    counts them."""
+    counts them. Over several processes every one draws the same global batch and the same mixing
+    bytes, and keeps the rows it holds (see parallel)."""
 
-    def __init__(self, inputs: CachedValue, float_inputs: CachedValue, targets: CachedValue, config: FastFinetune, k: int) -> None:
+    def __init__(self, inputs: CachedValue, float_inputs: CachedValue, targets: CachedValue, config: FastFinetune, k: int,
+                 rows: Rows) -> None:
         self.inputs, self.float_inputs, self.targets = inputs, float_inputs, targets
-        self.rows = _rows_shaped_like_the_first(inputs, targets)
-        self.left_out = inputs.rows - len(self.rows)
-        self.size = min(config.batch_size, len(self.rows))
+        self.rows = rows
+        self.left_out = rows.total - len(rows.trainable)
+        self.size = min(config.batch_size, len(rows.trainable))
         self.threshold = qdrop_threshold(config.drop_ratio)
         self.generator = np.random.default_rng([config.seed, k])
 
     def next(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """The next (input, target) batch on `device`."""
-        rows = np.sort(self.rows[self.generator.permutation(len(self.rows))[: self.size]])
-        x = self.inputs.gather(rows)
+        """The next (input, target) batch on `device`: the rows of the global batch this process holds."""
+        picked = np.sort(self.rows.trainable[self.generator.permutation(len(self.rows.trainable))[: self.size]])
+        local = self.rows.local[picked]
+        held = local >= 0
+        x = self.inputs.gather(local[held])
         if self.threshold < 256:
-            x = mix_quantized(self.generator, self.threshold, x, self.float_inputs.gather(rows))
-        return x.to(device), self.targets.gather(rows).to(device)
+            keep = keep_quantized(self.generator, self.threshold, (self.size, *x.shape[1:]))[held]
+            x = mix_quantized(keep, x, self.float_inputs.gather(local[held]))
+        return x.to(device), self.targets.gather(local[held]).to(device)
 
 
 @contextlib.contextmanager
-def dropped_quantization(train: fx.GraphModule, config: FastFinetune, k: int) -> Iterator[None]:
+def dropped_quantization(train: fx.GraphModule, config: FastFinetune, k: int, rank: int = 0) -> Iterator[None]:
     """QDrop inside a block while it trains: each activation quantizer keeps its quantized value
     per element with probability drop_ratio (in steps of 1/256) and passes the float value
     otherwise (seeded by the unit index, so reruns repeat). Weight quantizers, which read
-    constants, are left alone."""
+    constants, are left alone. Process `rank` of a data-parallel run draws its own bytes for
+    its own rows (so blocks with drop_ratio < 1 train on other bytes than in one process)."""
     constant = constant_nodes(train.graph)
     quantizers = [train.get_submodule(n.target) for n in train.graph.nodes
                   if n.op == "call_module" and n not in constant and isinstance(train.get_submodule(n.target), FakeQuantize)]
-    generator = np.random.default_rng([config.seed, k, 1])
+    generator = np.random.default_rng([config.seed, k, 1, *([rank] if rank else [])])
     threshold = qdrop_threshold(config.drop_ratio)
 
     def mix(_module: torch.nn.Module, args: tuple[torch.Tensor, ...], quantized: torch.Tensor) -> torch.Tensor:
-        return mix_quantized(generator, threshold, quantized, args[0])
+        return mix_quantized(keep_quantized(generator, threshold, quantized.shape), quantized, args[0])
 
     hooks = [quantizer.register_forward_hook(mix) for quantizer in quantizers] if config.drop_ratio < 1 else []
     try:
@@ -73,17 +80,14 @@ def qdrop_threshold(drop_ratio: float) -> int:
     return round(drop_ratio * 256)
 
 
-def mix_quantized(generator: np.random.Generator, threshold: int, quantized: torch.Tensor, float_value: torch.Tensor) -> torch.Tensor:
-    """QDrop: per element the quantized value where a random byte is below `threshold`, else the
-    float value. Random bytes cost half as much as float draws (9 against 18 ms for a
-    16x32x112x112 activation)."""
-    noise = np.frombuffer(generator.bytes(quantized.numel()), dtype=np.uint8).reshape(quantized.shape)
-    return torch.where(torch.from_numpy(noise < threshold).to(quantized.device), quantized, float_value)
+def keep_quantized(generator: np.random.Generator, threshold: int, shape: tuple[int, ...]) -> np.ndarray:
+    """QDrop's choice per element of `shape`: keep the quantized value where a random byte is below
+    `threshold`, else take the float value. Random bytes cost half as much as float draws (9 against
+    18 ms for a 16x32x112x112 activation)."""
+    count = int(np.prod(shape))
+    return np.frombuffer(generator.bytes(count), dtype=np.uint8).reshape(shape) < threshold
 
 
-def _rows_shaped_like_the_first(*values: CachedValue) -> np.ndarray:
-    """Rows (over all chunks) of the chunks whose values have the first chunk's trailing shapes."""
-    first = [np.shape(value.chunks[0])[1:] for value in values]
-    offsets = values[0].offsets
-    return np.concatenate([np.arange(offsets[c], offsets[c + 1]) for c in range(len(values[0].chunks))
-                           if all(np.shape(v.chunks[c])[1:] == shape for v, shape in zip(values, first))])
+def mix_quantized(keep: np.ndarray, quantized: torch.Tensor, float_value: torch.Tensor) -> torch.Tensor:
+    """The quantized value where `keep` says so, else the float value."""
+    return torch.where(torch.from_numpy(keep).to(quantized.device), quantized, float_value)

@@ -70,6 +70,7 @@ def format_report(report: dict[str, Any]) -> str:
     timing = f"{per_iteration * 1e3:.2f} ms per unit-iteration, " if per_iteration else ""
     resumed = f", {report['resumed_units']} restored from the checkpoint" if report["resumed_units"] else ""
     warned = f"; {len(report['warnings'])} warning(s), listed in the report" if report["warnings"] else ""
-    return (f"fast finetune ({report['algorithm']}, {report['device']}, float reference: {report['float_reference']}): "
+    processes = f" x {report['processes']} processes" if report.get("processes", 1) > 1 else ""
+    return (f"fast finetune ({report['algorithm']}, {report['device']}{processes}, float reference: {report['float_reference']}): "
             f"{len(units)} units, {report['kept']} kept, {report['reverted']} reverted{resumed}; summed reconstruction loss "
             f"{before:.4g} -> {after:.4g}; {timing}{report['total_seconds']:.1f} s{warned}")

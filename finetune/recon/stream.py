@@ -170,12 +170,19 @@ def _float_nodes(reference: LiftedModule, unit: Unit) -> list[fx.Node]:
     return [n for n in reference.graph.nodes if n.op == "call_module" and n.target in names]
 
 
-def cache_inputs(feeds: Any, names: list[str], cache: ActivationCache) -> list[CachedValue]:
-    """The model inputs of every calibration batch, in graph order, as cached values."""
+def cache_inputs(feeds: Any, names: list[str], cache: ActivationCache, rank: int = 0, world: int = 1) -> list[CachedValue]:
+    """The model inputs of the calibration batches process `rank` of `world` holds (batches b with
+    b % world == rank: every batch in a run on one device), in graph order, as cached values."""
     values = [cache.value(f"input:{name}") for name in names]
-    for feed in feeds:
+    batches = 0
+    for batches, feed in enumerate(feeds, start=1):
+        if (batches - 1) % world != rank:
+            continue
         for value, name in zip(values, names):
             value.append(torch.from_numpy(np.asarray(feed[name])))
-    if not values or not values[0].chunks:
+    if not values or not batches:
         raise ValueError("fast finetune needs calibration data: the data source gave no samples")
+    if batches < world:
+        raise ValueError(f"the calibration data holds {batches} batch(es), fewer than the {world} processes of "
+                         "fast_finetune.devices: each process needs one (give more data or smaller batches, or fewer devices)")
     return values

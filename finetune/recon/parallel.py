@@ -1,0 +1,115 @@
+"""Data-parallel tuning through Lightning Fabric: the Fabric of a run (one device, or `devices`
+processes launched by a DDP strategy), which calibration batches each process holds, the
+training rows of a unit over all processes, and the sums every process must agree on.
+
+Each process holds the calibration batches c with c % world == rank and computes both streams
+over them alone. Every process draws the same global batch of row numbers from the same seeded
+generator and trains on the rows it holds; its loss is its rows' squared error over the global
+batch's element count, and summing the gradients over processes gives the gradient the global
+batch gives in one process. Losses before and after tuning are sums over all processes, so each
+process makes the same keep-or-revert decision, and the weights stay identical everywhere."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from lightning.fabric import Fabric
+
+from finetune.config import FastFinetune
+
+from .cache import CachedValue
+
+
+def make_fabric(config: FastFinetune, device: torch.device, callbacks: Sequence[Any]) -> Fabric:
+    """The Fabric that runs the units: on `device` alone, or on config.devices devices of its kind
+    (cuda:0..N-1, or N CPU processes with gloo) on each of config.nodes machines, through config.strategy."""
+    accelerator = "cpu" if device.type == "cpu" else "cuda"
+    if config.processes == 1:
+        devices: int | list[int] = 1 if device.type == "cpu" else [device.index or 0]
+        return Fabric(accelerator=accelerator, devices=devices, precision="32-true", callbacks=list(callbacks))
+    return Fabric(accelerator=accelerator, devices=config.devices, num_nodes=config.nodes, strategy=config.strategy,
+                  precision="32-true", callbacks=list(callbacks))
+
+
+def sum_across(fabric: Fabric, values: Sequence[float]) -> list[float]:
+    """Each value summed over every process (float64, so the order of processes barely matters)."""
+    if fabric.world_size == 1:
+        return list(values)
+    total = fabric.all_reduce(torch.tensor(values, dtype=torch.float64), reduce_op="sum")
+    return [float(v) for v in total]
+
+
+def sum_gradients(fabric: Fabric, parameters: Sequence[torch.Tensor]) -> None:
+    """Replace each parameter's gradient by its sum over every process (one all-reduce)."""
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in parameters]
+    flat = fabric.all_reduce(torch.cat([g.reshape(-1) for g in grads]), reduce_op="sum")
+    offset = 0
+    for parameter, grad in zip(parameters, grads):
+        parameter.grad = flat[offset: offset + grad.numel()].view_as(grad).clone()
+        offset += grad.numel()
+
+
+@dataclass(frozen=True)
+class Rows:
+    """A unit's rows over all processes: `trainable` lists, ascending, the global numbers of the
+    rows training batches draw from (the batches whose values share the first batch's shape beyond
+    the leading axis); `local` maps a global row number to its row in this process's cache (-1:
+    another process holds it); `total` counts every row."""
+
+    trainable: np.ndarray
+    local: np.ndarray
+    total: int
+
+    @classmethod
+    def of(cls, fabric: Fabric, inputs: CachedValue, targets: CachedValue) -> Rows:
+        """The rows of a unit's cached inputs and targets (this process's share of them)."""
+        rank, world = fabric.global_rank, fabric.world_size
+        return cls.from_table(_gather_chunks(fabric, chunk_table(inputs, targets, rank, world)), rank, world)
+
+    @classmethod
+    def from_table(cls, table: list[tuple[int, int, int]], rank: int, world: int) -> Rows:
+        """The rows described by every process's chunk_table, in batch order, as process `rank` sees them."""
+        offsets = np.concatenate([[0], np.cumsum([rows for _, rows, _ in table])]).astype(np.int64)
+        first = table[0][2]
+        trainable = np.concatenate([np.arange(offsets[c], offsets[c + 1]) for c, (_, _, key) in enumerate(table) if key == first])
+        local = np.full(int(offsets[-1]), -1, dtype=np.int64)
+        start = 0
+        for c, rows, _ in table:
+            if c % world == rank:
+                local[offsets[c]: offsets[c + 1]] = np.arange(start, start + rows)
+                start += rows
+        return cls(trainable, local, int(offsets[-1]))
+
+
+def chunk_table(inputs: CachedValue, targets: CachedValue, rank: int, world: int) -> list[tuple[int, int, int]]:
+    """(calibration batch index, rows, shape key) of each batch process `rank` of `world` holds."""
+    return [(rank + world * i, len(inputs.chunks[i]), _shape_key(inputs.chunks[i], targets.chunks[i]))
+            for i in range(len(inputs.chunks))]
+
+
+def _shape_key(*chunks: Any) -> int:
+    """A number standing for the chunks' shapes beyond the leading axis (equal shapes, equal numbers)."""
+    text = repr([tuple(np.shape(chunk)[1:]) for chunk in chunks]).encode()
+    return int.from_bytes(hashlib.sha256(text).digest()[:7], "little")
+
+
+def _gather_chunks(fabric: Fabric, mine: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    """Every process's (batch index, rows, shape key), in batch order."""
+    if fabric.world_size == 1:
+        return mine
+    most = -(-_batch_count(fabric, len(mine)) // fabric.world_size)
+    padded = torch.full((most, 3), -1, dtype=torch.int64)
+    if mine:
+        padded[: len(mine)] = torch.tensor(mine, dtype=torch.int64)
+    every = fabric.all_gather(padded).reshape(-1, 3).tolist()
+    return sorted(tuple(row) for row in every if row[0] >= 0)
+
+
+def _batch_count(fabric: Fabric, held: int) -> int:
+    """The number of calibration batches over all processes."""
+    return int(sum_across(fabric, [held])[0])

@@ -1,0 +1,144 @@
+"""Data-parallel fine-tuning (fast_finetune.devices): each process holds a share of the calibration
+batches, yet draws the rows and QDrop bytes the one-process run draws; two gloo processes on the
+CPU tune to the one-process weights up to float summation order, and two such runs give the same
+bytes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+from finetune.config import ConfigError, FastFinetune, load_config
+from finetune.quantize import quantize_model
+from finetune.recon import ActivationCache, finetune_model
+from finetune.recon.parallel import Rows, chunk_table
+from finetune.recon.qdrop import Batches
+from finetune.recon.stream import cache_inputs
+from finetune.zoo import digits_split
+
+from .recon_helpers import export_digits_cnn, one_thread, run  # noqa: F401  (one_thread: autouse fixture)
+
+INT8 = {"format": "int", "dtype": "int8", "symmetric": True, "granularity": "tensor", "calibration": "minmax"}
+W4A8 = {"activation": INT8, "weight": {**INT8, "dtype": "int4"}}
+
+
+def test_the_processes_draw_the_one_process_batch_and_bytes_between_them() -> None:
+    """Every process draws the same global batch and keeps the rows it holds; together they hold
+    exactly the one-process batch, with the same QDrop mixing, step after step (batches of 3 unequal
+    sizes over 2 processes, so shares differ in size and some steps give a process no row)."""
+    rng = np.random.default_rng(0)
+    batches = [rng.standard_normal((n, 4)).astype(np.float32) for n in (5, 3, 4)]
+    config = FastFinetune(batch_size=3, drop_ratio=0.5, seed=7)
+    one = _process_batches(batches, config, 0, 1)
+    shares = [_process_batches(batches, config, rank, 2) for rank in range(2)]
+    empty_steps = 0
+    for _ in range(40):
+        x, numbers = one.next(torch.device("cpu"))
+        parts = [share.next(torch.device("cpu")) for share in shares]
+        empty_steps += any(len(part[0]) == 0 for part in parts)
+        together, their_numbers = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+        assert torch.equal(together[torch.argsort(their_numbers[:, 0])], x[torch.argsort(numbers[:, 0])])
+        assert 0 < (x < 50).sum() < x.numel()  # mixed: some quantized, some float values
+    assert empty_steps > 0
+
+
+def _process_batches(batches: list[np.ndarray], config: FastFinetune, rank: int, world: int) -> Batches:
+    """Process `rank`'s training batches over its share: the batches as quantized inputs, the
+    batches + 100 as float inputs and, as targets, each row's global number (to line rows up)."""
+    offsets = np.cumsum([0, *(len(b) for b in batches)])
+    numbers = [np.tile(np.arange(offsets[i], offsets[i + 1], dtype=np.float32)[:, None], (1, 4)) for i in range(len(batches))]
+    inputs, floats, targets = (cache_inputs([{"x": b} for b in values], ["x"], ActivationCache(2**30), rank, world)[0]
+                               for values in (batches, [b + 100 for b in batches], numbers))
+    tables = [chunk_table(*(cache_inputs([{"x": b} for b in values], ["x"], ActivationCache(2**30), r, world)[0]
+                            for values in (batches, numbers)), r, world) for r in range(world)]
+    return Batches(inputs, floats, targets, config, 0, Rows.from_table(sorted(sum(tables, [])), rank, world))
+
+
+def test_fewer_batches_than_processes_is_refused() -> None:
+    with ActivationCache(2**30) as cache, pytest.raises(ValueError, match="2 batch.*fewer than the 3 processes"):
+        cache_inputs([{"x": np.zeros((4, 2), np.float32)}] * 2, ["x"], cache, 2, 3)
+
+
+def test_devices_settings_are_checked_when_the_config_loads() -> None:
+    with pytest.raises(ConfigError, match="strategy"):
+        FastFinetune(devices=2, strategy="fsdp")
+    with pytest.raises(ConfigError, match="fast_finetune.devices"):
+        load_config({"preset": "MX9", "fast_finetune": {"devices": 2},
+                     "auto_mixed_precision": {"ladder": ["MX6", "MX9"], "target": 0.9}})
+
+
+def test_resume_is_refused_with_several_devices(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="resume is not available with devices > 1"):
+        finetune_model(tmp_path / "missing.onnx", [], FastFinetune(devices=2, strategy="ddp_spawn"), output_dir=tmp_path,
+                       resume=True)
+
+
+@pytest.fixture(scope="module")
+def digits(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The digits CNN at INT4 weights / INT8 activations, and 150 calibration samples in 5 batches
+    (3 for the first process, 2 for the second)."""
+    x_train, _, x_test, _ = digits_split()
+    path = export_digits_cnn(tmp_path_factory.mktemp("digits") / "digits.onnx", x_test[:1])
+    calibration = [{"x": x_train[i: i + 30].numpy()} for i in range(0, 150, 30)]
+    return {"model": quantize_model(path, W4A8, calibration).model, "calibration": calibration, "x": x_test.numpy()}
+
+
+def _weights(model: onnx.ModelProto) -> dict[str, np.ndarray]:
+    return {t.name: onnx.numpy_helper.to_array(t) for t in model.graph.initializer}
+
+
+SETTINGS = {"iterations": 30, "seed": 1, "batch_size": 16}
+
+
+@pytest.fixture(scope="module")
+def spawned(digits: dict) -> dict[str, tuple[onnx.ModelProto, dict]]:
+    """Per algorithm, the model and report of two spawned CPU processes (gloo)."""
+    return {algorithm: finetune_model(digits["model"], digits["calibration"],
+                                      FastFinetune(algorithm=algorithm, **SETTINGS, devices=2, strategy="ddp_spawn"))
+            for algorithm in ("adaquant", "adaround")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algorithm", ["adaquant", "adaround"])
+def test_two_gloo_processes_tune_like_one(digits: dict, spawned: dict, algorithm: str) -> None:
+    """Two CPU processes (gloo) with the global batch of one: the same weights up to float summation
+    order, the same losses and the same keep/revert decisions."""
+    one, one_report = finetune_model(digits["model"], digits["calibration"], FastFinetune(algorithm=algorithm, **SETTINGS))
+    two, two_report = spawned[algorithm]
+    assert two_report["processes"] == 2 and one_report["processes"] == 1
+    assert [u["status"] for u in two_report["units"]] == [u["status"] for u in one_report["units"]]
+    assert sum(u["status"] == "kept" for u in one_report["units"]) >= 4
+    for a, b in zip(one_report["units"], two_report["units"]):
+        assert b["loss_before"] == pytest.approx(a["loss_before"], rel=1e-12)
+        assert b["loss_after"] == pytest.approx(a["loss_after"], rel=1e-5)
+    ones, twos = _weights(one), _weights(two)
+    assert ones.keys() == twos.keys()
+    for name, value in ones.items():
+        np.testing.assert_allclose(twos[name], value, rtol=0, atol=1e-6 * max(1.0, float(np.abs(value).max())), err_msg=name)
+    np.testing.assert_allclose(run(two, digits["x"]), run(one, digits["x"]), atol=1e-4)
+
+
+@pytest.mark.slow
+def test_the_command_line_runs_two_processes_to_the_bytes_of_spawned_ones(digits: dict, spawned: dict,
+                                                                          tmp_path: Path) -> None:
+    """`finetune tune --devices 2` (strategy ddp: Fabric runs the command again as the second
+    process) writes one model and prints one report, byte-identical to another two-process run's."""
+    quantized, data = tmp_path / "q.onnx", tmp_path / "data"
+    onnx.save(digits["model"], quantized)
+    data.mkdir()
+    for i, batch in enumerate(digits["calibration"]):
+        np.save(data / f"{i:02d}.npy", batch["x"])
+    out = tmp_path / "tuned.onnx"
+    command = [sys.executable, "-m", "finetune.cli", "tune", str(quantized), "--data", str(data), "--finetune", "adaquant",
+               "--iterations", "30", "--seed", "1", "--batch-size", "16", "--devices", "2", "-o", str(out)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.count("fast finetune (adaquant, cpu x 2 processes") == 1  # one report, by the first process
+    assert onnx.load(out).SerializeToString() == spawned["adaquant"][0].SerializeToString()

@@ -9,7 +9,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from .formats import FormatChoice
 from .schema import INHERIT, ConfigError
 
 if TYPE_CHECKING:
@@ -45,8 +44,8 @@ def check_npu_cnn(config: QuantConfig) -> None:
         raise ConfigError("auto_mixed_precision", "npu_cnn takes one integer format; drop the section or npu_cnn")
 
 
-def _choices(config: QuantConfig) -> Iterator[tuple[str, FormatChoice]]:
-    """Every format choice in the config with its key path."""
+def _choices(config: QuantConfig) -> Iterator[tuple[str, Any]]:
+    """Every format choice in the config with its key path (a FormatChoice, None or INHERIT)."""
     for role in ("activation", "weight"):
         yield role, getattr(config, role)
     for kind in ("op_type_overrides", "node_overrides"):

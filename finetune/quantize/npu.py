@@ -39,7 +39,9 @@ NOT_APPLIED_NOTICE = Notice(
 )
 
 
-def align_eltwise_formats(model: onnx.ModelProto, config: QuantConfig, uses: list[Use]) -> tuple[list[Use], list[dict[str, Any]]]:
+def align_eltwise_formats(
+    model: onnx.ModelProto, config: QuantConfig, uses: list[Use],
+) -> tuple[list[Use], list[dict[str, Any]]]:
     """The uses with each constant operand of an element-wise op in that op's activation format
     (unless a tensor override names it), and a record per operand changed."""
     op_types = {node.name: node.op_type for node in model.graph.node}
@@ -51,7 +53,8 @@ def align_eltwise_formats(model: onnx.ModelProto, config: QuantConfig, uses: lis
             activation = None if formats is None else formats.activation
             if activation is not None and activation.spec() != use.spec:
                 spec = activation.spec()
-                records.append(_record([f"{use.node} ({op_type})"], use.tensor, "format", format_label(use.spec), format_label(spec)))
+                before, after = format_label(use.spec), format_label(spec)
+                records.append(_record([f"{use.node} ({op_type})"], use.tensor, "format", before, after))
                 use = dataclasses.replace(use, choice=activation, spec=spec)
         aligned.append(use)
     return aligned, records

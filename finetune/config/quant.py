@@ -17,6 +17,7 @@ Schema (YAML keys are the dataclass field names; `preset:` is the one extra key,
     cross_layer_equalization: false  # rescale Conv pairs to equal channel ranges before quantizing
     weight_storage: float  # float | compact
     bf16_as_cast: false    # write bfloat16 QDQ pairs as Cast(to bfloat16) -> Cast(to float) in the final model
+    npu_cnn: false         # Vitis AI / Ryzen AI NPU constraints for CNNs: shared scales around Concat, pooling, Pad, Slice (config.npu)
     fast_finetune: null    # or a FastFinetune mapping
     auto_mixed_precision: null  # or an AutoMixedPrecision mapping (per-layer precision search)
 """
@@ -32,6 +33,7 @@ from typing import Any, Literal
 from .automp import AutoMixedPrecision
 from .finetune import FastFinetune
 from .formats import ALL, DEFAULT_OP_TYPES, Bias, FormatChoice, NodeFormats, Override, resolve_bias
+from .npu import NPU_CNN_OP_TYPES, check_npu_cnn
 from .schema import ConfigError, Section, join_path
 
 
@@ -39,7 +41,8 @@ from .schema import ConfigError, Section, join_path
 class QuantConfig(Section):
     """Everything the quantizer needs to know. Precedence: tensor_overrides > node_overrides >
     op_type_overrides > activation/weight/bias; exclude_nodes wins over all. Op types and nodes
-    named in overrides are quantized even when `op_types` does not list them."""
+    named in overrides, and with npu_cnn the op types its alignments concern, are quantized even
+    when `op_types` does not list them."""
 
     activation: FormatChoice | None = None
     weight: FormatChoice | None = None
@@ -53,6 +56,7 @@ class QuantConfig(Section):
     cross_layer_equalization: bool = False
     weight_storage: Literal["float", "compact"] = "float"
     bf16_as_cast: bool = False  # the final model's bfloat16 quantize-dequantize pairs as Cast pairs
+    npu_cnn: bool = False  # NPU CNN constraints (finetune.config.npu), AMD Quark's enable_npu_cnn
     fast_finetune: FastFinetune | None = None
     auto_mixed_precision: AutoMixedPrecision | None = None
 
@@ -77,6 +81,8 @@ class QuantConfig(Section):
                     raise ConfigError(path, "this node is also matched by exclude_nodes")
                 activation, weight, bias = override.apply(self.activation, self.weight, self.bias)
                 self._check_bias(join_path(path, "bias"), bias, activation, weight)
+        if self.npu_cnn:
+            check_npu_cnn(self)
 
     @staticmethod
     def _check_bias(path: str, bias: str, activation: FormatChoice | None, weight: FormatChoice | None) -> None:
@@ -93,6 +99,7 @@ class QuantConfig(Section):
         """Whether the node is quantized: not excluded, and its op type listed or overridden."""
         listed = self.op_types == ALL or op_type in self.op_types
         named = op_type in self.op_type_overrides or node_name in self.node_overrides
+        named = named or (self.npu_cnn and op_type in NPU_CNN_OP_TYPES)
         return (listed or named) and not self.excludes(node_name)
 
     def node_formats(self, node_name: str, op_type: str) -> NodeFormats | None:

@@ -27,6 +27,7 @@ from .quark_options import (
     FAST_FT_KEYS,
     FAST_FT_MAPPED,
     FAST_FT_NO_EFFECT,
+    NPU_ALIGN_OPTIONS,
     QUANT_FORMATS,
     QUANT_TYPES,
     QUARK_BLOCK_AXIS,
@@ -150,6 +151,7 @@ class _Translation:
             "cross_layer_equalization": self.attempt(self.cross_layer_equalization, False),
             "weight_storage": self.attempt(self.weight_storage, "float"),
             "bf16_as_cast": self.attempt(self.flag, False, "BF16QDQToCast", False),
+            "npu_cnn": self.attempt(self.npu_cnn, False),
             "fast_finetune": self.attempt(self.fast_finetune, None),
         }
 
@@ -195,6 +197,8 @@ class _Translation:
             if fmt in ("bfp", "mx") or not (fmt == "int" or dtype.startswith("float8")):
                 raise ConfigError("per_channel", f"applies to integer and float8 weights only, not {quant_type}")
             choice["granularity"] = "channel"
+            if at is not None:
+                self.origins[f"{at}.granularity"] = "per_channel"
         return choice
 
     def _calibration(self, fmt: str, role: str, at: str | None, path: str) -> dict[str, Any]:
@@ -334,6 +338,27 @@ class _Translation:
         if given and not on:
             log.warning("%s given but %s is false: no effect, as in Quark", path, flag)
         return on
+
+    def npu_cnn(self) -> bool:
+        """enable_npu_cnn (or its former name enable_dpu) is finetune's npu_cnn, which needs a
+        power-of-two calibrate_method; the Align* options npu_cnn applies hold true with it and false
+        without. Quark's int8 bias under enable_npu_cnn stays int32 here, said at WARNING."""
+        on = self.flag("enable_npu_cnn", False) or self.flag("enable_dpu", False)
+        self.origins["npu_cnn"] = "enable_npu_cnn" if "enable_npu_cnn" in self.options else "enable_dpu"
+        for option in NPU_ALIGN_OPTIONS:
+            if self.flag(option, on) != on:
+                problem = ("false has no equivalent: finetune's npu_cnn always aligns these scales" if on
+                           else "true takes effect only with enable_npu_cnn here (its NPU limitation check)")
+                raise ConfigError(f"extra_options.{option}", problem)
+        if not on:
+            return False
+        if not self.calibration[1]:
+            raise ConfigError("calibrate_method", "enable_npu_cnn needs power-of-two scales: PowerOfTwoMethod.MinMSE "
+                                                  "or PowerOfTwoMethod.NonOverflow")
+        if "Int32Bias" not in self.extra:
+            log.warning("enable_npu_cnn: Quark quantizes biases like weights by default (Int32Bias false); finetune "
+                        "keeps int32 biases, whose scale s_input * s_weight is a power of two too")
+        return True
 
     def weight_storage(self) -> str:
         """AddQDQPairToWeight true keeps float weights (our default), false stores them compactly."""

@@ -59,7 +59,7 @@ QUANT_FORMATS: dict[str, str | None] = {
 TOP_MAPPED = (
     "quant_format", "calibrate_method", "activation_type", "weight_type", "op_types_to_quantize",
     "extra_op_types_to_quantize", "nodes_to_exclude", "per_channel", "include_fast_ft", "include_auto_mp",
-    "include_cle", "specific_tensor_precision", "extra_options",
+    "include_cle", "specific_tensor_precision", "enable_npu_cnn", "enable_dpu", "extra_options",
 )
 TOP_NO_EFFECT = (
     "execution_providers", "use_external_data_format", "debug_mode", "print_summary",
@@ -75,19 +75,21 @@ TOP_ACCEPTED_ONLY: dict[str, tuple[Any, ...]] = {
     ),
     **dict.fromkeys(
         (
-            "reduce_range", "optimize_model", "use_dynamic_quant", "enable_npu_cnn", "enable_npu_transformer",
-            "enable_dpu", "convert_fp16_to_fp32", "convert_nchw_to_nhwc", "include_sq",
+            "reduce_range", "optimize_model", "use_dynamic_quant", "enable_npu_transformer", "convert_fp16_to_fp32", "convert_nchw_to_nhwc", "include_sq",
             "include_rotation", "crypto_mode",
         ),
         _OFF,
     ),
 }
 
+# the scale alignments npu_cnn applies (finetune.config.npu): true with enable_npu_cnn, false without
+NPU_ALIGN_OPTIONS = ("AlignConcat", "AlignPool", "AlignPad", "AlignSlice")
 EXTRA_MAPPED = (
     "ActivationSymmetric", "WeightSymmetric", "CalibTensorRangeSymmetric", "Percentile", "WeightCalibrateMethod",
     "Int32Bias", "QuantizeBias", "BFPAttributes", "MXAttributes", "RefineBlockAxis", "MixedPrecisionTensor",
     "TensorQuantOverrides", "AutoMixprecision", "EnableDualQuantNodePairs", "FastFinetune", "OpTypesToQuantize",
     "ExtraOpTypesToQuantize", "QuantizeAllOpTypes", "WeightsOnly", "AddQDQPairToWeight", "BF16QDQToCast",
+    *NPU_ALIGN_OPTIONS,
 )
 EXTRA_NO_EFFECT = (
     "ExecutionProviders", "DebugMode", "PrintSummary", "IgnoreWarnings", "TmpDir", "CalibWorkerNum",
@@ -136,10 +138,9 @@ EXTRA_ACCEPTED_ONLY: dict[str, tuple[Any, ...]] = {
             "ConvertSigmoidToHardSigmoid", "ConvertHardSigmoidToDPUVersion", "ConvertAvgPoolToDPUVersion",
             "ConvertClipToDPUVersion", "ConvertReduceMeanToDPUVersion", "ConvertSoftmaxToDPUVersion",
             "NPULimitationCheck", "MaxLoopNum", "AdjustShiftCut", "AdjustShiftBias", "AdjustShiftRead",
-            "AdjustShiftWrite", "AdjustHardSigmoid", "AdjustShiftSwish", "AlignConcat", "AlignPool", "AlignPad",
-            "AlignSlice", "AlignTranspose", "AlignReshape", "ReplaceClip6Relu", "RemoveQDQConvClip",
-            "RemoveQDQConvRelu", "RemoveQDQConvLeakyRelu", "RemoveQDQConvPRelu", "RemoveQDQConvGelu",
-            "RemoveQDQMulAdd", "RemoveQDQInstanceNorm", "RemoveFusedQDQ", "FoldBatchNorm", "BF16WithClip",
+            "AdjustShiftWrite", "AdjustHardSigmoid", "AdjustShiftSwish", "AlignTranspose", "AlignReshape",
+            "ReplaceClip6Relu", "RemoveQDQConvClip", "RemoveQDQConvRelu", "RemoveQDQConvLeakyRelu",
+            "RemoveQDQConvPRelu", "RemoveQDQConvGelu", "RemoveQDQMulAdd", "RemoveQDQInstanceNorm", "RemoveFusedQDQ", "FoldBatchNorm", "BF16WithClip",
             "FoldRelu", "AlignEltwiseQuantType", "EnableVaimlBF16", "UseGPTQ", "UseMatMulNBits",
             "ConvertFP16ToFP32", "ConvertNCHWToNHWC", "CryptoMode",
         ),

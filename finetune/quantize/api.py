@@ -22,6 +22,7 @@ from finetune.onnx.qdq import bf16_pairs_to_casts
 from .calibrate import calibrate
 from .checks import check_plan
 from .insert import insert_qdq
+from .npu import align_eltwise_formats, align_scales
 from .plan import plan, upgrade_opset
 from .summary import summarize
 
@@ -59,6 +60,9 @@ def quantize_model(
         changes += equalized
     float_model = normalized
     uses = plan(normalized, config, notices)
+    alignments = None
+    if config.npu_cnn:
+        uses, alignments = align_eltwise_formats(normalized, config, uses)
     if not uses:
         op_types = "all" if config.op_types == "all" else ", ".join(config.op_types)
         warn(logger, notices, [Notice("model", normalized.graph.name or "model", f"nothing was quantized: no node of the "
@@ -67,10 +71,12 @@ def quantize_model(
     normalized = upgrade_opset(normalized, uses, changes, notices)
     check_plan(normalized, config, uses, changes, notices)
     qparams = calibrate(normalized, uses, data, providers, notices)
+    if alignments is not None:
+        alignments += align_scales(normalized, config, uses, qparams, notices)
     quantized = attach_custom_ops(insert_qdq(normalized, uses, qparams, config.weight_storage))
     if config.bf16_as_cast:
         changes.append(f"bf16_as_cast: {bf16_pairs_to_casts(quantized)} bfloat16 quantize-dequantize pair(s) written as Cast pairs")
-    summary = summarize(original, quantized, uses, changes, notices, time.perf_counter() - start)
+    summary = summarize(original, quantized, uses, changes, notices, time.perf_counter() - start, alignments)
     return QuantizeResult(quantized, summary, float_model)
 
 

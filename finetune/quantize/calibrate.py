@@ -48,7 +48,7 @@ def calibrate(model: onnx.ModelProto, uses: list[Use], data: Any, providers: lis
                                       "were left out of its range (an overflow in the float model?)")
                                for (tensor, _), observer in activations.items() if observer.non_finite])
     qparams = {key: observer.scale_zero_point() for key, observer in observers.items()}
-    qparams.update(_int32_bias_qparams(uses, qparams))
+    qparams.update(int32_bias_qparams(uses, qparams))
     return qparams
 
 
@@ -86,7 +86,7 @@ class _FanOut:
             observer.update(x)
 
 
-def _int32_bias_qparams(uses: list[Use], qparams: QParams) -> QParams:
+def int32_bias_qparams(uses: list[Use], qparams: QParams) -> QParams:
     """Bias scale = input scale * weight scale (per output channel when the weight is), zero point 0."""
     result: QParams = {}
     by_node: dict[str, dict[str, Use]] = defaultdict(dict)

@@ -26,13 +26,14 @@ def format_label(spec: FormatSpec) -> str:
 
 def summarize(
     original: onnx.ModelProto, quantized: onnx.ModelProto, uses: list[Use], changes: list[str], notices: list[Notice],
-    seconds: float,
+    seconds: float, alignments: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """Tensors per format and role, model sizes, what normalisation (and equalisation) changed and
-    the warnings ({"tensor" | "node" | "model" | "config": name, "reason": ...} each)."""
+    """Tensors per format and role, model sizes, what normalisation (and equalisation) changed,
+    the warnings ({"tensor" | "node" | "model" | "config": name, "reason": ...} each) and, with
+    npu_cnn, the scales and formats its alignments changed (finetune.quantize.npu)."""
     distinct = {(u.tensor, u.spec): u for u in with_producer_formats(uses)}.values()
     per_format = Counter((use.role, format_label(use.spec)) for use in distinct)
-    return {
+    summary = {
         "tensors_per_format": [{"role": r, "format": f, "tensors": n} for (r, f), n in sorted(per_format.items())],
         "quantized_nodes": len({u.node for u in uses}),
         "model_bytes_before": original.ByteSize(),
@@ -41,6 +42,9 @@ def summarize(
         "warnings": [notice.as_dict() for notice in notices],
         "seconds": round(seconds, 3),
     }
+    if alignments is not None:
+        summary["npu_cnn_alignments"] = alignments
+    return summary
 
 
 def format_summary(summary: dict[str, Any]) -> str:
@@ -50,5 +54,7 @@ def format_summary(summary: dict[str, Any]) -> str:
     before, after = summary["model_bytes_before"], summary["model_bytes_after"]
     lines.append(f"quantized nodes: {summary['quantized_nodes']}; model size {before:,} -> {after:,} bytes "
                  f"({after / before:.2f}x); {summary['seconds']:.2f} s")
+    if "npu_cnn_alignments" in summary:
+        lines.append(f"npu_cnn: {len(summary['npu_cnn_alignments'])} scale or format alignment(s)")
     lines += [f"warning: {line}" for line in describe(summary["warnings"])]
     return "\n".join(lines)

@@ -218,7 +218,8 @@ def _float_weights(module: LiftedModule, reference: LiftedModule, units: list[Un
 
 def _check_same_codes(module: LiftedModule, layer: Layer, value: torch.Tensor, warnings: Warnings) -> None:
     """Refuse a float model whose weight does not quantize to the stored codes: its targets would
-    belong to another model (the usual cause: the QDQ model was equalised before quantizing). Only
+    belong to another model (the usual causes: the QDQ model was equalised before quantizing, or its
+    quantizer moved activation scales into the weights, as SmoothQuant does). Only
     a weight within TIE of a rounding tie may have the code beside its own; those are counted per
     layer in a warning (training starts from the float weights, so they may round either way)."""
     if layer.weight_quantizer is None:
@@ -235,7 +236,8 @@ def _check_same_codes(module: LiftedModule, layer: Layer, value: torch.Tensor, w
         raise ValueError(f"the float model's weight of {layer.name} does not quantize to the codes the quantized model stores "
                          f"({count - int(ties.sum())} of {total} differ away from rounding ties): pass the float model it "
                          "was quantized from (for a model quantized with cross_layer_equalization, the equalised one: "
-                         "QuantizeResult.float_model)")
+                         "QuantizeResult.float_model), or, where the quantizer rescaled weights itself (Quark's XINT8 "
+                         "equalisation, NNCF's SmoothQuant), tune without a float model")
     if count:
         warnings.add(layer.name, f"{count} of {total} weight codes ({count / total:.3%}) differ from those the float model's "
                      "weight quantizes to, each at a rounding tie (another tool's arithmetic); tuning starts from the float "

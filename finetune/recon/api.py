@@ -32,6 +32,7 @@ from .device import resolve_device
 from .loop import Tuner, UnitResult
 from .partition import cut
 from .report import Warnings, write_report
+from .smoothing import carry_smoothing
 from .stream import FloatStream, QuantizedStream, cache_inputs
 from .units import Layer, Unit, constant_nodes, find_units, parameter_behind
 
@@ -87,6 +88,9 @@ def finetune_model(
         check_int_weights(module, units)
     float_proto = load_model(float_model) if float_model is not None else None
     sources["float_model"] = digest(float_proto.SerializeToString()) if float_proto is not None else None
+    if float_proto is not None:
+        for change in carry_smoothing(float_proto, original):  # SmoothQuant: the float model in the codes' coordinates
+            logger.info("float model smoothed as the quantized one: %s", change)
     reference = _reference(module, float_proto, units, warnings)
     log_dir = Path(output_dir) / f"{name}.logs" if output_dir is not None else None
     run_callbacks = [*builtin_callbacks(config, log_dir), *callbacks]
@@ -218,8 +222,8 @@ def _float_weights(module: LiftedModule, reference: LiftedModule, units: list[Un
 
 def _check_same_codes(module: LiftedModule, layer: Layer, value: torch.Tensor, warnings: Warnings) -> None:
     """Refuse a float model whose weight does not quantize to the stored codes: its targets would
-    belong to another model (the usual causes: the QDQ model was equalised before quantizing, or its
-    quantizer moved activation scales into the weights, as SmoothQuant does). Only
+    belong to another model (the usual cause: the QDQ model was equalised before quantizing; input
+    smoothing, as SmoothQuant's, is carried into the float model before, see carry_smoothing). Only
     a weight within TIE of a rounding tie may have the code beside its own; those are counted per
     layer in a warning (training starts from the float weights, so they may round either way)."""
     if layer.weight_quantizer is None:
@@ -236,8 +240,8 @@ def _check_same_codes(module: LiftedModule, layer: Layer, value: torch.Tensor, w
         raise ValueError(f"the float model's weight of {layer.name} does not quantize to the codes the quantized model stores "
                          f"({count - int(ties.sum())} of {total} differ away from rounding ties): pass the float model it "
                          "was quantized from (for a model quantized with cross_layer_equalization, the equalised one: "
-                         "QuantizeResult.float_model), or, where the quantizer rescaled weights itself (Quark's XINT8 "
-                         "equalisation, NNCF's SmoothQuant), tune without a float model")
+                         "QuantizeResult.float_model), or, where the quantizer equalised the weights itself (Quark's XINT8 "
+                         "and A8W8), tune without a float model")
     if count:
         warnings.add(layer.name, f"{count} of {total} weight codes ({count / total:.3%}) differ from those the float model's "
                      "weight quantizes to, each at a rounding tie (another tool's arithmetic); tuning starts from the float "

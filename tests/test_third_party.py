@@ -5,7 +5,7 @@ onnxruntime's A16W8 QDQ model uses the com.microsoft contrib QuantizeLinear/Dequ
 lifts like the standard pair, tunes and is written back with its contrib nodes as they were; its
 QOperator model (QLinearConv, ...) is refused with one line naming the node and saying to quantize
 in QDQ format. NNCF's SmoothQuant (model_type=TRANSFORMER) moves activation scales into the
-weights, so the float model is not its reference: it tunes without one."""
+weights; tune carries them into the float model, which stays the reference."""
 
 from __future__ import annotations
 
@@ -23,8 +23,9 @@ from finetune.onnx.session import inference_session
 from finetune.pipeline import quantize_and_finetune
 from finetune.quantize import quantize_model
 from finetune.recon import finetune_model
+from finetune.recon.smoothing import carry_smoothing
 
-from .lift_helpers import onnx_model, run_ort, run_torch, tensor
+from .lift_helpers import FLOAT_ATOL, FLOAT_RTOL, onnx_model, run_ort, run_torch, tensor
 from .recon_helpers import one_thread, run  # noqa: F401  (one_thread: autouse fixture)
 
 FIXTURES = Path(__file__).parent / "fixtures" / "third_party"
@@ -33,7 +34,7 @@ QUARK_CONFIGS = ("XINT8", "A8W8", "A16W8", "BF16", "BFP16", "MX4", "MX6", "MX9",
 QUARK_CASES = [f"{model}.{config}" for model in MODELS for config in QUARK_CONFIGS]
 QDQ_CASES = [f"{model}.ort.{config}" for model in MODELS for config in ("U8S8", "A16W8")]
 NNCF_CASES = ["cnn.nncf", "transformer.nncf", "transformer.nncf.TRANSFORMER"]  # defaults; model_type=TRANSFORMER
-SMOOTHED = "transformer.nncf.TRANSFORMER"  # SmoothQuant: its float model is not its reference
+SMOOTHED = "transformer.nncf.TRANSFORMER"  # SmoothQuant: its input scalings are carried into the float model
 STOCK_DOMAINS = {"", "com.microsoft"}  # what stock onnxruntime runs without function bodies
 
 
@@ -84,7 +85,8 @@ def test_an_onnxruntime_or_nncf_model_runs_in_stock_onnxruntime_and_lifts(case: 
     """The tool's QDQ model (standard ops; com.microsoft Q/DQ in A16W8) runs in stock onnxruntime,
     its own runtime, and the lifted module gives its logits: the same bits where a quantizer ends
     the model (onnxruntime's U8S8). NNCF leaves the last Gemm's output float, where torch's and
-    onnxruntime's kernels add in different float32 orders: up to 1e-5, every top-1 the same.
+    onnxruntime's kernels add in different float32 orders: up to FLOAT_ATOL/RTOL (1e-5), every
+    top-1 the same.
     int16 activations: see assert_int16_close. Every quantized value inside (each
     DequantizeLinear's output, made a graph output) has onnxruntime's bits but where that same
     summation order put a value beside a rounding boundary: there it is one step off (at most 2
@@ -97,7 +99,7 @@ def test_an_onnxruntime_or_nncf_model_runs_in_stock_onnxruntime_and_lifts(case: 
         assert_int16_close(lifted, expected)
         return
     if "nncf" in case:
-        np.testing.assert_allclose(lifted, expected, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(lifted, expected, rtol=FLOAT_RTOL, atol=FLOAT_ATOL)
         assert np.array_equal(lifted.argmax(1), expected.argmax(1))
     else:
         assert np.array_equal(lifted, expected)
@@ -151,8 +153,7 @@ def test_a_quark_model_runs_in_stock_onnxruntime_as_in_quarks_runtime_and_lifts(
 
 TUNE_CASES = [  # (fixture, algorithm): AdaRound where the tool stores int8 weight codes, as onnxruntime and NNCF do
     *[(case, "adaquant") for case in ("cnn.MX6", "transformer.MX4", "cnn.BF16", "transformer.A16W8")],
-    *[(case, "adaround") for case in QDQ_CASES + NNCF_CASES if case != SMOOTHED],
-    (SMOOTHED, "adaquant"),
+    *[(case, "adaround") for case in QDQ_CASES + NNCF_CASES],
 ]
 
 
@@ -160,20 +161,18 @@ TUNE_CASES = [  # (fixture, algorithm): AdaRound where the tool stores int8 weig
 def test_a_third_party_model_tunes_and_is_written_back_in_its_own_form(case: str, algorithm: str, fixture_data: dict) -> None:
     """A short run lowers the summed reconstruction loss, towards the float model (for Quark,
     XINT8 and A8W8 are left out: Quark equalises its weights across layers first, so the float
-    model is not its reference, which tune refuses with that reason; NNCF's SmoothQuant model the
-    same, so it tunes against its dequantized codes). The tuned model keeps the tool's nodes,
-    domains and versions (deployable with the tool's runtime; stock onnxruntime runs those of
+    model is not its reference, which tune refuses with that reason). The tuned model keeps the
+    tool's nodes, domains and versions (deployable with the tool's runtime; stock onnxruntime runs those of
     onnxruntime and NNCF as they are), and with attach_ops carries the same weights with function
     bodies that stock onnxruntime runs."""
     model = onnx.load(FIXTURES / f"{case}.onnx")
     feeds = calibration_feeds(fixture_data)
     config = FastFinetune(algorithm=algorithm, iterations=10, batch_size=16)
-    reference = None if case == SMOOTHED else float_model(case)
-    tuned, report = finetune_model(model, feeds, config, reference)
+    tuned, report = finetune_model(model, feeds, config, float_model(case))
     assert sum(u["loss_after"] for u in report["units"]) < sum(u["loss_before"] for u in report["units"])
     assert list(tuned.graph.node) == list(model.graph.node) and list(tuned.opset_import) == list(model.opset_import)
     assert list(tuned.graph.initializer) != list(model.graph.initializer) and not tuned.functions
-    attached, _ = finetune_model(model, feeds, config, reference, attach_ops=True)
+    attached, _ = finetune_model(model, feeds, config, float_model(case), attach_ops=True)
     assert list(attached.graph.initializer) == list(tuned.graph.initializer)
     expected_shape = (len(fixture_data["check"]), 10)
     assert run(attached, fixture_data["check"]).shape == expected_shape
@@ -181,15 +180,21 @@ def test_a_third_party_model_tunes_and_is_written_back_in_its_own_form(case: str
         assert run(tuned, fixture_data["check"]).shape == expected_shape
 
 
-def test_nncfs_smoothquant_model_is_refused_with_its_float_model_naming_the_layer(fixture_data: dict) -> None:
-    """SmoothQuant scales each MatMul's input per channel (a Mul NNCF inserts) and the weight's
-    rows inversely, so the float model's weights do not quantize to the stored codes: one line
-    names the first such layer and says to tune without a float model."""
-    model = onnx.load(FIXTURES / f"{SMOOTHED}.onnx")
-    assert any(n.op_type == "Mul" and n.name.endswith("nncf_smooth_quant") for n in model.graph.node)
-    with pytest.raises(ValueError, match=r"^the float model's weight of /embed/MatMul does not quantize to the codes "
-                                         r"[^\n]*NNCF's SmoothQuant\), tune without a float model$"):
-        finetune_model(model, calibration_feeds(fixture_data), FastFinetune(iterations=1, batch_size=16), float_model(SMOOTHED))
+def test_nncfs_smoothquant_is_carried_into_the_float_model(fixture_data: dict) -> None:
+    """SmoothQuant scales each MatMul/Gemm input per channel (a Mul NNCF inserts) and the weight
+    inversely. carry_smoothing puts the same Muls into the float model and divides its weights: every
+    layer of the transformer is carried and the function stays the float model's (up to the float
+    rounding of the scales); that its weights then quantize to NNCF's codes, tune checks (the tune
+    test above runs this fixture towards its float model)."""
+    model, reference = onnx.load(FIXTURES / f"{SMOOTHED}.onnx"), onnx.load(float_model(SMOOTHED))
+    smoothed = onnx.ModelProto()
+    smoothed.CopyFrom(reference)
+    changes = carry_smoothing(smoothed, model)
+    initializers = {t.name for t in reference.graph.initializer}
+    weighted = [n.name for n in reference.graph.node if n.op_type in ("MatMul", "Gemm") and set(n.input) & initializers]
+    assert [change.split(":")[0] for change in changes] == weighted and len(weighted) == 10
+    x = fixture_data["check"]
+    np.testing.assert_allclose(run(smoothed, x), run(reference, x), rtol=FLOAT_RTOL, atol=FLOAT_ATOL)
 
 
 # --- AMD Quark's documented BF16 + AdaQuant config, verbatim --------------------------------------

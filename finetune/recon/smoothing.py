@@ -19,19 +19,23 @@ from finetune.lift.qdq import is_quantizer
 def carry_smoothing(float_model: onnx.ModelProto, quantized: onnx.ModelProto) -> list[str]:
     """Insert into `float_model` (in place) every Mul by a constant that `quantized` has and it lacks,
     where the Mul reads a value of the float model and feeds, through quantizers only, MatMul or Gemm
-    layers of the same names whose weight is a constant only they read; returns one line per layer
-    changed. Any other Mul is left out: the weight check then names the layer it leaves apart."""
+    layers of the same names, each with a constant weight that it alone reads; returns one line per
+    layer changed. Anything else is left as it is (the weight check then names its layer)."""
     graph, theirs = float_model.graph, quantized.graph
     names = {n.name for n in graph.node}
     values = {v for n in graph.node for v in n.output} | {i.name for i in graph.input} | {t.name for t in graph.initializer}
     constants = {t.name: t for t in theirs.initializer}
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for node in theirs.node:
+        for value in set(node.input):
+            readers.setdefault(value, []).append(node)
     changes = []
     for mul in theirs.node:
         if mul.op_type != "Mul" or mul.domain not in ("", "ai.onnx") or mul.name in names or mul.output[0] in values:
             continue
         scale = next((v for v in mul.input if v in constants and v not in values), None)
         source = next((v for v in mul.input if v in values and v != scale), None)
-        layers = {n.name for n in _layers_behind(mul.output[0], theirs)} & names
+        layers = _layers_behind(mul.output[0], readers) & names
         if scale is None or source is None or not layers:
             continue
         m = numpy_helper.to_array(constants[scale]).reshape(-1)
@@ -49,18 +53,15 @@ def carry_smoothing(float_model: onnx.ModelProto, quantized: onnx.ModelProto) ->
     return changes
 
 
-def _layers_behind(value: str, graph: onnx.GraphProto) -> list[onnx.NodeProto]:
-    """The MatMul and Gemm nodes that read `value` through quantize/dequantize nodes only."""
-    layers, frontier = [], [value]
+def _layers_behind(value: str, readers: dict[str, list[onnx.NodeProto]]) -> set[str]:
+    """The names of the MatMul and Gemm nodes that read `value` through quantize/dequantize nodes only."""
+    layers, frontier = set(), [value]
     while frontier:
-        current = frontier.pop()
-        for node in graph.node:
-            if current not in node.input:
-                continue
+        for node in readers.get(frontier.pop(), []):
             if is_quantizer(node.domain, node.op_type):
                 frontier.append(node.output[0])
             elif node.op_type in ("MatMul", "Gemm"):
-                layers.append(node)
+                layers.add(node.name)
     return layers
 
 

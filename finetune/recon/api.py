@@ -35,6 +35,7 @@ from .loop import Tuner, UnitResult
 from .parallel import make_fabric, sum_across
 from .partition import cut
 from .report import Warnings, write_report
+from .smoothing import carry_smoothing
 from .stream import FloatStream, QuantizedStream, cache_inputs
 from .units import Layer, Unit, constant_nodes, find_units, parameter_behind
 
@@ -140,6 +141,9 @@ def _tune(fabric: Fabric, job: _Job) -> tuple[onnx.ModelProto | None, dict[str, 
         raise ValueError(f"the model has no {'/'.join(config.op_types)} layer with a trainable weight to tune")
     if config.algorithm == "adaround":
         check_int_weights(module, units)
+    if job.float_model is not None:
+        for change in carry_smoothing(job.float_model, original):  # SmoothQuant: the float model in the codes' coordinates
+            logger.info("float model smoothed as the quantized one: %s", change)
     reference = _reference(module, job.float_model, units, warnings)
     with _deterministic(config, device), ActivationCache(config.cache_budget_bytes) as cache:
         tuner, timing = _run(module, reference, units, original, job, fabric, cache, warnings, sources)
@@ -273,7 +277,8 @@ def _float_weights(module: LiftedModule, reference: LiftedModule, units: list[Un
 
 def _check_same_codes(module: LiftedModule, layer: Layer, value: torch.Tensor, warnings: Warnings) -> None:
     """Refuse a float model whose weight does not quantize to the stored codes: its targets would
-    belong to another model (the usual cause: the QDQ model was equalised before quantizing). Only
+    belong to another model (the usual cause: the QDQ model was equalised before quantizing; input
+    smoothing, as SmoothQuant's, is carried into the float model before, see carry_smoothing). Only
     a weight within TIE of a rounding tie may have the code beside its own; those are counted per
     layer in a warning (training starts from the float weights, so they may round either way)."""
     if layer.weight_quantizer is None:
@@ -290,7 +295,8 @@ def _check_same_codes(module: LiftedModule, layer: Layer, value: torch.Tensor, w
         raise ValueError(f"the float model's weight of {layer.name} does not quantize to the codes the quantized model stores "
                          f"({count - int(ties.sum())} of {total} differ away from rounding ties): pass the float model it "
                          "was quantized from (for a model quantized with cross_layer_equalization, the equalised one: "
-                         "QuantizeResult.float_model)")
+                         "QuantizeResult.float_model), or, where the quantizer equalised the weights itself (Quark's XINT8 "
+                         "and A8W8), tune without a float model")
     if count:
         warnings.add(layer.name, f"{count} of {total} weight codes ({count / total:.3%}) differ from those the float model's "
                      "weight quantizes to, each at a rounding tie (another tool's arithmetic); tuning starts from the float "

@@ -180,8 +180,10 @@ def ort_rerun_seconds(quantized: onnx.ModelProto, calibration: list[dict[str, np
     return total
 
 
-def run_case(model: str, preset: str, directory: Path, iterations: int, adaquant_lr: float | None, unit: str) -> dict[str, Any]:
-    """Quantize, measure, fine-tune, measure again; the case's numbers."""
+def run_case(model: str, preset: str, directory: Path, iterations: int, adaquant_lr: float | None, unit: str,
+             device: str = "cpu", devices: int = 1) -> dict[str, Any]:
+    """Quantize, measure, fine-tune (on `device`, or data-parallel over `devices` of its kind),
+    measure again; the case's numbers."""
     calibration, evaluation = load_case_data(directory)
     float_path = directory / "float.onnx"
     float_outputs = logits(float_path, evaluation["x"])
@@ -189,7 +191,7 @@ def run_case(model: str, preset: str, directory: Path, iterations: int, adaquant
     algorithm = "adaround" if preset in INT_PRESETS else "adaquant"
     unit = AUTO_UNIT[algorithm] if unit == "auto" else unit
     config = FastFinetune(algorithm=algorithm, iterations=iterations, seed=0, lr=adaquant_lr if algorithm == "adaquant" else None,
-                          unit=unit)
+                          unit=unit, device=device, devices=devices, strategy="ddp_spawn")
     start = time.perf_counter()
     quantized = quantize_model(float_path, load_config(PRESETS[preset]), calibration).model
     quantize_seconds = time.perf_counter() - start
@@ -226,6 +228,8 @@ def run_case(model: str, preset: str, directory: Path, iterations: int, adaquant
         "activation_cache_peak_mb_on_disk": report["cache"]["peak_bytes_on_disk"] / 2**20,
         "peak_rss_mb": peak_rss_mb(),
         "threads": torch.get_num_threads(),
+        "device": report["device"], "processes": report["processes"],
+        "gpu_peak_mb": torch.cuda.max_memory_allocated() / 2**20 if device != "cpu" and devices == 1 else None,
     }
 
 
@@ -245,6 +249,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--unit", choices=["auto", "layer", "block"], default="auto",
                         help="reconstruction unit (default auto: layers for AdaRound, blocks for AdaQuant)")
     parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--device", default="cpu", help="where to tune: cpu, cuda:0, hip:0 (default cpu); with cuda the "
+                        "case reports the GPU memory peak")
+    parser.add_argument("--devices", type=int, default=1, help="tune data-parallel over this many devices of that kind "
+                        "(spawned processes; default 1)")
     parser.add_argument("--work-dir", type=Path, help="where to keep models and data (default: a temporary folder)")
     parser.add_argument("--memory", metavar="CROPS", help="instead of the cases: peak RSS of EfficientNet-Lite0 at MX4 "
                         "(AdaQuant over layers) at these comma-separated calibration crop counts, with the activation cache "
@@ -262,7 +270,8 @@ def child(args: argparse.Namespace) -> None:
     """Run one case in this process and print its JSON."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
     model, preset, directory = args.case
-    print(json.dumps(run_case(model, preset, Path(directory), args.iterations, args.adaquant_lr, args.unit)))
+    print(json.dumps(run_case(model, preset, Path(directory), args.iterations, args.adaquant_lr, args.unit, args.device,
+                              args.devices)))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -308,7 +317,8 @@ def main(argv: list[str] | None = None) -> None:
 def run_child(model: str, preset: str, directory: Path, args: argparse.Namespace) -> dict[str, Any]:
     """One case in a fresh process (its own peak RSS); wall time measured around it."""
     command = [sys.executable, __file__, "--case", model, preset, str(directory), "--iterations", str(args.iterations),
-               "--unit", args.unit, *(["--adaquant-lr", str(args.adaquant_lr)] if args.adaquant_lr else [])]
+               "--unit", args.unit, "--device", args.device, "--devices", str(args.devices),
+               *(["--adaquant-lr", str(args.adaquant_lr)] if args.adaquant_lr else [])]
     if args.threads:
         command += ["--threads", str(args.threads)]
     start = time.perf_counter()

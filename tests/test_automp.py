@@ -13,12 +13,16 @@ import pytest
 import torch
 
 from finetune.automp import auto_mixed_precision
+from finetune.automp.resume import candidate_outputs, cut_tails
 from finetune.automp.search import Search
+from finetune.automp.switch import SwitchableModel
 from finetune.cli import main as cli_main
 from finetune.config import ConfigError, load_config
 from finetune.formats import BF16, BFP16, FP8_E4M3FN, MX4, MX6, MX9, MXFP4, MXINT8, IntSpec, bits_per_element
+from finetune.lift import lift_model
 from finetune.onnx.session import inference_session
-from finetune.zoo import digits_split, export_onnx, train_digits_cnn
+from finetune.quantize import quantize_model
+from finetune.zoo import DigitsCNN, DigitsTransformer, digits_split, export_onnx, train_digits_cnn
 
 from .recon_helpers import one_thread  # noqa: F401  (autouse fixture)
 
@@ -106,6 +110,34 @@ def test_one_obviously_sensitive_layer_stays_high_and_only_it(tmp_path: Path) ->
     assert rungs == ["MX4", "MX4", "MX9", "MX4"], result.report["layers"]
     sensitivities = [layer["sensitivity"]["MX4"]["relative_l2"] for layer in result.report["layers"]]
     assert max(sensitivities) == sensitivities[2] > 3 * sorted(sensitivities)[-2]
+
+
+@pytest.mark.parametrize("network", [DigitsCNN, DigitsTransformer])
+def test_resumed_sensitivity_forwards_are_bit_identical_to_full_ones(network: type, tmp_path: Path) -> None:
+    """Each candidate (one layer lowered) run from the top model's cached values at its layer gives
+    the bytes a full forward of the switched model gives (the transformer's tails read residuals)."""
+    torch.manual_seed(0)
+    x_train, _, x_test, _ = digits_split()
+    path = export_onnx(network().eval(), x_test[:2], tmp_path / "model.onnx")
+    calibration = [{"x": b.numpy()} for b in x_train[:128].split(64)]
+    models = {f"layer{r}": lift_model(quantize_model(path, preset, calibration).model) for r, preset in enumerate(["MX4", "MX6", "MX9"])}
+    nodes = [(n.name, n.op_type) for n in onnx.load(path).graph.node if n.op_type in ("Conv", "Gemm", "MatMul")]
+    switch = SwitchableModel(models["layer2"], models, nodes)
+    top = {node: {"activation": "layer2", "weight": "layer2"} for node, _ in nodes}
+    for node, keys in top.items():
+        switch.set(node, keys)
+    candidates = [(node, {"activation": f"layer{r}", "weight": f"layer{r}"}) for node, _ in nodes for r in (0, 1)]
+    batches = [(b,) for b in x_test[:96].split(32)]
+    tails = cut_tails(switch, 0)
+    resumed = candidate_outputs(switch, tails, batches, candidates, top)
+    for (node, keys), output in zip(candidates, resumed, strict=True):
+        switch.set(node, keys)
+        full = switch.outputs(batches, 0)
+        switch.set(node, top[node])
+        assert full.dtype == output.dtype and full.shape == output.shape and full.tobytes() == output.tobytes(), node
+    assert len(nodes) > 3 and len({output.tobytes() for output in resumed}) == len(candidates)  # every switch changed the output
+    last = tails.tails[nodes[-1][0]].module.graph.nodes
+    assert len(last) < len(switch.module.graph.nodes) / 3  # the last layer's tail is a small part of the graph
 
 
 def test_the_trace_is_monotone_where_it_must_be(digits: dict) -> None:

@@ -280,7 +280,15 @@ def test_cli_auto_mp_with_labels_in_the_evaluation_folder(digits: dict, tmp_path
                      "--evaluation-data", str(evaluation), "-o", str(output)])
     assert code == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("auto mixed precision:"))
-    report = json.loads(output.with_name("out.onnx.finetune.automp.json").read_text())
+    report = json.loads(output.with_name("out.onnx.automp.json").read_text())
+    assert output.with_name("out.onnx.automp.png").exists()
     assert f"{report['chosen']['onnxruntime_metric']:.6g}" in line and report["evaluation_data"] == str(evaluation)
     accuracy = float((_outputs(output, digits["evaluation"]).argmax(1) == digits["labels"]).mean())
     assert accuracy == report["chosen"]["onnxruntime_metric"] >= report["target"]
+    # the chosen precision per layer, as a config beside the output, quantizes to the same model
+    chosen = load_config(output.with_name("out.onnx.automp.config.yaml"))
+    assert chosen.auto_mixed_precision is None and len(chosen.node_overrides) == len(report["layers"])
+    again = tmp_path / "again.onnx"
+    assert cli_main(["quantize", str(digits["path"]), "--config", str(output.with_name("out.onnx.automp.config.yaml")),
+                     "--data", str(calibration), "-o", str(again)]) == 0
+    assert again.read_bytes() == output.read_bytes()

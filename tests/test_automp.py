@@ -140,6 +140,26 @@ def test_resumed_sensitivity_forwards_are_bit_identical_to_full_ones(network: ty
     assert len(last) < len(switch.module.graph.nodes) / 3  # the last layer's tail is a small part of the graph
 
 
+@pytest.mark.slow
+def test_finetune_in_loop_tunes_every_search_candidate_then_the_choice(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from finetune.automp import api
+
+    path = _mlp_with_one_sensitive_layer(tmp_path / "mlp.onnx")
+    data = [{"x": np.random.default_rng(i).standard_normal((64, 32)).astype(np.float32)} for i in range(2)]
+    config = {"preset": "MX9", "auto_mixed_precision": {"ladder": ["MX4", "MX9"], "metric": "l2", "target": 0.4,
+                                                        "finetune_in_loop": True, "loop_iterations": 2},
+              "fast_finetune": {"algorithm": "adaquant", "iterations": 3, "batch_size": 32}}
+    tuned = []
+    real_tune = api._tune
+    monkeypatch.setattr(api, "_tune", lambda *args: tuned.append(args[3:]) or real_tune(*args))
+    result = auto_mixed_precision(path, config, data)
+    searched = [p for p in result.report["trace"] if p["phase"] in ("bottom", "search")]
+    assert searched and tuned == [(2,)] * len(searched) + [()]  # each candidate at the loop's budget, then the choice in full
+    assert result.report["chosen"]["met"] and result.finetune_report["units"]
+    with pytest.raises(ValueError, match="finetune_in_loop tunes each candidate with the config's fast_finetune"):
+        auto_mixed_precision(path, {key: value for key, value in config.items() if key != "fast_finetune"}, data)
+
+
 def test_the_trace_is_monotone_where_it_must_be(digits: dict) -> None:
     result = auto_mixed_precision(digits["path"], MX_LADDER, digits["calibration"], evaluation_data=digits["evaluation"],
                                   curve_points=4)

@@ -72,6 +72,9 @@ def auto_mixed_precision(
     settings = config.auto_mixed_precision
     if settings is None:
         raise ValueError("the config has no auto_mixed_precision section")
+    if settings.finetune_in_loop and config.fast_finetune is None:
+        raise ValueError("auto_mixed_precision.finetune_in_loop tunes each candidate with the config's fast_finetune section "
+                         "(loop_iterations each): add one, e.g. fast_finetune: {algorithm: adaquant}")
     chosen_metric = resolve_metric(metric if metric is not None else settings.metric)
     rungs = ladders(settings)
     base = dataclasses.replace(config, auto_mixed_precision=None, fast_finetune=None, weight_storage="float", bf16_as_cast=False)

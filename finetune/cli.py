@@ -49,8 +49,8 @@ def quantize(args: argparse.Namespace) -> None:
     if args.resume and config.fast_finetune is None:
         raise ValueError("--resume continues a fine-tuning run: add --finetune, or a config with a fast_finetune section")
     data = _calibration_data(args)
-    result = quantize_and_finetune(args.model, config, data, args.output.parent, _report_name(args.output), resume=args.resume,
-                                   model_path=args.output)
+    name = args.output.name if config.auto_mixed_precision is not None else _report_name(args.output)  # the search adds .automp
+    result = quantize_and_finetune(args.model, config, data, args.output.parent, name, resume=args.resume, model_path=args.output)
     if result.model is None:
         return  # another process of a data-parallel run: the first one writes and reports
     summary_path = args.output.with_name(args.output.name + ".summary.json")
@@ -60,7 +60,10 @@ def quantize(args: argparse.Namespace) -> None:
     if result.auto_mp_report is not None:
         from finetune.automp.report import summary_line
 
+        chosen = args.output.with_name(args.output.name + ".automp.config.yaml")
+        save_run_config(result.auto_mp_config, chosen)
         print(summary_line(result.auto_mp_report))
+        logger.info("wrote the chosen precision per layer as a config: %s (--config it to quantize the same model again)", chosen)
     if result.report is not None:
         from finetune.recon.report import format_report  # lightning takes seconds to import: only after tuning
 

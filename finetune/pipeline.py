@@ -28,6 +28,7 @@ class PipelineResult:
     summary: dict[str, Any]
     report: dict[str, Any] | None
     auto_mp_report: dict[str, Any] | None = None
+    auto_mp_config: QuantConfig | None = None  # the config the search chose (node overrides): quantizes to `model` again
 
 
 def quantize_and_finetune(
@@ -50,7 +51,7 @@ def quantize_and_finetune(
             raise ValueError("--resume continues a fine-tuning run; an auto mixed precision run starts afresh")
         result = auto_mixed_precision(model, config, data, output_dir=output_dir, name=f"{name}.automp" if output_dir else name,
                                       model_path=model_path)
-        return PipelineResult(result.model, result.summary, result.finetune_report, result.report)
+        return PipelineResult(result.model, result.summary, result.finetune_report, result.report, result.config)
     if config.fast_finetune is None:
         quantized = quantize_model(model, config, data)
         if model_path is not None:

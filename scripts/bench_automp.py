@@ -5,10 +5,13 @@ Cases: the digits CNN and transformer (trained here on scikit-learn's digits; ca
 training split, judged by held-out top-1 accuracy with labels) on the MX ladder MX4/MX6/MX9, the
 OCP ladder MXFP4/MXFP6_E2M3/MXFP8_E4M3 and the INT ladder INT4W8A/A8W8/A16W8; EfficientNet-Lite0
 on MX4/MX6/MX9, calibrated on crops of four of the bundled photos and judged by top-1 agreement
-with the float model on crops of the other three (never the same photo).
+with the float model on crops of the other three (never the same photo); magika on MX4/MX6/MX9,
+calibrated on every other standard-library file and judged by top-1 accuracy against the type the
+extension implies on the rest.
 
     python scripts/bench_automp.py --models digits,transformer                 # minutes
     python scripts/bench_automp.py --models efficientnet --targets 0.86,0.7,0.52 --eval-crops 64
+    python scripts/bench_automp.py --models magika --ladders mx
 """
 
 from __future__ import annotations
@@ -22,11 +25,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from finetune.automp import auto_mixed_precision
 from finetune.files import write_text_atomic
-from finetune.zoo import digits_split, efficientnet_lite0, export_onnx, photo_crops, train_digits_cnn, train_digits_transformer
+from finetune.zoo import (digits_split, efficientnet_lite0, export_onnx, magika_config, magika_onnx_path, magika_samples, photo_crops,
+                          train_digits_cnn, train_digits_transformer)
 
 INT4W8A = {"activation": {"format": "int", "dtype": "int8", "symmetric": True, "calibration": "minmax"},
            "weight": {"format": "int", "dtype": "int4", "symmetric": True, "granularity": "channel", "calibration": "minmax"}}
@@ -51,30 +56,50 @@ def efficientnet_case(directory: Path, calibration_crops: int, evaluation_crops:
     return path, calibration, evaluation
 
 
-def run(path: Path, calibration: list, evaluation: list, ladder: list, metric: str, goal: dict[str, float]) -> dict[str, Any]:
+def magika_case() -> tuple[Path, list, list]:
+    """magika, calibration on every other file, labelled evaluation batches of the rest."""
+    features, names = magika_samples()
+    space = magika_config()["target_labels_space"]
+    labels = np.array([space.index(name) for name in names])
+    calibration = [{"bytes": features[0::2][i:i + 32]} for i in range(0, len(features[0::2]), 32)]
+    held, truth = features[1::2], labels[1::2]
+    return magika_onnx_path(), calibration, [(held[i:i + 64], truth[i:i + 64]) for i in range(0, len(held), 64)]
+
+
+def run(path: Path, calibration: list, evaluation: list, ladder: list, metric: str, goal: dict[str, float],
+        curve_points: int = 0) -> dict[str, Any]:
     """One search; the numbers the closing note and the issue ask for."""
     config = {"preset": ladder[-1] if isinstance(ladder[-1], str) else "A16W8",
               "auto_mixed_precision": {"ladder": ladder, "metric": metric, **goal}}
     start = time.perf_counter()
-    report = auto_mixed_precision(path, config, calibration, evaluation_data=evaluation).report
+    report = auto_mixed_precision(path, config, calibration, evaluation_data=evaluation, curve_points=curve_points).report
     chosen = report["chosen"]
+    curve = [(p["average_bits"], p["metric"]) for p in report["trace"] if p["phase"] in ("curve", "search")]
     return {
         **goal, "target": report["target"], "float_metric": report["float_metric"],
         "average_bits": chosen["average_bits"], "weight_bits": chosen["weight_bits"], "activation_bits": chosen["activation_bits"],
         "fractions": chosen["fractions"], "onnxruntime_metric": chosen["onnxruntime_metric"], "met": chosen["met"],
         "repairs": chosen["repairs"], "evaluations": report["evaluations"], "uniform": report["uniform"],
+        "curve": curve, "curve_above_uniform_line": all(m >= _uniform_line(report["uniform"], b) for b, m in curve),
         "seconds": {**report["seconds"], "wall": time.perf_counter() - start},
     }
 
 
+def _uniform_line(uniform: list[dict], bits: float) -> float:
+    """The metric on the line joining the uniform rungs' points (metric against average bits) at `bits`."""
+    points = sorted((p["average_bits"], p["metric"]) for p in uniform)
+    return float(np.interp(bits, [b for b, _ in points], [m for _, m in points]))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default="digits,transformer", help="digits, transformer, efficientnet")
-    parser.add_argument("--ladders", default="mx,mxfp,int", help="for the digits models: mx, mxfp, int")
-    parser.add_argument("--drops", default="0.005,0.01,0.02", help="digits: allowed top-1 accuracy drops from float")
+    parser.add_argument("--models", default="digits,transformer", help="digits, transformer, efficientnet, magika")
+    parser.add_argument("--ladders", default="mx,mxfp,int", help="for the digits models and magika: mx, mxfp, int")
+    parser.add_argument("--drops", default="0.005,0.01,0.02", help="digits, magika: allowed top-1 accuracy drops from float")
     parser.add_argument("--targets", default="0.86,0.7,0.52", help="EfficientNet-Lite0: top-1 agreement targets")
     parser.add_argument("--calibration-crops", type=int, default=32)
     parser.add_argument("--eval-crops", type=int, default=64)
+    parser.add_argument("--curve-points", type=int, default=4, help="prefixes of the search's move order measured for the curve")
     parser.add_argument("--json", type=Path, help="also write the JSON here")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
@@ -85,13 +110,15 @@ def main(argv: list[str] | None = None) -> None:
             if model == "efficientnet":
                 case = efficientnet_case(Path(folder), args.calibration_crops, args.eval_crops)
                 for target in map(float, args.targets.split(",")):
-                    results.append({"model": model, "ladder": "mx", **run(*case, LADDERS["mx"], "top1_agreement", {"target": target})})
+                    results.append({"model": model, "ladder": "mx",
+                                    **run(*case, LADDERS["mx"], "top1_agreement", {"target": target}, args.curve_points)})
                     print(json.dumps(results[-1]), file=sys.stderr)
                 continue
-            case = digits_case(model, Path(folder))
+            case = magika_case() if model == "magika" else digits_case(model, Path(folder))
             for ladder in args.ladders.split(","):
                 for drop in map(float, args.drops.split(",")):
-                    results.append({"model": model, "ladder": ladder, **run(*case, LADDERS[ladder], "top1_accuracy", {"max_drop": drop})})
+                    results.append({"model": model, "ladder": ladder,
+                                    **run(*case, LADDERS[ladder], "top1_accuracy", {"max_drop": drop}, args.curve_points)})
                     print(json.dumps(results[-1]), file=sys.stderr)
     text = json.dumps({"torch_threads": 2, "results": results}, indent=1)
     if args.json:

@@ -13,12 +13,16 @@ import pytest
 import torch
 
 from finetune.automp import auto_mixed_precision
+from finetune.automp.resume import candidate_outputs, cut_tails
 from finetune.automp.search import Search
+from finetune.automp.switch import SwitchableModel
 from finetune.cli import main as cli_main
 from finetune.config import ConfigError, load_config
 from finetune.formats import BF16, BFP16, FP8_E4M3FN, MX4, MX6, MX9, MXFP4, MXINT8, IntSpec, bits_per_element
+from finetune.lift import lift_model
 from finetune.onnx.session import inference_session
-from finetune.zoo import digits_split, export_onnx, train_digits_cnn
+from finetune.quantize import quantize_model
+from finetune.zoo import DigitsCNN, DigitsTransformer, digits_split, export_onnx, train_digits_cnn
 
 from .recon_helpers import one_thread  # noqa: F401  (autouse fixture)
 
@@ -106,6 +110,54 @@ def test_one_obviously_sensitive_layer_stays_high_and_only_it(tmp_path: Path) ->
     assert rungs == ["MX4", "MX4", "MX9", "MX4"], result.report["layers"]
     sensitivities = [layer["sensitivity"]["MX4"]["relative_l2"] for layer in result.report["layers"]]
     assert max(sensitivities) == sensitivities[2] > 3 * sorted(sensitivities)[-2]
+
+
+@pytest.mark.parametrize("network", [DigitsCNN, DigitsTransformer])
+def test_resumed_sensitivity_forwards_are_bit_identical_to_full_ones(network: type, tmp_path: Path) -> None:
+    """Each candidate (one layer lowered) run from the top model's cached values at its layer gives
+    the bytes a full forward of the switched model gives (the transformer's tails read residuals)."""
+    torch.manual_seed(0)
+    x_train, _, x_test, _ = digits_split()
+    path = export_onnx(network().eval(), x_test[:2], tmp_path / "model.onnx")
+    calibration = [{"x": b.numpy()} for b in x_train[:128].split(64)]
+    models = {f"layer{r}": lift_model(quantize_model(path, preset, calibration).model) for r, preset in enumerate(["MX4", "MX6", "MX9"])}
+    nodes = [(n.name, n.op_type) for n in onnx.load(path).graph.node if n.op_type in ("Conv", "Gemm", "MatMul")]
+    switch = SwitchableModel(models["layer2"], models, nodes)
+    top = {node: {"activation": "layer2", "weight": "layer2"} for node, _ in nodes}
+    for node, keys in top.items():
+        switch.set(node, keys)
+    candidates = [(node, {"activation": f"layer{r}", "weight": f"layer{r}"}) for node, _ in nodes for r in (0, 1)]
+    batches = [(b,) for b in x_test[:96].split(32)]
+    tails = cut_tails(switch, 0)
+    resumed = candidate_outputs(switch, tails, batches, candidates, top)
+    for (node, keys), output in zip(candidates, resumed, strict=True):
+        switch.set(node, keys)
+        full = switch.outputs(batches, 0)
+        switch.set(node, top[node])
+        assert full.dtype == output.dtype and full.shape == output.shape and full.tobytes() == output.tobytes(), node
+    assert len(nodes) > 3 and len({output.tobytes() for output in resumed}) == len(candidates)  # every switch changed the output
+    last = tails.tails[nodes[-1][0]].module.graph.nodes
+    assert len(last) < len(switch.module.graph.nodes) / 3  # the last layer's tail is a small part of the graph
+
+
+@pytest.mark.slow
+def test_finetune_in_loop_tunes_every_search_candidate_then_the_choice(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from finetune.automp import api
+
+    path = _mlp_with_one_sensitive_layer(tmp_path / "mlp.onnx")
+    data = [{"x": np.random.default_rng(i).standard_normal((64, 32)).astype(np.float32)} for i in range(2)]
+    config = {"preset": "MX9", "auto_mixed_precision": {"ladder": ["MX4", "MX9"], "metric": "l2", "target": 0.4,
+                                                        "finetune_in_loop": True, "loop_iterations": 2},
+              "fast_finetune": {"algorithm": "adaquant", "iterations": 3, "batch_size": 32}}
+    tuned = []
+    real_tune = api._tune
+    monkeypatch.setattr(api, "_tune", lambda *args: tuned.append(args[3:]) or real_tune(*args))
+    result = auto_mixed_precision(path, config, data)
+    searched = [p for p in result.report["trace"] if p["phase"] in ("bottom", "search")]
+    assert searched and tuned == [(2,)] * len(searched) + [()]  # each candidate at the loop's budget, then the choice in full
+    assert result.report["chosen"]["met"] and result.finetune_report["units"]
+    with pytest.raises(ValueError, match="finetune_in_loop tunes each candidate with the config's fast_finetune"):
+        auto_mixed_precision(path, {key: value for key, value in config.items() if key != "fast_finetune"}, data)
 
 
 def test_the_trace_is_monotone_where_it_must_be(digits: dict) -> None:
@@ -248,7 +300,15 @@ def test_cli_auto_mp_with_labels_in_the_evaluation_folder(digits: dict, tmp_path
                      "--evaluation-data", str(evaluation), "-o", str(output)])
     assert code == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("auto mixed precision:"))
-    report = json.loads(output.with_name("out.onnx.finetune.automp.json").read_text())
+    report = json.loads(output.with_name("out.onnx.automp.json").read_text())
+    assert output.with_name("out.onnx.automp.png").exists()
     assert f"{report['chosen']['onnxruntime_metric']:.6g}" in line and report["evaluation_data"] == str(evaluation)
     accuracy = float((_outputs(output, digits["evaluation"]).argmax(1) == digits["labels"]).mean())
     assert accuracy == report["chosen"]["onnxruntime_metric"] >= report["target"]
+    # the chosen precision per layer, as a config beside the output, quantizes to the same model
+    chosen = load_config(output.with_name("out.onnx.automp.config.yaml"))
+    assert chosen.auto_mixed_precision is None and len(chosen.node_overrides) == len(report["layers"])
+    again = tmp_path / "again.onnx"
+    assert cli_main(["quantize", str(digits["path"]), "--config", str(output.with_name("out.onnx.automp.config.yaml")),
+                     "--data", str(calibration), "-o", str(again)]) == 0
+    assert again.read_bytes() == output.read_bytes()

@@ -70,3 +70,4 @@ def test_bench_automp_reports_the_search_beside_the_uniform_rungs(tmp_path: Path
     assert [p["name"] for p in row["uniform"]] == ["MX4", "MX6", "MX9"]
     assert row["uniform"][0]["average_bits"] <= row["average_bits"] <= row["uniform"][-1]["average_bits"]
     assert set(row["seconds"]) >= {"sensitivity", "search", "finetune", "total"}
+    assert len(row["curve"]) >= 4 and isinstance(row["curve_above_uniform_line"], bool)

@@ -71,22 +71,26 @@ class Search:
     def measure(self, assignment: tuple[int, ...], phase: str) -> Point:
         """Evaluate an assignment and record it in the trace."""
         metric, l2 = self.evaluate(assignment)
+        return self.record(assignment, metric, l2, phase)
+
+    def record(self, assignment: tuple[int, ...], metric: float, l2: float, phase: str) -> Point:
+        """Add a measured assignment to the trace."""
         point = Point(phase, assignment, metric, l2, self.bits(assignment))
         self.trace.append(point)
         logger.info("%-11s metric %.6g  relative L2 %.4g  average bits %.3f", phase, metric, l2, point.bits)
         return point
 
-    def measure_sensitivity(self, progress: Callable[[int, int], None] | None = None) -> None:
-        """Each item alone at each lower rung, the others at the top; then the moves in order of
-        noise added per bit saved (ties: item, then rung; moves that save nothing are dropped)."""
+    def measure_sensitivity(self, evaluate_all: Callable[[list[tuple[int, ...]]], list[tuple[float, float]]] | None = None) -> None:
+        """Each item alone at each lower rung, the others at the top (all measured by `evaluate_all`
+        when given, else one by one); then the moves in order of noise added per bit saved (ties:
+        item, then rung; moves that save nothing are dropped)."""
         top = self.top
         base = self.measure(top, "top")
         candidates = [(i, r) for i, count in enumerate(self.rungs) if i not in self.fixed for r in range(count - 1)]
-        for done, (i, r) in enumerate(candidates):
-            assignment = top[:i] + (r,) + top[i + 1:]
-            self.sensitivity[i, r] = self.measure(assignment, "sensitivity")
-            if progress is not None:
-                progress(done + 1, len(candidates))
+        assignments = [top[:i] + (r,) + top[i + 1:] for i, r in candidates]
+        measured = evaluate_all(assignments) if evaluate_all is not None else [self.evaluate(a) for a in assignments]
+        for candidate, assignment, (metric, l2) in zip(candidates, assignments, measured, strict=True):
+            self.sensitivity[candidate] = self.record(assignment, metric, l2, "sensitivity")
         self.moves = []
         for (i, r), point in self.sensitivity.items():
             saved = base.bits - point.bits

@@ -22,6 +22,18 @@ BIASED_OPS = ("Conv", "ConvTranspose", "Gemm")
 IDENTITY = nn.Identity()
 
 
+class SlotModule(nn.Module):
+    """The module a slot's graph node calls: it runs whichever quantizer it holds now (the identity
+    when none), so a switch reaches every graph cut from the model too (they share this module)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.current: nn.Module = IDENTITY
+
+    def forward(self, value: torch.Tensor) -> torch.Tensor:
+        return self.current(value)
+
+
 @dataclass
 class Slot:
     """One quantized input of a target layer: its role, element count (per sample for activations)
@@ -30,6 +42,7 @@ class Slot:
     name: str
     role: str  # activation | weight | bias
     elements: int
+    holder: SlotModule
     modules: dict[str, FakeQuantize | None] = field(default_factory=dict)
 
     def bits(self, key: str) -> float:
@@ -71,13 +84,14 @@ class SwitchableModel:
             value = args[index]
             source = value.args[0] if _is_quantizer(self.module, value) else value
             name = f"{call.target}/automp_input{index}"
-            self.module.add_submodule(name, IDENTITY)
+            holder = SlotModule()
+            self.module.add_submodule(name, holder)
             with self.module.graph.inserting_before(call):
                 args[index] = self.module.graph.call_module(name, (source,))
             role = _role(op_type, index, source)
             elements = _constant(self.module, source).numel() if role != "activation" else 0
             modules = {key: found.get(index) for key, found in quantizers.items()}
-            slots.append(Slot(name, role, elements, modules))
+            slots.append(Slot(name, role, elements, holder, modules))
         call.args = tuple(args)
         return slots
 
@@ -90,11 +104,11 @@ class SwitchableModel:
             key = keys[slot.role if slot.role != "bias" else "weight"]
             chosen[slot.role] = slot.modules[key]
             if slot.role != "bias":
-                self.module.add_submodule(slot.name, chosen[slot.role] or IDENTITY)
+                slot.holder.current = chosen[slot.role] or IDENTITY
         for slot in self.slots[node]:
             if slot.role == "bias":
                 module = _bias_between(slot.modules[keys["weight"]], chosen.get("activation"), chosen.get("weight"))
-                self.module.add_submodule(slot.name, module or IDENTITY)
+                slot.holder.current = module or IDENTITY
 
     @torch.inference_mode()
     def outputs(self, batches: Sequence[tuple[torch.Tensor, ...]], output_index: int) -> np.ndarray:
@@ -107,21 +121,17 @@ class SwitchableModel:
         return np.concatenate(results)
 
     def measure_activations(self, batch: tuple[torch.Tensor, ...]) -> None:
-        """Record each activation slot's elements per sample from one batch (each slot gets its own
-        probe for the pass: the empty slots share one identity module)."""
+        """Record each activation slot's elements per sample from one batch."""
         samples = len(batch[0]) if batch and batch[0].ndim else 1
         slots = [s for slots in self.slots.values() for s in slots if s.role == "activation"]
-        held = {slot.name: self.module.get_submodule(slot.name) for slot in slots}
-        for slot in slots:
-            probe = nn.Identity()
-            probe.register_forward_hook(lambda _m, args, _out, slot=slot: setattr(slot, "elements", args[0].numel() // max(samples, 1)))
-            self.module.add_submodule(slot.name, probe)
+        hooks = [slot.holder.register_forward_hook(
+            lambda _m, args, _out, slot=slot: setattr(slot, "elements", args[0].numel() // max(samples, 1))) for slot in slots]
         try:
             with torch.inference_mode():
                 self.module(*batch)
         finally:
-            for name, module in held.items():
-                self.module.add_submodule(name, module)
+            for hook in hooks:
+                hook.remove()
 
 
 def _quantizers(model: LiftedModule, target: str) -> dict[int, FakeQuantize]:

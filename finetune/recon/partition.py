@@ -41,14 +41,14 @@ def cut(module: LiftedModule, units: list[Unit]) -> Plan:
     graph = module.graph
     nodes = {n.name: n for n in graph.nodes}
     constant = constant_nodes(graph)
-    steps = _assign_steps(graph, units, constant, _needed([nodes[name] for unit in units for name in unit.nodes], constant))
+    steps = _assign_steps(graph, units, constant, needed([nodes[name] for unit in units for name in unit.nodes], constant))
     members: list[list[fx.Node]] = [[] for _ in range(2 * len(units))]
     for node, step in steps.items():
         members[step].append(node)
     readers = _readers(steps, constant)
     last_use = {name: max(uses) for name, uses in readers.items()}
-    segments = [_segment(module, members[s], _outputs(members[s], readers, s), constant) for s in range(len(members))]
-    train = tuple(_segment(module, members[2 * k + 1], [nodes[u.output]], constant).module for k, u in enumerate(units))
+    segments = [segment(module, members[s], _outputs(members[s], readers, s), constant) for s in range(len(members))]
+    train = tuple(segment(module, members[2 * k + 1], [nodes[u.output]], constant).module for k, u in enumerate(units))
     return Plan(tuple(segments[0::2]), tuple(segments[1::2]), train, last_use)
 
 
@@ -59,18 +59,18 @@ def cut_before(module: LiftedModule, wanted: list[list[fx.Node]]) -> tuple[tuple
     constant = constant_nodes(module.graph)
     steps: dict[fx.Node, int] = {}
     for k, nodes in enumerate(wanted):
-        for node in _needed(nodes, constant):
+        for node in needed(nodes, constant):
             steps.setdefault(node, k)
     members: list[list[fx.Node]] = [[] for _ in wanted]
     for node in module.graph.nodes:
         if node in steps:
             members[steps[node]].append(node)
     readers = _readers(steps, constant)
-    segments = tuple(_segment(module, members[k], _outputs(members[k], readers, k), constant) for k in range(len(wanted)))
+    segments = tuple(segment(module, members[k], _outputs(members[k], readers, k), constant) for k in range(len(wanted)))
     return segments, {name: max(uses) for name, uses in readers.items()}
 
 
-def _needed(nodes: list[fx.Node], constant: set[fx.Node]) -> set[fx.Node]:
+def needed(nodes: list[fx.Node], constant: set[fx.Node]) -> set[fx.Node]:
     """The given nodes and the non-constant nodes they depend on (graph inputs excluded)."""
     needed: set[fx.Node] = set()
     stack = list(nodes)
@@ -118,7 +118,7 @@ def _outputs(members: list[fx.Node], readers: dict[str, list[int]], step: int) -
     return [n for n in members if any(s > step for s in readers.get(n.name, ()))]
 
 
-def _segment(module: LiftedModule, members: list[fx.Node], outputs: list[fx.Node], constant: set[fx.Node]) -> Segment:
+def segment(module: LiftedModule, members: list[fx.Node], outputs: list[fx.Node], constant: set[fx.Node]) -> Segment:
     """A GraphModule computing `outputs` from the values `members` read from outside."""
     graph = fx.Graph()
     inside = set(members)

@@ -209,8 +209,7 @@ class Tuner:
         if world == 1:
             mse = F.mse_loss(model(x)[0], target)
         else:
-            elements = batch_size * math.prod(target.shape[1:])
-            mse = (model(x)[0] - target).square().sum() / elements
+            mse = (model(x)[0] - target).square().sum() / (batch_size * math.prod(target.shape[1:]))
         objective = mse / power
         exponent = beta(step, self.config.iterations) if roundings else None
         if exponent is not None:

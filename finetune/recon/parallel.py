@@ -28,12 +28,11 @@ from .cache import CachedValue
 def make_fabric(config: FastFinetune, device: torch.device, callbacks: Sequence[Any]) -> Fabric:
     """The Fabric that runs the units: on `device` alone, or on config.devices devices of its kind
     (cuda:0..N-1, or N CPU processes with gloo) on each of config.nodes machines, through config.strategy."""
-    accelerator = "cpu" if device.type == "cpu" else "cuda"
+    placement: dict[str, Any] = {"devices": config.devices, "num_nodes": config.nodes, "strategy": config.strategy}
     if config.processes == 1:
-        devices: int | list[int] = 1 if device.type == "cpu" else [device.index or 0]
-        return Fabric(accelerator=accelerator, devices=devices, precision="32-true", callbacks=list(callbacks))
-    return Fabric(accelerator=accelerator, devices=config.devices, num_nodes=config.nodes, strategy=config.strategy,
-                  precision="32-true", callbacks=list(callbacks))
+        placement = {"devices": 1 if device.type == "cpu" else [device.index or 0]}
+    return Fabric(accelerator="cpu" if device.type == "cpu" else "cuda", precision="32-true", callbacks=list(callbacks),
+                  **placement)
 
 
 def sum_across(fabric: Fabric, values: Sequence[float]) -> list[float]:

@@ -175,11 +175,11 @@ def cache_inputs(feeds: Any, names: list[str], cache: ActivationCache, rank: int
     b % world == rank: every batch in a run on one device), in graph order, as cached values."""
     values = [cache.value(f"input:{name}") for name in names]
     batches = 0
-    for batches, feed in enumerate(feeds, start=1):
-        if (batches - 1) % world != rank:
-            continue
-        for value, name in zip(values, names):
-            value.append(torch.from_numpy(np.asarray(feed[name])))
+    for index, feed in enumerate(feeds):
+        batches = index + 1
+        if index % world == rank:
+            for value, name in zip(values, names):
+                value.append(torch.from_numpy(np.asarray(feed[name])))
     if not values or not batches:
         raise ValueError("fast finetune needs calibration data: the data source gave no samples")
     if batches < world:

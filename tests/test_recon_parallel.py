@@ -40,8 +40,8 @@ def test_the_processes_draw_the_one_process_batch_and_bytes_between_them() -> No
     shares = [_process_batches(batches, config, rank, 2) for rank in range(2)]
     empty_steps = 0
     for _ in range(40):
-        x, numbers = one.next(torch.device("cpu"))
-        parts = [share.next(torch.device("cpu")) for share in shares]
+        x, numbers = one.next()
+        parts = [share.next() for share in shares]
         empty_steps += any(len(part[0]) == 0 for part in parts)
         together, their_numbers = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
         assert torch.equal(together[torch.argsort(their_numbers[:, 0])], x[torch.argsort(numbers[:, 0])])
@@ -120,8 +120,10 @@ def test_two_gloo_processes_tune_like_one(digits: dict, spawned: dict, algorithm
         assert b["loss_after"] == pytest.approx(a["loss_after"], rel=1e-5)
     ones, twos = _weights(one), _weights(two)
     assert ones.keys() == twos.keys()
+    # summation order differs (two halves of each gradient, then their sum): measured 2.1e-7 at most on a
+    # 2-core machine, 4.1e-6 on a 16-core one (torch 2.11), against the 1e-3 steps Adam takes
     for name, value in ones.items():
-        np.testing.assert_allclose(twos[name], value, rtol=0, atol=1e-6 * max(1.0, float(np.abs(value).max())), err_msg=name)
+        np.testing.assert_allclose(twos[name], value, rtol=0, atol=1e-5 * max(1.0, float(np.abs(value).max())), err_msg=name)
     np.testing.assert_allclose(run(two, digits["x"]), run(one, digits["x"]), atol=1e-4)
 
 

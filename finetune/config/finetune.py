@@ -37,7 +37,9 @@ class FastFinetune(Section):
     along a cosine), batches of 16 samples, all calibration data (data_size null), no early stop,
     seed 0, cpu, the default op types, no bias update (adaquant only), output quantizers left out
     (a layer's activation is always in its unit), drop_ratio 0.5 (share of unit inputs taken from
-    the quantized rather than the float model), 2 GiB of cached activations in memory, layer-wise
+    the quantized rather than the float model), 2 GiB of cached activations in memory and, on an
+    accelerator, up to 4 GiB of a unit's training rows copied to it (beyond that, batches are
+    gathered on the host and copied each step), layer-wise
     units (`block`: the layers of one exporter scope tuned together, as in BRECQ), deterministic
     algorithms only (`warn`: an op without a deterministic kernel runs anyway, with a warning),
     float32 matrix products in full float32 (`allow_tf32: true` lets CUDA use TF32), and one
@@ -58,6 +60,7 @@ class FastFinetune(Section):
     include_output_quant: bool = False
     drop_ratio: float = field(default=0.5, metadata={"min": 0, "max": 1})
     cache_budget_bytes: int = field(default=2**31, metadata={"min": 1})
+    device_cache_bytes: int = field(default=2**32, metadata={"min": 0})
     unit: Literal["layer", "block"] = "layer"
     deterministic: Literal[True, "warn"] = True
     allow_tf32: bool = False

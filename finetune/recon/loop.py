@@ -32,6 +32,11 @@ from .units import Unit, parameters_of
 
 logger = logging.getLogger(__name__)
 
+# Steps whose losses an accelerator keeps before the host reads them in one synchronisation; the
+# step callbacks then hear them one by one, so a callback that stops a unit stops it at the end of
+# such a group there. On the CPU, where reading a loss costs no synchronisation, every step is read.
+READ_EVERY = 10
+
 Roundings = list[tuple[SoftRounding, torch.Tensor]]  # AdaRound's soft rounding of each quantized weight, and the weight
 
 
@@ -150,7 +155,9 @@ class Tuner:
         adam = HostAdam if self.fabric.device.type == "cpu" else torch.optim.Adam
         optimizer = self.fabric.setup_optimizers(adam(trainable, lr=config.lr))
         schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, config.iterations) if not roundings else None
-        batches = Batches(inputs, float_inputs, targets, config, k, Rows.of(self.fabric, inputs, targets))
+        device = self.fabric.device
+        batches = Batches(inputs, float_inputs, targets, config, k, Rows.of(self.fabric, inputs, targets), device,
+                          config.device_cache_bytes)
         if batches.left_out:
             self.warnings.add(unit.name, f"{batches.left_out} of the {inputs.rows} rows of its inputs (slices along their "
                               "leading axis) are left out of its training batches: they come from calibration batches whose "
@@ -162,13 +169,16 @@ class Tuner:
                 for rounding, _ in roundings:
                     installed.enter_context(rounding)
                 if unit.op_type == "block":
-                    installed.enter_context(dropped_quantization(train, config, k, self.fabric.global_rank))
+                    installed.enter_context(dropped_quantization(train, config, k, self.fabric.global_rank, device))
+                read_every = 1 if device.type == "cpu" else READ_EVERY
+                losses: list[torch.Tensor] = []
                 for step in range(config.iterations):
-                    loss = self._step(model, optimizer, batches.next(self.fabric.device), power, roundings, step, batches.size)
+                    losses.append(self._step(model, optimizer, batches.next(), power, roundings, step, batches.size))
                     if schedule is not None:
                         schedule.step()
-                    for hook in self._step_hooks:
-                        hook(tuner=self, index=k, step=step, loss=loss)
+                    if len(losses) == read_every or step + 1 == config.iterations:
+                        self._hear_steps(k, step + 1 - len(losses), losses)
+                        losses = []
                     if self.should_stop:
                         logger.info("unit %d/%d %s: early stop after %d iterations", k + 1, len(self.units), unit.name, step + 1)
                         break
@@ -197,8 +207,18 @@ class Tuner:
             parameter.requires_grad_(False)
         return roundings, trainable, frozen
 
+    def _hear_steps(self, k: int, first: int, losses: list[torch.Tensor]) -> None:
+        """Read the losses of steps first, first + 1, ... (summed over processes: each holds its rows'
+        share) in one synchronisation, and tell the step callbacks each in turn."""
+        values = torch.stack(losses).double()
+        if self.fabric.world_size > 1:
+            values = self.fabric.all_reduce(values, reduce_op="sum")
+        for offset, loss in enumerate(values.tolist()):
+            for hook in self._step_hooks:
+                hook(tuner=self, index=k, step=first + offset, loss=loss)
+
     def _step(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: tuple[torch.Tensor, torch.Tensor],
-              power: float, roundings: Roundings, step: int, batch_size: int) -> float:
+              power: float, roundings: Roundings, step: int, batch_size: int) -> torch.Tensor:
         """One Adam step on MSE relative to the target power (plus AdaRound's regulariser, averaged
         over every rounded weight element of the unit). Over several processes each holds some rows
         of the batch of `batch_size`: its share of the loss is its rows' squared error over the whole
@@ -217,12 +237,10 @@ class Tuner:
             regularizer = sum(r.regularizer(exponent) * (r.v.numel() / elements) for r, _ in roundings)
             objective = objective + REG_WEIGHT * regularizer / world  # summed over the processes: once in all
         self.fabric.backward(objective, model=model if world == 1 else None)
-        if world == 1:
-            optimizer.step()
-            return mse.detach().item()
-        sum_gradients(self.fabric, [p for group in optimizer.param_groups for p in group["params"]])
+        if world > 1:
+            sum_gradients(self.fabric, [p for group in optimizer.param_groups for p in group["params"]])
         optimizer.step()
-        return sum_across(self.fabric, [mse.detach().item()])[0]
+        return mse.detach()
 
     def _finish(self, k: int, module: LiftedModule, before: float, after: float, status: str, iterations: int,
                 begin: float, tried: float | None = None) -> UnitResult:
@@ -241,15 +259,14 @@ class Tuner:
 def evaluate(train: fx.GraphModule, inputs: CachedValue, targets: CachedValue, fabric: Fabric) -> tuple[float, float]:
     """(MSE of the unit's output against its float target, mean square of the target) over every
     cached sample of every process, computed in float64 sums so the result does not depend on
-    chunking."""
-    squared_error = power = 0.0
+    chunking, and read by the host once."""
+    sums = torch.zeros(2, dtype=torch.float64, device=fabric.device)
     count = 0
     with torch.no_grad():
         for chunk in range(len(inputs.chunks)):
             output = train(inputs.tensor(chunk, fabric.device))[0]
             target = targets.tensor(chunk, fabric.device)
-            squared_error += float((output - target).double().square().sum())
-            power += float(target.double().square().sum())
+            sums += torch.stack([(output - target).double().square().sum(), target.double().square().sum()])
             count += target.numel()
-    squared_error, power, count = sum_across(fabric, [squared_error, power, count])
+    squared_error, power, count = sum_across(fabric, [*sums.tolist(), count])
     return squared_error / count, max(power / count, 1e-30)

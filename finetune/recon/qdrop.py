@@ -14,9 +14,11 @@ from torch import fx
 from finetune.config import FastFinetune
 from finetune.lift import FakeQuantize
 
-from .cache import CachedValue
+from .cache import CachedValue, SpilledArray
 from .parallel import Rows
 from .units import constant_nodes
+
+CPU = torch.device("cpu")
 
 
 class Batches:
@@ -28,44 +30,101 @@ class Batches:
     sequence-first, (tokens, batch, ...), has a smaller second axis in a last, partial batch, and
     its rows cannot join the others (they still count in the loss before and after); `left_out`
     counts them. Over several processes every one draws the same global batch and the same mixing
-    bytes, and keeps the rows it holds (see parallel)."""
+    bytes, and keeps the rows it holds (see parallel).
+
+    On an accelerator the unit's rows are copied to it once, when they fit `device_budget` bytes,
+    and each batch is gathered there; the mixing bytes come from a generator on the device (see
+    KeepMasks), so a step copies only the batch's row numbers to the device and nothing back."""
 
     def __init__(self, inputs: CachedValue, float_inputs: CachedValue, targets: CachedValue, config: FastFinetune, k: int,
-                 rows: Rows) -> None:
+                 rows: Rows, device: torch.device = CPU, device_budget: int = 0) -> None:
         self.inputs, self.float_inputs, self.targets = inputs, float_inputs, targets
         self.rows = rows
         self.left_out = rows.total - len(rows.trainable)
         self.size = min(config.batch_size, len(rows.trainable))
-        self.threshold = qdrop_threshold(config.drop_ratio)
+        self.device = device
         self.generator = np.random.default_rng([config.seed, k])
+        self.masks = KeepMasks(qdrop_threshold(config.drop_ratio), device, self.generator, [config.seed, k])
+        self.mixing = self.masks.threshold < 256
+        self.staged = _stage(self._values(), device, device_budget)
 
-    def next(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """The next (input, target) batch on `device`: the rows of the global batch this process holds."""
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next (input, target) batch on the device: the rows of the global batch this process holds."""
         picked = np.sort(self.rows.trainable[self.generator.permutation(len(self.rows.trainable))[: self.size]])
         local = self.rows.local[picked]
         held = local >= 0
-        x = self.inputs.gather(local[held])
-        if self.threshold < 256:
-            keep = keep_quantized(self.generator, self.threshold, (self.size, *x.shape[1:]))[held]
-            x = mix_quantized(keep, x, self.float_inputs.gather(local[held]))
-        return x.to(device), self.targets.gather(local[held]).to(device)
+        x, *float_x, target = self._gather(local[held])
+        if self.mixing:
+            keep = self.masks.draw((self.size, *x.shape[1:]))
+            if not held.all():
+                keep = keep[torch.from_numpy(np.flatnonzero(held)).to(keep.device, non_blocking=True)]
+            x = torch.where(keep, x, float_x[0])
+        return x, target
+
+    def _gather(self, rows: np.ndarray) -> list[torch.Tensor]:
+        """The given local rows of the inputs, the float inputs (when mixing) and the targets, on the device."""
+        if self.staged is not None:
+            index = torch.from_numpy(rows).to(self.device, non_blocking=True)
+            return [value.index_select(0, index) for value in self.staged]
+        if self.device.type == "cpu":
+            return [value.gather(rows) for value in self._values()]
+        return [value.gather(rows).pin_memory().to(self.device, non_blocking=True) for value in self._values()]
+
+    def _values(self) -> list[CachedValue]:
+        """The cached values a batch reads: the inputs, the float inputs when mixing, the targets."""
+        return [self.inputs, *([self.float_inputs] if self.mixing else []), self.targets]
+
+
+def _stage(values: list[CachedValue], device: torch.device, budget: int) -> list[torch.Tensor] | None:
+    """Each value's chunks as one tensor on an accelerator, when they share their shape beyond the
+    leading axis and fit `budget` bytes together; None otherwise (batches are then gathered on the host)."""
+    chunks = [chunk for value in values for chunk in value.chunks]
+    if device.type == "cpu" or not all(isinstance(chunk, np.ndarray | SpilledArray) for chunk in chunks):
+        return None
+    uniform = all(chunk.shape[1:] == value.chunks[0].shape[1:] for value in values for chunk in value.chunks)
+    if not uniform or sum(chunk.nbytes for chunk in chunks) > budget:
+        return None
+    return [torch.cat([value.tensor(c, device) for c in range(len(value.chunks))]) for value in values]
+
+
+class KeepMasks:
+    """QDrop's choice per element (keep the quantized value where a random byte is below
+    `threshold`): on the CPU drawn by numpy from `generator` (shared with the batch rows' draws),
+    elsewhere by a torch generator on the device, seeded from `entropy`, so no mask crosses from the
+    host. A GPU run therefore mixes with other bytes than a CPU run of the same seed; on one kind
+    of device, a rerun draws the same."""
+
+    def __init__(self, threshold: int, device: torch.device, generator: np.random.Generator, entropy: list[int]) -> None:
+        self.threshold, self.device, self.numpy = threshold, device, generator
+        self.torch: torch.Generator | None = None
+        if device.type != "cpu":
+            self.torch = torch.Generator(device)
+            self.torch.manual_seed(int(np.random.SeedSequence(entropy).generate_state(1, np.uint64)[0] >> np.uint64(1)))
+
+    def draw(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """A boolean mask of `shape` on the device: True where the quantized value is kept."""
+        if self.torch is None:
+            return torch.from_numpy(keep_quantized(self.numpy, self.threshold, shape))
+        return torch.empty(shape, dtype=torch.uint8, device=self.device).random_(generator=self.torch) < self.threshold
 
 
 @contextlib.contextmanager
-def dropped_quantization(train: fx.GraphModule, config: FastFinetune, k: int, rank: int = 0) -> Iterator[None]:
+def dropped_quantization(train: fx.GraphModule, config: FastFinetune, k: int, rank: int = 0,
+                         device: torch.device = CPU) -> Iterator[None]:
     """QDrop inside a block while it trains: each activation quantizer keeps its quantized value
     per element with probability drop_ratio (in steps of 1/256) and passes the float value
     otherwise (seeded by the unit index, so reruns repeat). Weight quantizers, which read
     constants, are left alone. Process `rank` of a data-parallel run draws its own bytes for
-    its own rows (so blocks with drop_ratio < 1 train on other bytes than in one process)."""
+    its own rows (so blocks with drop_ratio < 1 train on other bytes than in one process). On an
+    accelerator the bytes come from a generator there (see KeepMasks)."""
     constant = constant_nodes(train.graph)
     quantizers = [train.get_submodule(n.target) for n in train.graph.nodes
                   if n.op == "call_module" and n not in constant and isinstance(train.get_submodule(n.target), FakeQuantize)]
-    generator = np.random.default_rng([config.seed, k, 1, *([rank] if rank else [])])
-    threshold = qdrop_threshold(config.drop_ratio)
+    entropy = [config.seed, k, 1, *([rank] if rank else [])]
+    masks = KeepMasks(qdrop_threshold(config.drop_ratio), device, np.random.default_rng(entropy), entropy)
 
     def mix(_module: torch.nn.Module, args: tuple[torch.Tensor, ...], quantized: torch.Tensor) -> torch.Tensor:
-        return mix_quantized(keep_quantized(generator, threshold, quantized.shape), quantized, args[0])
+        return torch.where(masks.draw(tuple(quantized.shape)), quantized, args[0])
 
     hooks = [quantizer.register_forward_hook(mix) for quantizer in quantizers] if config.drop_ratio < 1 else []
     try:
@@ -86,8 +145,3 @@ def keep_quantized(generator: np.random.Generator, threshold: int, shape: tuple[
     18 ms for a 16x32x112x112 activation)."""
     count = int(np.prod(shape))
     return np.frombuffer(generator.bytes(count), dtype=np.uint8).reshape(shape) < threshold
-
-
-def mix_quantized(keep: np.ndarray, quantized: torch.Tensor, float_value: torch.Tensor) -> torch.Tensor:
-    """The quantized value where `keep` says so, else the float value."""
-    return torch.where(torch.from_numpy(keep).to(quantized.device), quantized, float_value)

@@ -7,7 +7,7 @@ import dataclasses
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from importlib.metadata import version
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
@@ -93,8 +93,17 @@ def with_finetune(config: QuantConfig, overrides: Mapping[str, Any]) -> QuantCon
 def save_run_config(config: QuantConfig, path: str | Path) -> None:
     """Write the run's complete config as YAML, headed by the command and the library versions."""
     header = (
-        f"# finetune {version('finetune')}, torch {torch.__version__}, onnxruntime {onnxruntime.__version__}, "
+        f"# finetune {_installed_version('finetune')}, torch {torch.__version__}, onnxruntime {onnxruntime.__version__}, "
         f"onnx {onnx.__version__}, lightning {version('lightning')}\n"
         f"# command: {' '.join(sys.argv)}\n"
     )
     save_config(config, path, header)
+
+
+def _installed_version(package: str) -> str:
+    """The installed version of `package`, or a note that it runs from a source tree not installed
+    (PYTHONPATH pointing at a checkout), which is no reason to fail a run."""
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return "(not installed: run from a source tree)"

@@ -81,13 +81,14 @@ def log(message: str) -> None:
 # --- models and data ------------------------------------------------------------------------------
 
 
-def prepare(model: str, directory: Path, calibration: int | None) -> None:
-    """Write float.onnx, calibration batches and evaluation data of a model into `directory`."""
+def prepare(model: str, directory: Path, calibration: int | None, evaluation: int = PHOTO_EVALUATION) -> None:
+    """Write float.onnx, calibration batches and evaluation data of a model into `directory`
+    (`evaluation` held-out crops for EfficientNet-Lite0)."""
     directory.mkdir(parents=True, exist_ok=True)
     if model == "efficientnet":
         export_onnx(efficientnet_lite0(), torch.zeros(1, 3, 224, 224), directory / "float.onnx", 13)
         batches = photo_crops(calibration or PHOTO_CALIBRATION, seed=1).split(8)
-        np.savez(directory / "eval.npz", x=photo_crops(PHOTO_EVALUATION, seed=2).numpy())
+        np.savez(directory / "eval.npz", x=photo_crops(evaluation, seed=2).numpy())
     else:
         network = train_digits_cnn() if model == "digits" else train_digits_transformer()
         x_train, _, x_test, y_test = digits_split()
@@ -181,9 +182,9 @@ def ort_rerun_seconds(quantized: onnx.ModelProto, calibration: list[dict[str, np
 
 
 def run_case(model: str, preset: str, directory: Path, iterations: int, adaquant_lr: float | None, unit: str,
-             device: str = "cpu", devices: int = 1) -> dict[str, Any]:
+             device: str = "cpu", devices: int = 1, ort_rerun: bool = True) -> dict[str, Any]:
     """Quantize, measure, fine-tune (on `device`, or data-parallel over `devices` of its kind),
-    measure again; the case's numbers."""
+    measure again; the case's numbers (without the onnxruntime re-run comparison unless `ort_rerun`)."""
     calibration, evaluation = load_case_data(directory)
     float_path = directory / "float.onnx"
     float_outputs = logits(float_path, evaluation["x"])
@@ -202,7 +203,7 @@ def run_case(model: str, preset: str, directory: Path, iterations: int, adaquant
     before_outputs, after_outputs = logits(quantized, evaluation["x"]), logits(tuned, evaluation["x"])
     before, after = scores(before_outputs, float_outputs, labels), scores(after_outputs, float_outputs, labels)
     change_error = change_standard_error(hits(before_outputs, float_outputs, labels), hits(after_outputs, float_outputs, labels))
-    rerun = ort_rerun_seconds(quantized, calibration, config.op_types)
+    rerun = ort_rerun_seconds(quantized, calibration, config.op_types) if ort_rerun else None
     ours = report["float_pass_seconds"] + report["quantized_stream_seconds"]
     training = sum(u["seconds"] for u in report["units"])
     loss = float_metric - before["metric"]
@@ -221,8 +222,8 @@ def run_case(model: str, preset: str, directory: Path, iterations: int, adaquant
         "seconds_per_unit_iteration": report["seconds_per_unit_iteration"],
         "quantize_seconds": quantize_seconds, "finetune_wall_seconds": finetune_seconds,
         "activation_seconds_ours": ours, "activation_seconds_ort_rerun_per_unit": rerun,
-        "finetune_seconds_if_inputs_came_from_ort_reruns": training + rerun + report["float_pass_seconds"],
-        "per_unit_iteration_with_ort_reruns": (training + rerun) / max(1, report["iterations"]),
+        "finetune_seconds_if_inputs_came_from_ort_reruns": None if rerun is None else training + rerun + report["float_pass_seconds"],
+        "per_unit_iteration_with_ort_reruns": None if rerun is None else (training + rerun) / max(1, report["iterations"]),
         "per_unit_iteration_ours": (training + ours) / max(1, report["iterations"]),
         "activation_cache_peak_mb_in_memory": report["cache"]["peak_bytes_in_memory"] / 2**20,
         "activation_cache_peak_mb_on_disk": report["cache"]["peak_bytes_on_disk"] / 2**20,
@@ -246,6 +247,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "training split, 1348)")
     parser.add_argument("--photo-calibration", type=int, default=PHOTO_CALIBRATION,
                         help=f"calibration crops for EfficientNet-Lite0 (default {PHOTO_CALIBRATION})")
+    parser.add_argument("--photo-evaluation", type=int, default=PHOTO_EVALUATION,
+                        help=f"held-out crops for EfficientNet-Lite0 (default {PHOTO_EVALUATION})")
+    parser.add_argument("--no-ort-rerun", action="store_true", help="skip timing onnxruntime re-runs per unit (the "
+                        "comparison with regenerating unit inputs; minutes on EfficientNet-Lite0)")
     parser.add_argument("--unit", choices=["auto", "layer", "block"], default="auto",
                         help="reconstruction unit (default auto: layers for AdaRound, blocks for AdaQuant)")
     parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
@@ -271,7 +276,7 @@ def child(args: argparse.Namespace) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
     model, preset, directory = args.case
     print(json.dumps(run_case(model, preset, Path(directory), args.iterations, args.adaquant_lr, args.unit, args.device,
-                              args.devices)))
+                              args.devices, not args.no_ort_rerun)))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -299,7 +304,8 @@ def main(argv: list[str] | None = None) -> None:
         for model in models:
             directory = work / model
             log(f"preparing {model}")
-            prepare(model, directory, args.photo_calibration if model == "efficientnet" else args.calibration)
+            prepare(model, directory, args.photo_calibration if model == "efficientnet" else args.calibration,
+                    args.photo_evaluation)
             for preset in presets:
                 log(f"case {model} {preset}")
                 quark_first = args.compare_quark and len(cases) % 2 == 1  # alternate which tool runs first
@@ -318,6 +324,7 @@ def run_child(model: str, preset: str, directory: Path, args: argparse.Namespace
     """One case in a fresh process (its own peak RSS); wall time measured around it."""
     command = [sys.executable, __file__, "--case", model, preset, str(directory), "--iterations", str(args.iterations),
                "--unit", args.unit, "--device", args.device, "--devices", str(args.devices),
+               *(["--no-ort-rerun"] if args.no_ort_rerun else []),
                *(["--adaquant-lr", str(args.adaquant_lr)] if args.adaquant_lr else [])]
     if args.threads:
         command += ["--threads", str(args.threads)]

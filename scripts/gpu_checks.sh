@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Issue 21's GPU checks in one command, for a machine with a CUDA (or ROCm) GPU and a Python that holds torch:
+#   suite    the whole test suite, CUDA-marked tests included (pytest-xdist when installed)
+#   bench    scripts/bench_finetune.py on the GPU and on this machine's CPU, side by side (JSON)
+#   sync     one tuning run under torch.cuda.set_sync_debug_mode, counting host synchronisations per step
+# Results go to $OUT (default ./gpu_out). Wheels of the packages that machine lacks may lie in ./.whl.
+#   bash scripts/gpu_checks.sh suite bench sync
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-gpu_out}"
+PYTHON="${PYTHON:-python3}"
+ITERATIONS="${ITERATIONS:-100}"
+mkdir -p "$OUT"
+if compgen -G ".whl/*.whl" >/dev/null; then
+    "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+    export PYTHONPATH="/tmp/site:$PWD"
+else
+    export PYTHONPATH="$PWD"
+fi
+export PYTHONUNBUFFERED=1
+{ nvidia-smi -L; "$PYTHON" -c "import torch, onnxruntime; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
+'hip', torch.version.hip, torch.cuda.get_device_name(0), 'onnxruntime', onnxruntime.__version__)"; nproc; } >"$OUT/env.txt" 2>&1
+for phase in "$@"; do
+    case "$phase" in
+    suite)
+        workers=$("$PYTHON" -c "import xdist" 2>/dev/null && echo "-n ${WORKERS:-12}")
+        # shellcheck disable=SC2086
+        OMP_NUM_THREADS=1 timeout "${SUITE_SECONDS:-420}" "$PYTHON" -m pytest -q -p no:cacheprovider $workers -rs tests \
+            >"$OUT/suite.log" 2>&1
+        echo "suite exit $?" >>"$OUT/suite.log"
+        tail -5 "$OUT/suite.log"
+        ;;
+    bench)
+        for device in ${BENCH_DEVICES:-cuda:0 cpu}; do
+            timeout "${BENCH_SECONDS:-240}" "$PYTHON" scripts/bench_finetune.py --device "$device" --iterations "$ITERATIONS" \
+                --models "${MODELS:-digits,transformer,efficientnet}" --presets "${PRESETS:-MX4}" \
+                >"$OUT/bench_${device%%:*}.json" 2>"$OUT/bench_${device%%:*}.log"
+            echo "bench $device exit $?"
+        done
+        ;;
+    sync)
+        timeout 180 "$PYTHON" scripts/sync_count.py >"$OUT/sync.json" 2>"$OUT/sync.log"
+        echo "sync exit $?"
+        ;;
+    *) echo "unknown phase $phase (suite, bench, sync)"; exit 2 ;;
+    esac
+done

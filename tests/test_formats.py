@@ -3,6 +3,7 @@ onnxruntime's standard QuantizeLinear/DequantizeLinear, any rank/axis, float16 a
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import numpy as np
@@ -36,7 +37,9 @@ from finetune.formats import (
     quantize_dequantize,
 )
 from finetune.formats.bits import (
+    branch_free,
     exponent_field,
+    needs,
     quantize_scaled,
     round_half_away_from_zero,
     round_half_even,
@@ -76,6 +79,15 @@ def test_scale_by_pow2_is_exact_beyond_the_normal_range_of_the_factor() -> None:
     x = torch.tensor([F32_SUBNORMAL, 3 * F32_SUBNORMAL, 1.5])
     up = scale_by_pow2(x, torch.tensor([149, 148, -130]))
     assert up.tolist() == [1.0, 1.5, 1.5 * 2.0**-130]
+
+
+def test_scale_by_pow2_rounds_each_element_once_whatever_its_neighbours_need() -> None:
+    """Only the elements whose shift is beyond the normal range take two steps: 11 * 2^-149 halved
+    three times is 1.375 * 2^-149, rounded once to 2^-149 (two roundings would give 2^-148)."""
+    x, k = torch.tensor([11 * F32_SUBNORMAL, F32_SUBNORMAL]), torch.tensor([-3, 149])
+    for forced in (False, True):
+        with branch_free() if forced else contextlib.nullcontext():
+            assert scale_by_pow2(x, k).tolist() == [F32_SUBNORMAL, 1.0]
 
 
 def test_quantize_scaled_matches_two_exact_scalings_inside_and_beyond_the_shared_factor_range() -> None:
@@ -355,3 +367,95 @@ def test_cuda_equals_cpu(spec: BFPSpec | MXSpec | FloatSpec) -> None:
     x = torch.randn(8, 64, 5) * 100
     x[0, 0, 0] = math.nan
     assert_same_values(quantize_dequantize(x.cuda(), spec).cpu().numpy(), quantize_dequantize(x, spec).numpy(), str(spec))
+
+
+# --- branch-free path (what accelerators run) against the checked path ---------------------------
+
+EVERY_BLOCK_CASE = BLOCK_SPECS + [BF16, FP8_E4M3FN]
+
+
+def rare_case_data() -> torch.Tensor:
+    """[8, 64, 5] data whose blocks (along axis 1) hit every rare case, one kind per row: NaN/Inf,
+    subnormals beside a tiny normal, values near 1e-38 and 1e-45 (scales beyond the normal range),
+    signed zeros, values near float32 max, every magnitude mixed, and plain normals."""
+    g = torch.Generator().manual_seed(3)
+    normal = torch.randn(8, 64, 5, generator=g)
+    x = normal * 100
+    x[0, 0, 0], x[0, 20, 1], x[0, 40, 2], x[0, 63, 4] = math.nan, math.inf, -math.inf, math.nan
+    x[1] = torch.randint(-2**23, 2**23, (64, 5), generator=g).float() * F32_SUBNORMAL
+    x[1, ::16] = F32_TINY * 3
+    x[2] = normal[2] * 1e-38
+    x[3] = normal[3] * 1e-45
+    x[4] = torch.where(normal[4] > 0, 0.0, -0.0)
+    x[5] = (normal[5] * 1e38).clamp(-F32_MAX, F32_MAX)
+    x[5, 0] = F32_MAX
+    x[6] = normal[6] * torch.pow(10.0, torch.rand(64, 5, generator=g) * 83 - 45)
+    x[7] = normal[7]
+    return x
+
+
+def outputs_and_gradient(x: torch.Tensor, spec: BFPSpec | MXSpec | FloatSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """The quantized values and the gradient of a weighted sum (zero where the mask stops it)."""
+    x = x.clone().requires_grad_()
+    y = quantize_dequantize(x, spec)
+    y.backward(torch.arange(1.0, x.numel() + 1).reshape(x.shape))
+    return y.detach(), x.grad
+
+
+def test_needs_checks_on_cpu_and_assumes_elsewhere() -> None:
+    assert needs(torch.tensor([False, True])) and not needs(torch.tensor([False, False])) and not needs(torch.tensor([]) > 0)
+    with branch_free():
+        assert needs(torch.tensor([False, False]))
+    assert not needs(torch.tensor([False]))
+    assert needs(torch.zeros(2, dtype=torch.bool, device="meta"))
+
+
+@pytest.mark.parametrize("data", ["rare", "ordinary"])
+@pytest.mark.parametrize("spec", EVERY_BLOCK_CASE, ids=str)
+def test_branch_free_path_gives_the_same_bits(spec: BFPSpec | MXSpec | FloatSpec, data: str) -> None:
+    """Forcing what accelerators run (every rare-case fix, no check) changes no bit of the values or
+    the gradient, on data that has each rare case and on data that has none (the CPU fast paths)."""
+    x = rare_case_data() if data == "rare" else torch.randn(8, 64, 5, generator=torch.Generator().manual_seed(4)) * 100
+    checked = outputs_and_gradient(x, spec)
+    with branch_free():
+        forced = outputs_and_gradient(x, spec)
+    for a, b in zip(checked, forced):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32)), str(spec)
+
+
+EVERY_QUANTIZER = EVERY_BLOCK_CASE + [IntSpec("int8", axis=1), IntSpec("int4", axis=1, block_size=16)]
+
+
+def quantize_with_params_beside(x: torch.Tensor, spec: IntSpec | BFPSpec | MXSpec | FloatSpec) -> torch.Tensor:
+    """quantize_dequantize of x as a lifted quantizer runs it: an integer format's per-channel or
+    blocked scale (0.25) and zero point (0) held on x's device."""
+    if not isinstance(spec, IntSpec):
+        return quantize_dequantize(x, spec)
+    shape = [x.shape[1]] if spec.block_size is None else [x.shape[0], -(-x.shape[1] // spec.block_size), x.shape[2]]
+    return quantize_dequantize(x, spec, torch.full(shape, 0.25, device=x.device), torch.zeros(shape, device=x.device))
+
+
+@pytest.mark.parametrize("spec", EVERY_QUANTIZER, ids=str)
+def test_quantizers_never_read_data_on_the_host(spec: IntSpec | BFPSpec | MXSpec | FloatSpec) -> None:
+    """On the meta device any read of a value by the host (item, bool, int) raises, so a forward
+    and backward there show that accelerators run without host synchronisation."""
+    x = torch.empty(8, 64, 5, device="meta", requires_grad=True)
+    y = quantize_with_params_beside(x, spec)
+    y.sum().backward()
+    assert y.shape == x.grad.shape == x.shape
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA/ROCm device on this machine")
+@pytest.mark.parametrize("spec", BLOCK_SPECS, ids=str)
+def test_cuda_quantizers_do_not_synchronise(spec: IntSpec | BFPSpec | MXSpec | FloatSpec) -> None:
+    """CUDA's sync debug mode raises on any synchronising call, such as a value read."""
+    x = rare_case_data().cuda().requires_grad_()
+    grad = torch.ones_like(x)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        y = quantize_with_params_beside(x, spec)
+        y.backward(grad)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    expected = quantize_with_params_beside(rare_case_data(), spec)
+    assert_same_values(y.detach().cpu().numpy(), expected.numpy(), str(spec))  # NaN payloads differ between devices

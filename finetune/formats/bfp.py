@@ -13,6 +13,7 @@ from .bits import (
     F32_MIN_NORMAL,
     compute_in_float32,
     exponent_field,
+    needs,
     quantize_scaled,
     rounder,
     straight_through,
@@ -131,17 +132,18 @@ def _to_bfp_prime(blocks: torch.Tensor, spec: BFPSpec, max_code: float) -> tuple
     shift = torch.clamp(shared - sub_max, max=max_shift)
     scale_exp = (shared + (1 - EXPONENT_BIAS - spec.mantissa_bits)) - shift
     y, scaled = quantize_scaled(sub, scale_exp, lambda v: _round_codes(v, spec, max_code))
-    if _subnormals_may_round_to_nonzero(sub_max_abs, shared, spec.mantissa_bits + max_shift):
+    if needs(_subnormals_may_round_to_nonzero(sub_max_abs, shared, spec.mantissa_bits + max_shift)):
         y = y * (sub.abs() >= F32_MIN_NORMAL)
     has_nan_or_inf = shared == EXPONENT_FIELD_INF_NAN
-    if bool(has_nan_or_inf.any()):
+    if needs(has_nan_or_inf):
         y = torch.where(has_nan_or_inf, float("nan"), y)
     return y.reshape(blocks.shape), scaled
 
 
-def _subnormals_may_round_to_nonzero(sub_max_abs: torch.Tensor, shared: torch.Tensor, headroom: int) -> bool:
-    """Whether a float32 subnormal could get a nonzero code: only in a block that is not all zero
-    and whose shared exponent field is at most headroom + 1. Checked per block, this spares the
-    per-element flush on ordinary data."""
+def _subnormals_may_round_to_nonzero(sub_max_abs: torch.Tensor, shared: torch.Tensor, headroom: int) -> torch.Tensor:
+    """Per block, whether a float32 subnormal could get a nonzero code: only in a block that is not
+    all zero and whose shared exponent field is at most headroom + 1. Checked per block, this spares
+    the per-element flush on ordinary data; elsewhere the codes of subnormals are already ±0, so the
+    flush, when it runs anyway, changes no bit."""
     block_max_abs = sub_max_abs.amax(dim=2, keepdim=True)
-    return bool(((shared <= headroom + 1) & (block_max_abs > 0)).any())
+    return (shared <= headroom + 1) & (block_max_abs > 0)

@@ -3,7 +3,8 @@ rounding modes and straight-through gradients."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -39,29 +40,52 @@ def pow2(k: torch.Tensor) -> torch.Tensor:
     return ((k.to(torch.int32) + EXPONENT_BIAS) << MANTISSA_BITS).view(torch.float32)
 
 
-def _within(k: torch.Tensor, low: int, high: int) -> bool:
-    """Whether every exponent in k lies in [low, high] (one pass for both ends); False when empty."""
-    if not k.numel():
-        return False
-    least, most = torch.aminmax(k)
-    return low <= int(least) and int(most) <= high
+# Set by `branch_free` only: whether `needs` assumes every rare case on CPU too.
+_assume_rare_cases = False
+
+
+def needs(rare: torch.Tensor) -> bool:
+    """Whether a rare per-block case occurs in `rare` (a boolean tensor): checked on CPU, where the
+    check is cheap and spares ordinary data the per-element fix; assumed on accelerators, so the fix
+    runs branch-free with no host synchronisation (results are identical either way)."""
+    if _assume_rare_cases or rare.device.type != "cpu":
+        return True
+    return bool(rare.any())
+
+
+@contextmanager
+def branch_free() -> Iterator[None]:
+    """Within this block `needs` assumes every rare case on CPU too, as on accelerators: lets tests
+    check on CPU that the branch-free path gives the same bits as the checked one."""
+    global _assume_rare_cases
+    previous, _assume_rare_cases = _assume_rare_cases, True
+    try:
+        yield
+    finally:
+        _assume_rare_cases = previous
+
+
+def _outside(k: torch.Tensor, low: int, high: int) -> torch.Tensor:
+    """Where the exponent k lies outside [low, high]."""
+    return (k < low) | (k > high)
 
 
 def scale_by_pow2(x: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """x * 2**k exactly (up to the final rounding of the result), even where 2**k alone is not a
-    normal float32: then the shift is split in two halves, each a normal power of two. k is
-    usually per block, so the range check is cheap."""
-    if _within(k, MIN_NORMAL_EXPONENT, MAX_EXPONENT):
+    normal float32: there the shift is split in two halves, each a normal power of two; elsewhere
+    the second factor is 1.0, which changes no bit. k is usually per block, so the check is cheap."""
+    out_of_range = _outside(k, MIN_NORMAL_EXPONENT, MAX_EXPONENT)
+    if not needs(out_of_range):
         return x * pow2(k)
-    half = torch.div(k, 2, rounding_mode="floor")
-    return x * pow2(half) * pow2(k - half)
+    first = torch.where(out_of_range, torch.div(k, 2, rounding_mode="floor"), k)
+    return x * pow2(first) * pow2(k - first)
 
 
 def quantize_scaled(x: torch.Tensor, k: torch.Tensor, quantize: RoundFn) -> tuple[torch.Tensor, torch.Tensor]:
     """(quantize(x * 2**-k) * 2**k, x * 2**-k), each product exact up to its final rounding: the
     block formats' scale-round-unscale. When 2**k and 2**-k are both normal (nearly always), one
     power of two serves both ways, since x / 2**k rounds exactly like x * 2**-k."""
-    if _within(k, MIN_NORMAL_EXPONENT, -MIN_NORMAL_EXPONENT):
+    if not needs(_outside(k, MIN_NORMAL_EXPONENT, -MIN_NORMAL_EXPONENT)):
         factor = pow2(k)
         scaled = x / factor
         return quantize(scaled).mul_(factor), scaled

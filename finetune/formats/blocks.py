@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.nn.functional as F
 
-from .bits import EXPONENT_FIELD_INF_NAN, ROUNDING_MODES, exponent_field
+from .bits import EXPONENT_FIELD_INF_NAN, ROUNDING_MODES, exponent_field, needs
 
 BlockFn = Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
 
@@ -101,9 +101,9 @@ def max_exponent_field(blocks: torch.Tensor, dim: int) -> torch.Tensor:
 
 def max_finite_exponent_field(blocks: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Largest exponent field over the finite elements along `dim`, and the finite mask, which is
-    None when the tensor holds no NaN/Inf (the common case, so the per-element mask is skipped)."""
+    None when `needs` rules NaN/Inf out (on CPU for ordinary data, so the per-element mask is skipped)."""
     field = max_exponent_field(blocks, dim)
-    if not bool((field == EXPONENT_FIELD_INF_NAN).any()):
+    if not needs(field == EXPONENT_FIELD_INF_NAN):
         return field, None
     finite = torch.isfinite(blocks)
     return max_exponent_field(torch.where(finite, blocks, 0.0), dim), finite

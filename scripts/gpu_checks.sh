@@ -33,13 +33,13 @@ for phase in "$@"; do
     bench)
         for device in ${BENCH_DEVICES:-cuda:0 cpu}; do
             timeout "${BENCH_SECONDS:-240}" "$PYTHON" scripts/bench_finetune.py --device "$device" --iterations "$ITERATIONS" \
-                --models "${MODELS:-digits,transformer,efficientnet}" --presets "${PRESETS:-MX4}" \
+                --models "${MODELS:-digits,transformer,efficientnet}" --presets "${PRESETS:-MX4}" ${BENCH_OPTIONS:-} \
                 >"$OUT/bench_${device%%:*}.json" 2>"$OUT/bench_${device%%:*}.log"
             echo "bench $device exit $?"
         done
         ;;
     sync)
-        timeout 180 "$PYTHON" scripts/sync_count.py >"$OUT/sync.json" 2>"$OUT/sync.log"
+        timeout 180 "$PYTHON" scripts/sync_count.py --device "${SYNC_DEVICE:-cuda:0}" >"$OUT/sync.json" 2>"$OUT/sync.log"
         echo "sync exit $?"
         ;;
     *) echo "unknown phase $phase (suite, bench, sync)"; exit 2 ;;

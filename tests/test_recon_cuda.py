@@ -42,16 +42,18 @@ def _tune(digits: dict[str, Any], preset: str, device: str, iterations: int = 40
 
 @pytest.mark.parametrize("preset", list(CASES))
 def test_a_gpu_run_repeats_to_the_byte_and_agrees_with_a_cpu_run(digits: dict[str, Any], preset: str) -> None:
-    """Two runs on cuda:0 write the same bytes; against a CPU run (other QDrop bytes, other float
-    summation order) the same units are tuned, each loss goes down on both, and the tuned models'
-    held-out accuracies lie within 2 points (about two standard errors over 449 digits)."""
+    """Two runs on cuda:0 write the same bytes; against a CPU run the same units are tuned, the
+    first from the same loss up to float summation order (the GPU's kernels sum in another order
+    and a few MX4 roundings flip with it; later units' inputs come from weights tuned on other QDrop
+    bytes, measured 3 % apart), no unit ends worse, and the tuned models' held-out accuracies lie
+    within 2 points (about two standard errors over 449 digits)."""
     first, report = _tune(digits, preset, "cuda:0")
     again, _ = _tune(digits, preset, "cuda:0")
     on_cpu, cpu_report = _tune(digits, preset, "cpu")
     assert report["device"] == "cuda:0" and first.SerializeToString() == again.SerializeToString()
     assert [u["name"] for u in report["units"]] == [u["name"] for u in cpu_report["units"]]
+    assert report["units"][0]["loss_before"] == pytest.approx(cpu_report["units"][0]["loss_before"], rel=1e-2)
     for gpu_unit, cpu_unit in zip(report["units"], cpu_report["units"]):
-        assert gpu_unit["loss_before"] == pytest.approx(cpu_unit["loss_before"], rel=1e-4)
         assert gpu_unit["loss_after"] <= gpu_unit["loss_before"] and cpu_unit["loss_after"] <= cpu_unit["loss_before"]
     accuracy = {name: float((run(model, digits["x"]).argmax(1) == digits["y"]).mean()) for name, model in
                 (("gpu", first), ("cpu", on_cpu))}

@@ -446,9 +446,10 @@ def test_quantizers_never_read_data_on_the_host(spec: IntSpec | BFPSpec | MXSpec
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA/ROCm device on this machine")
-@pytest.mark.parametrize("spec", BLOCK_SPECS, ids=str)
+@pytest.mark.parametrize("spec", EVERY_QUANTIZER, ids=str)
 def test_cuda_quantizers_do_not_synchronise(spec: IntSpec | BFPSpec | MXSpec | FloatSpec) -> None:
-    """CUDA's sync debug mode raises on any synchronising call, such as a value read."""
+    """CUDA's sync debug mode raises on any synchronising call: a value read, and a blocking copy
+    such as that of a scale made on the host."""
     x = rare_case_data().cuda().requires_grad_()
     grad = torch.ones_like(x)
     torch.cuda.set_sync_debug_mode("error")

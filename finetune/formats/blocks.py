@@ -72,10 +72,17 @@ def _chunks(p: int, n: int, q: int, device: torch.device) -> Iterator[tuple[slic
         yield from ((whole, slice(j, j + step)) for j in range(0, q, step))
 
 
-def broadcast_param(param: torch.Tensor, x: torch.Tensor, axis: int | None, block_size: int | None) -> torch.Tensor:
+def broadcast_param(
+    param: torch.Tensor | float, x: torch.Tensor, axis: int | None, block_size: int | None, dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """Shape a scale or zero point like QuantizeLinear does: scalar (per tensor), 1-D along `axis`
-    (per channel) or x's shape with ceil(n / block_size) along `axis` (blocked)."""
-    param = torch.as_tensor(param, device=x.device)
+    (per channel) or x's shape with ceil(n / block_size) along `axis` (blocked), as `dtype` on x's
+    device. A Python number is filled in there: made on the host and copied, it would make the host
+    wait for the device."""
+    if isinstance(param, (int, float)):
+        param = torch.full((), param, dtype=dtype, device=x.device)
+    else:
+        param = torch.as_tensor(param, dtype=dtype, device=x.device)
     if param.dim() == 0 or (param.numel() == 1 and axis is None):
         return param.reshape(())
     if axis is None:

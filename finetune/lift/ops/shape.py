@@ -1,5 +1,6 @@
-"""Converters for ops steered by integer inputs (shape, pads, split sizes) that may be constant or
-computed: Reshape with allowzero, Pad with optional axes and every mode, Split-18 with num_outputs."""
+"""Converters for ops steered by integer inputs (shape, pads, split sizes, slice bounds) that may be
+constant or computed: Reshape with allowzero, Pad with optional axes and every mode, Split-18 with
+num_outputs, Slice with constant bounds."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+from onnx2torch.node_converters.slice import OnnxSlice
 from onnx2torch.onnx_graph import OnnxGraph
 from onnx2torch.onnx_node import OnnxNode
 from onnx2torch.utils.common import OperationConverterResult
@@ -108,3 +110,32 @@ def _split(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
     parts = node.attributes.get("num_outputs", len(node.output_values))
     module = Split(node.attributes.get("axis", 0), constant_ints(node, graph, 1) if static else None, parts)
     return converted(module, node_mapping(node, node.input_values[: 1 if static else 2], len(node.output_values)))
+
+
+class Slice(nn.Module):
+    """ONNX Slice with constant starts, ends, axes and positive steps, as one indexing of the input:
+    Python slices clamp bounds to each axis and count negative ones from its end, as ONNX does for
+    positive steps. onnx2torch's Slice reads its bound tensors on the host at every call (on a GPU,
+    a synchronisation each)."""
+
+    def __init__(self, starts: tuple[int, ...], ends: tuple[int, ...], axes: tuple[int, ...] | None,
+                 steps: tuple[int, ...] | None):
+        super().__init__()
+        self.bounds = tuple(zip(starts, ends, axes or range(len(starts)), steps or (1,) * len(starts), strict=True))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        index = [slice(None)] * x.dim()
+        for start, end, axis, step in self.bounds:
+            index[axis % x.dim()] = slice(start, end, step)
+        return x[tuple(index)]
+
+
+@register("Slice", (10, 11, 13))
+def _slice(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
+    """Slice with constant bounds and positive steps as fixed indexing; computed bounds or negative
+    steps (a reversal) through onnx2torch's module, which reads them per call."""
+    if all(is_constant_or_absent(node, graph, i) for i in range(1, 5)):
+        starts, ends, axes, steps = (constant_ints(node, graph, i) for i in range(1, 5))
+        if min(steps or (1,)) > 0:
+            return converted(Slice(starts, ends, axes, steps), node_mapping(node, node.input_values[:1]))
+    return converted(OnnxSlice(), node_mapping(node))

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import onnx
+from onnx2torch.node_converters.shape import OnnxShape
 from onnx2torch.onnx_graph import OnnxGraph
 from onnx2torch.onnx_node import OnnxNode
 from torch import fx, nn
@@ -27,6 +28,7 @@ from finetune.onnx.normalize import normalize_model
 
 from . import ops  # noqa: F401  (registers the converters)
 from .fake_quant import FakeQuantize
+from .host_shapes import HostOp, HostShape, host_shapes
 from .params import Dequantize, ParamSource, tensor_array, trainable_initializers
 from .qdq import QOPERATOR_OPS, QUANTIZE_TO_DEQUANTIZE, is_folded_quantize
 from .registry import find_converter
@@ -80,6 +82,7 @@ class _Builder:
         self.untaken: dict[str, tuple[fx.Node, int]] = {}  # outputs of multi-output nodes, made on first use
         self.initializers: dict[str, tuple[str, Dequantize | None]] = {}  # attribute name → (initializer, transform)
         self.dequantized: set[str] = set()  # initializers whose codes were dequantized for their one reader
+        self.host = host_shapes(model.graph)  # shape arithmetic that stays on the CPU wherever the model goes
 
     def build(self) -> LiftedModule:
         """Placeholders, every node that is not a folded quantize, outputs; then the parameter map.
@@ -111,10 +114,13 @@ class _Builder:
             raise LiftError(f"cannot lift {where}: the model does not import domain {domain!r}")
         try:
             module, mapping = find_converter(domain, node.operation_type, opset)(node, self.graph)
+            if node.name in self.host.nodes:
+                module, args, kwargs = self._host_op(module, mapping.inputs)
+            else:
+                args = [self._value(value, _codes_transform(module, node, value, self.graph)) for value in mapping.inputs]
+                args, kwargs = _split_optional(args, module)
             name = self._module_name(node.name)
             self.root.add_module(name, module)
-            args = [self._value(value, _codes_transform(module, node, value, self.graph)) for value in mapping.inputs]
-            args, kwargs = _split_optional(args, module)
         except LiftError:
             raise
         except Exception as error:
@@ -124,6 +130,15 @@ class _Builder:
             self.values[mapping.outputs[0]] = call
         else:
             self.untaken.update({output: (call, i) for i, output in enumerate(mapping.outputs) if output})
+
+    def _host_op(self, module: nn.Module, inputs: tuple[str, ...]) -> tuple[nn.Module, list[Any], dict[str, Any]]:
+        """A host region's op (see host_shapes): Shape returning a CPU tensor, any other holding its
+        constant inputs itself; the graph passes the rest, omitted ones as None."""
+        if isinstance(module, OnnxShape):
+            return HostShape.of(module), [self._value(value, None) for value in inputs], {}
+        constants = {i: to_torch(tensor_array(self.graph.initializers[value].proto))
+                     for i, value in enumerate(inputs) if value in self.host.constants}
+        return HostOp(module, constants), [self._value(v, None) for i, v in enumerate(inputs) if i not in constants], {}
 
     def _value(self, name: str, transform: Dequantize | None) -> fx.Node | None:
         """The fx node of an ONNX value (None for an omitted optional input)."""

@@ -210,10 +210,7 @@ class Tuner:
     def _hear_steps(self, k: int, first: int, losses: list[torch.Tensor]) -> None:
         """Read the losses of steps first, first + 1, ... (summed over processes: each holds its rows'
         share) in one synchronisation, and tell the step callbacks each in turn."""
-        values = torch.stack(losses).double()
-        if self.fabric.world_size > 1:
-            values = self.fabric.all_reduce(values, reduce_op="sum")
-        for offset, loss in enumerate(values.tolist()):
+        for offset, loss in enumerate(sum_across(self.fabric, torch.stack(losses).double().tolist())):
             for hook in self._step_hooks:
                 hook(tuner=self, index=k, step=first + offset, loss=loss)
 

@@ -44,13 +44,17 @@ def pow2(k: torch.Tensor) -> torch.Tensor:
 _assume_rare_cases = False
 
 
+def checks_rare_cases(device: torch.device) -> bool:
+    """Whether rare per-block cases are checked on `device` (the CPU, unless `branch_free`) rather
+    than assumed; a caller whose check needs work of its own can skip that work where they are assumed."""
+    return not _assume_rare_cases and device.type == "cpu"
+
+
 def needs(rare: torch.Tensor) -> bool:
     """Whether a rare per-block case occurs in `rare` (a boolean tensor): checked on CPU, where the
     check is cheap and spares ordinary data the per-element fix; assumed on accelerators, so the fix
     runs branch-free with no host synchronisation (results are identical either way)."""
-    if _assume_rare_cases or rare.device.type != "cpu":
-        return True
-    return bool(rare.any())
+    return not checks_rare_cases(rare.device) or bool(rare.any())
 
 
 @contextmanager

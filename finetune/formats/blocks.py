@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.nn.functional as F
 
-from .bits import EXPONENT_FIELD_INF_NAN, ROUNDING_MODES, exponent_field, needs
+from .bits import EXPONENT_FIELD_INF_NAN, ROUNDING_MODES, checks_rare_cases, exponent_field, needs
 
 BlockFn = Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
 
@@ -108,9 +108,11 @@ def max_exponent_field(blocks: torch.Tensor, dim: int) -> torch.Tensor:
 
 def max_finite_exponent_field(blocks: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Largest exponent field over the finite elements along `dim`, and the finite mask, which is
-    None when `needs` rules NaN/Inf out (on CPU for ordinary data, so the per-element mask is skipped)."""
-    field = max_exponent_field(blocks, dim)
-    if not needs(field == EXPONENT_FIELD_INF_NAN):
-        return field, None
+    None when a check rules NaN/Inf out (on CPU for ordinary data, so the per-element mask is skipped).
+    Where rare cases are assumed (accelerators), the unmasked field that check needs is not computed."""
+    if checks_rare_cases(blocks.device):
+        field = max_exponent_field(blocks, dim)
+        if not needs(field == EXPONENT_FIELD_INF_NAN):
+            return field, None
     finite = torch.isfinite(blocks)
     return max_exponent_field(torch.where(finite, blocks, 0.0), dim), finite

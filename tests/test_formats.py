@@ -410,12 +410,44 @@ def test_needs_checks_on_cpu_and_assumes_elsewhere() -> None:
     assert needs(torch.zeros(2, dtype=torch.bool, device="meta"))
 
 
-@pytest.mark.parametrize("data", ["rare", "ordinary"])
+def zero_block_data() -> torch.Tensor:
+    """Ordinary data in which whole blocks (and sub-blocks) along axis 1 are zero, of either sign,
+    as after a ReLU or in a zero-padded image: on CPU these take the fast path."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(8, 64, 5, generator=g) * 100
+    x[:, 16:32] = 0.0
+    x[:, 40:48, 1] = -0.0
+    x[2, :, 3] = 0.0
+    x[3, 50:52] = 0.0
+    return x
+
+
+def boundary_field_data() -> torch.Tensor:
+    """One row per block maximum's exponent field near either end of float32 (fields 0-14 and
+    240-254), each row's elements spread over the 8 binades below it: where the CPU's fast path
+    ends and the general path begins."""
+    g = torch.Generator().manual_seed(6)
+    fields = [*range(15), *range(240, 255)]
+    rows = []
+    for field in fields:
+        exponents = field - 127 - torch.randint(0, 8, (64, 5), generator=g)
+        rows.append((1 + torch.rand(64, 5, generator=g)) * torch.pow(2.0, exponents.double()).float()
+                    * torch.where(torch.rand(64, 5, generator=g) < 0.5, -1.0, 1.0))
+    return torch.stack(rows)
+
+
+DATA_KINDS = {"boundary fields": boundary_field_data, "rare": rare_case_data, "zero blocks": zero_block_data,
+              "ordinary": lambda: torch.randn(8, 64, 5, generator=torch.Generator().manual_seed(4)) * 100,
+              **{f"rare row {i}": lambda i=i: rare_case_data()[i:i + 1] for i in range(8)}}
+
+
+@pytest.mark.parametrize("data", list(DATA_KINDS))
 @pytest.mark.parametrize("spec", EVERY_BLOCK_CASE, ids=str)
 def test_branch_free_path_gives_the_same_bits(spec: BFPSpec | MXSpec | FloatSpec, data: str) -> None:
     """Forcing what accelerators run (every rare-case fix, no check) changes no bit of the values or
-    the gradient, on data that has each rare case and on data that has none (the CPU fast paths)."""
-    x = rare_case_data() if data == "rare" else torch.randn(8, 64, 5, generator=torch.Generator().manual_seed(4)) * 100
+    the gradient, on data that has every rare case, each rare case alone, zero blocks, and none (the
+    CPU fast paths)."""
+    x = DATA_KINDS[data]()
     checked = outputs_and_gradient(x, spec)
     with branch_free():
         forced = outputs_and_gradient(x, spec)

@@ -18,7 +18,7 @@ from .bits import (
     rounder,
     straight_through,
 )
-from .blocks import check_block_attributes, map_blocks, max_finite_exponent_field
+from .blocks import check_block_attributes, map_blocks, ordinary_fields, shared_exponent_field
 
 BFP_METHODS = ("to_bfp", "to_bfp_prime")
 SHARED_EXPONENT_BITS = 8
@@ -112,9 +112,10 @@ def _round_codes(scaled: torch.Tensor, spec: BFPSpec, max_code: float) -> torch.
 def _to_bfp(blocks: torch.Tensor, spec: BFPSpec, max_code: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Shared exponent = largest finite exponent field of the block; NaN/Inf pass through.
     Returns the result and the scaled values (for the gradient mask)."""
-    shared, finite = max_finite_exponent_field(blocks, dim=2)
-    scale_exp = shared - EXPONENT_BIAS - (spec.mantissa_bits - 1)
-    y, scaled = quantize_scaled(blocks, scale_exp, lambda v: _round_codes(v, spec, max_code))
+    m = spec.mantissa_bits  # blocks whose field lies in [m, 252 + m] have normal scales both ways
+    shared, finite, ordinary = shared_exponent_field(blocks, 2, m, min(EXPONENT_FIELD_INF_NAN - 1, 252 + m))
+    scale_exp = shared - EXPONENT_BIAS - (m - 1)
+    y, scaled = quantize_scaled(blocks, scale_exp, lambda v: _round_codes(v, spec, max_code), normal=ordinary)
     if finite is not None:
         y = torch.where(finite, y, blocks)
     return y, scaled
@@ -126,17 +127,24 @@ def _to_bfp_prime(blocks: torch.Tensor, spec: BFPSpec, max_code: float) -> tuple
     p, nb, b, q = blocks.shape
     sub = blocks.reshape(p, nb, b // spec.sub_block_size, spec.sub_block_size, q)
     sub_max_abs = sub.abs().amax(dim=3, keepdim=True)
-    sub_max = exponent_field(sub_max_abs)
-    shared = sub_max.amax(dim=2, keepdim=True)
     max_shift = spec.max_sub_block_shift
+    headroom = spec.mantissa_bits + max_shift
+    # From headroom + 2 on, every scale and its inverse are normal and no subnormal gets a nonzero
+    # code; to 252 + mantissa bits, the largest scale is normal too.
+    sub_max = ordinary_fields(sub_max_abs, headroom + 2, min(EXPONENT_FIELD_INF_NAN - 1, 252 + spec.mantissa_bits))
+    ordinary = sub_max is not None
+    if sub_max is None:
+        sub_max = exponent_field(sub_max_abs)
+    shared = sub_max.amax(dim=2, keepdim=True)
     shift = torch.clamp(shared - sub_max, max=max_shift)
     scale_exp = (shared + (1 - EXPONENT_BIAS - spec.mantissa_bits)) - shift
-    y, scaled = quantize_scaled(sub, scale_exp, lambda v: _round_codes(v, spec, max_code))
-    if needs(_subnormals_may_round_to_nonzero(sub_max_abs, shared, spec.mantissa_bits + max_shift)):
-        y = y * (sub.abs() >= F32_MIN_NORMAL)
-    has_nan_or_inf = shared == EXPONENT_FIELD_INF_NAN
-    if needs(has_nan_or_inf):
-        y = torch.where(has_nan_or_inf, float("nan"), y)
+    y, scaled = quantize_scaled(sub, scale_exp, lambda v: _round_codes(v, spec, max_code), normal=ordinary)
+    if not ordinary:
+        if needs(_subnormals_may_round_to_nonzero(sub_max_abs, shared, headroom)):
+            y = y * (sub.abs() >= F32_MIN_NORMAL)
+        has_nan_or_inf = shared == EXPONENT_FIELD_INF_NAN
+        if needs(has_nan_or_inf):
+            y = torch.where(has_nan_or_inf, float("nan"), y)
     return y.reshape(blocks.shape), scaled
 
 

@@ -95,11 +95,12 @@ def scale_by_pow2(x: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     return x * pow2(first) * pow2(k - first)
 
 
-def quantize_scaled(x: torch.Tensor, k: torch.Tensor, quantize: RoundFn) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_scaled(x: torch.Tensor, k: torch.Tensor, quantize: RoundFn, normal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(quantize(x * 2**-k) * 2**k, x * 2**-k), each product exact up to its final rounding: the
-    block formats' scale-round-unscale. When 2**k and 2**-k are both normal (nearly always), one
-    power of two serves both ways, since x / 2**k rounds exactly like x * 2**-k."""
-    if not needs(_any_outside(k, MIN_NORMAL_EXPONENT, -MIN_NORMAL_EXPONENT)):
+    block formats' scale-round-unscale. When 2**k and 2**-k are both normal (nearly always; `normal`:
+    the caller has checked it), one power of two serves both ways, since x / 2**k rounds exactly
+    like x * 2**-k."""
+    if normal or not needs(_any_outside(k, MIN_NORMAL_EXPONENT, -MIN_NORMAL_EXPONENT)):
         factor = pow2(k)
         scaled = x / factor
         return quantize(scaled).mul_(factor), scaled

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.nn.functional as F
 
-from .bits import EXPONENT_FIELD_INF_NAN, ROUNDING_MODES, checks_rare_cases, exponent_field, needs
+from .bits import EXPONENT_FIELD_INF_NAN, MANTISSA_BITS, ROUNDING_MODES, checks_rare_cases, exponent_field, needs
 
 BlockFn = Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
 
@@ -45,18 +45,26 @@ def map_blocks(x: torch.Tensor, axis: int, block_size: int, fn: BlockFn) -> tupl
     n = x.shape[a] if x.dim() else 1
     p, q = math.prod(x.shape[:a]), math.prod(x.shape[a + 1 :])
     flat = x.reshape(p, n, q)
-    padded = -(-n // block_size) * block_size
+    chunks = list(_chunks(p, n, q, x.device))
+    if len(chunks) == 1:  # the whole tensor at once: fn's outputs are reshaped, not copied into place
+        return tuple(out.reshape(x.shape) for out in _blocked(flat, n, block_size, fn))
     outputs: list[torch.Tensor] = []
-    for rows, cols in _chunks(p, n, q, x.device):
-        part = flat[rows, :, cols]
-        if padded != n:
-            part = F.pad(part, (0, 0, 0, padded - n))
-        results = fn(part.reshape(part.shape[0], padded // block_size, block_size, part.shape[2]))
+    for rows, cols in chunks:
+        results = _blocked(flat[rows, :, cols], n, block_size, fn)
         if not outputs:
             outputs = [torch.empty((p, n, q), dtype=r.dtype, device=x.device) for r in results]
         for out, result in zip(outputs, results):
-            out[rows, :, cols] = result.reshape(part.shape[0], padded, part.shape[2])[:, :n, :]
+            out[rows, :, cols] = result
     return tuple(out.reshape(x.shape) for out in outputs)
+
+
+def _blocked(part: torch.Tensor, n: int, block_size: int, fn: BlockFn) -> tuple[torch.Tensor, ...]:
+    """fn's outputs for a [p, n, q] part viewed as whole blocks (zero-padded), as [p, n, q] again."""
+    padded = -(-n // block_size) * block_size
+    if padded != n:
+        part = F.pad(part, (0, 0, 0, padded - n))
+    results = fn(part.reshape(part.shape[0], padded // block_size, block_size, part.shape[2]))
+    return tuple(r.reshape(part.shape[0], padded, part.shape[2])[:, :n, :] for r in results)
 
 
 def _chunks(p: int, n: int, q: int, device: torch.device) -> Iterator[tuple[slice, slice]]:
@@ -106,13 +114,33 @@ def max_exponent_field(blocks: torch.Tensor, dim: int) -> torch.Tensor:
     return exponent_field(blocks.abs().amax(dim=dim, keepdim=True))
 
 
-def max_finite_exponent_field(blocks: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Largest exponent field over the finite elements along `dim`, and the finite mask, which is
-    None when a check rules NaN/Inf out (on CPU for ordinary data, so the per-element mask is skipped).
-    Where rare cases are assumed (accelerators), the unmasked field that check needs is not computed."""
+def shared_exponent_field(blocks: torch.Tensor, dim: int, lowest: int, highest: int) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
+    """(largest exponent field over the finite elements along `dim`, the finite mask, whether the
+    blocks are ordinary). Ordinary (see ordinary_fields, with the caller's range): zero blocks read
+    `lowest` and no mask is needed. Otherwise the mask is None when a check rules NaN/Inf out (on
+    CPU). Where rare cases are assumed (accelerators), neither check's work is done."""
     if checks_rare_cases(blocks.device):
-        field = max_exponent_field(blocks, dim)
+        magnitudes = blocks.abs().amax(dim=dim, keepdim=True)
+        fields = ordinary_fields(magnitudes, lowest, highest)
+        if fields is not None:
+            return fields, None, True
+        field = exponent_field(magnitudes)
         if not needs(field == EXPONENT_FIELD_INF_NAN):
-            return field, None
+            return field, None, False
     finite = torch.isfinite(blocks)
-    return max_exponent_field(torch.where(finite, blocks, 0.0), dim), finite
+    return max_exponent_field(torch.where(finite, blocks, 0.0), dim), finite, False
+
+
+def ordinary_fields(magnitudes: torch.Tensor, lowest: int, highest: int) -> torch.Tensor | None:
+    """The exponent fields of `magnitudes` (float32 maxima of blocks or sub-blocks, >= 0), zeros
+    raised to `lowest`, when every nonzero magnitude's field lies in [lowest, highest]: the caller
+    picks the range in which its scales need no rare-case fix, and an all-zero block gives zeros at
+    any scale. None otherwise, and always where rare cases are assumed (accelerators): the caller
+    then takes its general path. One reduction and one host read replace the per-case checks."""
+    if not checks_rare_cases(magnitudes.device) or not magnitudes.numel():
+        return None
+    bits = magnitudes.view(torch.int32)
+    least, most = torch.aminmax(bits.masked_fill(bits == 0, lowest << MANTISSA_BITS))
+    if least < lowest << MANTISSA_BITS or most >= (highest + 1) << MANTISSA_BITS:
+        return None
+    return (bits >> MANTISSA_BITS).clamp_(min=lowest)

@@ -140,7 +140,7 @@ def ordinary_fields(magnitudes: torch.Tensor, lowest: int, highest: int) -> torc
     if not checks_rare_cases(magnitudes.device) or not magnitudes.numel():
         return None
     bits = magnitudes.view(torch.int32)
-    least, most = torch.aminmax(bits.masked_fill(bits == 0, lowest << MANTISSA_BITS))
+    least, most = torch.stack(torch.aminmax(bits.masked_fill(bits == 0, lowest << MANTISSA_BITS))).tolist()
     if least < lowest << MANTISSA_BITS or most >= (highest + 1) << MANTISSA_BITS:
         return None
     return (bits >> MANTISSA_BITS).clamp_(min=lowest)

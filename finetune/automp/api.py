@@ -1,7 +1,8 @@
-"""Automatic mixed precision: quantize the model once per rung, lift each, measure every target
-layer's sensitivity in the switchable torch model, search the assignment (search.Search), then
-write the chosen configuration as a real QDQ model, fine-tune it if the config asks, and re-measure
-the metric in onnxruntime: the number the report states, which must meet the target."""
+"""Automatic mixed precision: quantize the model once per rung, lift each, and measure every target
+layer's sensitivity in the switchable torch model (prepare_mixed_precision, shared by every target);
+then, per target, search the assignment (search.Search), write the chosen configuration as a real
+QDQ model, fine-tune it if the config asks, and re-measure the metric in onnxruntime (Prepared.choose):
+the number the report states, which must meet the target."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from typing import Any
 import numpy as np
 import onnx
 
-from finetune.config import QuantConfig, load_config
+from finetune.config import ConfigError, QuantConfig, load_config
 from finetune.config.automp import AutoMixedPrecision
 from finetune.onnx.io import load_model, save_model_atomic
 from finetune.quantize import quantize_model
@@ -25,7 +26,8 @@ from .measure import (Evaluation, average_bits, evaluation_set, ladder_key, onnx
                       torch_metric)
 from .metrics import Metric, MetricFn, resolve_metric
 from .report import build_report, summary_line, write_report
-from .search import Search
+from .search import Point, Search
+from .switch import SwitchableModel
 
 logger = logging.getLogger(__name__)
 
@@ -43,15 +45,84 @@ class AutoMPResult:
     finetune_report: dict[str, Any] | None
 
 
-def auto_mixed_precision(
+@dataclass
+class Prepared:
+    """A model quantized at every rung, lifted, and measured: each searched layer alone at each lower
+    rung and the uniform rungs. Every target's choice starts from these measurements, the search's
+    costly part, so several targets pay for them once (`choose`)."""
+
+    model: str | Path | onnx.ModelProto
+    config: QuantConfig
+    data: Any
+    metric: Metric
+    rungs: dict[str, list[Rung]]
+    base: QuantConfig  # the config without the search, tuning or storage options: what the candidates are quantized with
+    items: list[Item]
+    evaluation: Evaluation
+    float_value: float
+    switch: SwitchableModel
+    search: Search  # its trace ends with the uniform points; each choice goes on from a copy
+    uniform: list[Point]
+    seconds: dict[str, float]  # "sensitivity" (lifting the rungs included) and "prepare" (all of it)
+    choices: int = 0
+
+    def choose(self, target: float | None = None, *, max_drop: float | None = None, keep_top: int | None = None,
+               output_dir: str | Path | None = None, name: str = "automp", model_path: str | Path | None = None,
+               curve_points: int = 0) -> AutoMPResult:
+        """The final model for one goal (at most one of `target`, `max_drop`, `keep_top`; none: the
+        config's), as a fresh auto_mixed_precision with that goal gives it. With `output_dir`,
+        `<name>.json` and `<name>.png` go there; with `model_path`, the model is written there
+        (atomically) before the report."""
+        begin = time.perf_counter()
+        config = _with_goal(self.config, target, max_drop, keep_top)
+        settings = config.auto_mixed_precision
+        goal = _target(settings, self.metric, self.float_value)
+        search = self.search.copy()
+        if settings.finetune_in_loop:
+            search.evaluate = lambda a: _measure_tuned(self.model, self.base, config, self.items, a, self.rungs, self.data,
+                                                       self.evaluation, self.metric)
+        assignment = search.keep_top(settings.keep_top) if settings.keep_top is not None else search.run(goal)
+        search.curve(curve_points)
+        search_seconds = time.perf_counter() - begin
+        final, summary, assignment, measured, repairs, finetune_report = _final_model(
+            self.model, config, self.base, self.items, assignment, self.rungs, self.data, self.evaluation, self.metric, goal,
+            search)
+        final_config = dataclasses.replace(assigned_config(config, self.items, list(assignment), self.rungs),
+                                           weight_storage=config.weight_storage, bf16_as_cast=config.bf16_as_cast,
+                                           fast_finetune=config.fast_finetune)
+        report = build_report(
+            settings=settings, metric=self.metric, target=goal, float_value=self.float_value, items=self.items,
+            rungs=self.rungs, search=search, switch=self.switch, assignment=assignment, uniform=self.uniform,
+            onnxruntime_metric=measured, repairs=repairs, evaluation_source=self.evaluation.source,
+            samples=len(self.evaluation.float_outputs), finetune=finetune_report,
+            bits=average_bits(self.switch, self.items, assignment, settings),
+            seconds=self._seconds(search_seconds, finetune_report, time.perf_counter() - begin))
+        self.choices += 1
+        if model_path is not None:
+            save_model_atomic(final, model_path)
+        if output_dir is not None:
+            write_report(report, Path(output_dir), name)
+        logger.info(summary_line(report))
+        return AutoMPResult(final, final_config, report, summary, finetune_report)
+
+    def _seconds(self, search: float, finetune_report: dict | None, choice: float) -> dict[str, float]:
+        """The report's wall times: the preparation's sensitivity, this choice's search and tuning, and
+        a total of the two (what a fresh run takes); after the first choice, `sensitivity_shared`
+        says the sensitivity was measured for an earlier one."""
+        seconds = {"sensitivity": self.seconds["sensitivity"], "search": search,
+                   "finetune": finetune_report["total_seconds"] if finetune_report else 0.0,
+                   "total": self.seconds["prepare"] + choice}
+        return {**seconds, "sensitivity_shared": True} if self.choices else seconds
+
+
+def prepare_mixed_precision(
     model: str | Path | onnx.ModelProto, config: QuantConfig | str | dict, data: Any,
     metric: str | MetricFn | Metric | None = None, labels: np.ndarray | None = None, evaluation_data: Any = None,
-    output_dir: str | Path | None = None, name: str = "automp", model_path: str | Path | None = None, curve_points: int = 0,
-) -> AutoMPResult:
-    """Search per-layer precision for `config`'s auto_mixed_precision section on `data` (calibration;
-    also the evaluation set unless `evaluation_data` or the section's evaluation_data names another),
-    judged by `metric` (default the section's). With `output_dir`, `<name>.json` and `<name>.png` go
-    there; with `model_path`, the model is written there (atomically) before the report."""
+) -> Prepared:
+    """Everything a search for `config`'s auto_mixed_precision section shares across targets: the
+    model quantized on `data` (calibration; also the evaluation set unless `evaluation_data` or the
+    section's evaluation_data names another) at every rung and lifted, and the sensitivity of each
+    searched layer judged by `metric` (default the section's). Bad input is refused before the long work."""
     begin = time.perf_counter()
     config = load_config(config)
     settings = config.auto_mixed_precision
@@ -71,7 +142,6 @@ def auto_mixed_precision(
     evaluation = evaluation_set(base_quantized.float_model, evaluation_data or settings.evaluation_data, data, labels, settings,
                                 chosen_metric)
     float_value = chosen_metric(evaluation.float_outputs, evaluation.float_outputs, evaluation.labels)
-    target = _target(settings, chosen_metric, float_value)
     started = time.perf_counter()
     switch = switchable_model(model, base, base_quantized.model, items, rungs, data)
     switch.measure_activations(evaluation.batches[0])
@@ -82,33 +152,33 @@ def auto_mixed_precision(
                                                                chosen_metric))
     uniform = [search.measure(tuple(min(r, count - 1) for count in search.rungs), "uniform")
                for r in range(max(search.rungs) - 1)]
-    sensitivity_seconds = time.perf_counter() - started
-    started = time.perf_counter()
-    if settings.finetune_in_loop:
-        search.evaluate = lambda a: _measure_tuned(model, base, config, items, a, rungs, data, evaluation, chosen_metric)
-    assignment = search.keep_top(settings.keep_top) if settings.keep_top is not None else search.run(target)
-    search.curve(curve_points)
-    search_seconds = time.perf_counter() - started
-    final, summary, assignment, measured, repairs, finetune_report = _final_model(
-        model, config, base, items, assignment, rungs, data, evaluation, chosen_metric, target, search)
-    final_config = dataclasses.replace(assigned_config(config, items, list(assignment), rungs),
-                                       weight_storage=config.weight_storage, bf16_as_cast=config.bf16_as_cast,
-                                       fast_finetune=config.fast_finetune)
-    report = build_report(
-        settings=settings, metric=chosen_metric, target=target, float_value=float_value, items=items, rungs=rungs,
-        search=search, switch=switch, assignment=assignment, uniform=uniform, onnxruntime_metric=measured, repairs=repairs,
-        evaluation_source=evaluation.source, samples=len(evaluation.float_outputs), finetune=finetune_report,
-        bits=average_bits(switch, items, assignment, settings),
-        seconds={"sensitivity": sensitivity_seconds, "search": search_seconds,
-                 "finetune": finetune_report["total_seconds"] if finetune_report else 0.0,
-                 "total": time.perf_counter() - begin},
-    )
-    if model_path is not None:
-        save_model_atomic(final, model_path)
-    if output_dir is not None:
-        write_report(report, Path(output_dir), name)
-    logger.info(summary_line(report))
-    return AutoMPResult(final, final_config, report, summary, finetune_report)
+    seconds = {"sensitivity": time.perf_counter() - started, "prepare": time.perf_counter() - begin}
+    return Prepared(model, config, data, chosen_metric, rungs, base, items, evaluation, float_value, switch, search, uniform,
+                    seconds)
+
+
+def auto_mixed_precision(
+    model: str | Path | onnx.ModelProto, config: QuantConfig | str | dict, data: Any,
+    metric: str | MetricFn | Metric | None = None, labels: np.ndarray | None = None, evaluation_data: Any = None,
+    output_dir: str | Path | None = None, name: str = "automp", model_path: str | Path | None = None, curve_points: int = 0,
+) -> AutoMPResult:
+    """Search per-layer precision for `config`'s auto_mixed_precision section: `prepare_mixed_precision`,
+    then the choice for the section's goal (see both for the arguments)."""
+    prepared = prepare_mixed_precision(model, config, data, metric=metric, labels=labels, evaluation_data=evaluation_data)
+    return prepared.choose(output_dir=output_dir, name=name, model_path=model_path, curve_points=curve_points)
+
+
+def _with_goal(config: QuantConfig, target: float | None, max_drop: float | None, keep_top: int | None) -> QuantConfig:
+    """The config with the goal given in place of its section's (unchanged when none is given); the
+    section's checks refuse two goals or a target out of the metric's range."""
+    goal = {"target": target, "max_drop": max_drop, "keep_top": keep_top}
+    if all(value is None for value in goal.values()):
+        return config
+    try:
+        settings = dataclasses.replace(config.auto_mixed_precision, **goal)
+    except ConfigError as error:
+        raise error.under("auto_mixed_precision") from None
+    return dataclasses.replace(config, auto_mixed_precision=settings)
 
 
 def _target(settings: AutoMixedPrecision, metric: Metric, float_value: float) -> float:

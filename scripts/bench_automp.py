@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from finetune.automp import Prepared, prepare_mixed_precision
+from finetune.automp import PreparedSearch, prepare_mixed_precision
 from finetune.files import write_text_atomic
 from finetune.zoo import (digits_split, efficientnet_lite0, export_onnx, magika_config, magika_onnx_path, magika_samples, photo_crops,
                           train_digits_cnn, train_digits_transformer)
@@ -68,14 +68,14 @@ def magika_case() -> tuple[Path, list, list]:
     return magika_onnx_path(), calibration, [(held[i:i + 64], truth[i:i + 64]) for i in range(0, len(held), 64)]
 
 
-def prepare(path: Path, calibration: list, evaluation: list, ladder: list, metric: str, goal: dict[str, float]) -> Prepared:
+def prepare(path: Path, calibration: list, evaluation: list, ladder: list, metric: str, goal: dict[str, float]) -> PreparedSearch:
     """The measurements every target of the ladder shares (`goal`, any of them, only makes the config whole)."""
     config = {"preset": ladder[-1] if isinstance(ladder[-1], str) else "A16W8",
               "auto_mixed_precision": {"ladder": ladder, "metric": metric, **goal}}
     return prepare_mixed_precision(path, config, calibration, evaluation_data=evaluation)
 
 
-def choose(prepared: Prepared, goal: dict[str, float], curve_points: int = 0) -> dict[str, Any]:
+def choose(prepared: PreparedSearch, goal: dict[str, float], curve_points: int = 0) -> dict[str, Any]:
     """One target's search from the shared preparation; the numbers the closing note and the issue ask for."""
     start = time.perf_counter()
     report = prepared.choose(**goal, curve_points=curve_points).report

@@ -4,7 +4,8 @@ bisection over the layers ordered by noise per bit saved finds the cheapest assi
 the target; the result is exported, optionally fine-tuned, and re-measured in onnxruntime.
 `prepare_mixed_precision` does the measuring once, so several targets can be chosen from it."""
 
-from .api import AutoMPResult, Prepared, auto_mixed_precision, prepare_mixed_precision
+from .api import AutoMPResult, PreparedSearch, auto_mixed_precision, prepare_mixed_precision
 from .metrics import METRICS, Metric, resolve_metric
 
-__all__ = ["METRICS", "AutoMPResult", "Metric", "Prepared", "auto_mixed_precision", "prepare_mixed_precision", "resolve_metric"]
+__all__ = ["METRICS", "AutoMPResult", "Metric", "PreparedSearch", "auto_mixed_precision", "prepare_mixed_precision",
+           "resolve_metric"]

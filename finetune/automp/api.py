@@ -1,7 +1,7 @@
 """Automatic mixed precision: quantize the model once per rung, lift each, and measure every target
 layer's sensitivity in the switchable torch model (prepare_mixed_precision, shared by every target);
 then, per target, search the assignment (search.Search), write the chosen configuration as a real
-QDQ model, fine-tune it if the config asks, and re-measure the metric in onnxruntime (Prepared.choose):
+QDQ model, fine-tune it if the config asks, and re-measure the metric in onnxruntime (PreparedSearch.choose):
 the number the report states, which must meet the target."""
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ class AutoMPResult:
 
 
 @dataclass
-class Prepared:
+class PreparedSearch:
     """A model quantized at every rung, lifted, and measured: each searched layer alone at each lower
     rung and the uniform rungs. Every target's choice starts from these measurements, the search's
     costly part, so several targets pay for them once (`choose`)."""
@@ -64,7 +64,7 @@ class Prepared:
     search: Search  # its trace ends with the uniform points; each choice goes on from a copy
     uniform: list[Point]
     seconds: dict[str, float]  # "sensitivity" (lifting the rungs included) and "prepare" (all of it)
-    choices: int = 0
+    choices_made: int = 0
 
     def choose(self, target: float | None = None, *, max_drop: float | None = None, keep_top: int | None = None,
                output_dir: str | Path | None = None, name: str = "automp", model_path: str | Path | None = None,
@@ -77,12 +77,7 @@ class Prepared:
         config = _with_goal(self.config, target, max_drop, keep_top)
         settings = config.auto_mixed_precision
         goal = _target(settings, self.metric, self.float_value)
-        search = self.search.copy()
-        if settings.finetune_in_loop:
-            search.evaluate = lambda a: _measure_tuned(self.model, self.base, config, self.items, a, self.rungs, self.data,
-                                                       self.evaluation, self.metric)
-        assignment = search.keep_top(settings.keep_top) if settings.keep_top is not None else search.run(goal)
-        search.curve(curve_points)
+        search, assignment = self._search(config, goal, curve_points)
         search_seconds = time.perf_counter() - begin
         final, summary, assignment, measured, repairs, finetune_report = _final_model(
             self.model, config, self.base, self.items, assignment, self.rungs, self.data, self.evaluation, self.metric, goal,
@@ -97,13 +92,25 @@ class Prepared:
             samples=len(self.evaluation.float_outputs), finetune=finetune_report,
             bits=average_bits(self.switch, self.items, assignment, settings),
             seconds=self._seconds(search_seconds, finetune_report, time.perf_counter() - begin))
-        self.choices += 1
+        self.choices_made += 1
         if model_path is not None:
             save_model_atomic(final, model_path)
         if output_dir is not None:
             write_report(report, Path(output_dir), name)
         logger.info(summary_line(report))
         return AutoMPResult(final, final_config, report, summary, finetune_report)
+
+    def _search(self, config: QuantConfig, goal: float, curve_points: int) -> tuple[Search, tuple[int, ...]]:
+        """A copy of the prepared search taken on to the assignment meeting `goal` (or keeping the
+        config's keep_top layers high), then over `curve_points` prefixes; the copy and the assignment."""
+        settings = config.auto_mixed_precision
+        search = self.search.copy()
+        if settings.finetune_in_loop:
+            search.evaluate = lambda a: _measure_tuned(self.model, self.base, config, self.items, a, self.rungs, self.data,
+                                                       self.evaluation, self.metric)
+        assignment = search.keep_top(settings.keep_top) if settings.keep_top is not None else search.run(goal)
+        search.curve(curve_points)
+        return search, assignment
 
     def _seconds(self, search: float, finetune_report: dict | None, choice: float) -> dict[str, float]:
         """The report's wall times: the preparation's sensitivity, this choice's search and tuning, and
@@ -112,25 +119,20 @@ class Prepared:
         seconds = {"sensitivity": self.seconds["sensitivity"], "search": search,
                    "finetune": finetune_report["total_seconds"] if finetune_report else 0.0,
                    "total": self.seconds["prepare"] + choice}
-        return {**seconds, "sensitivity_shared": True} if self.choices else seconds
+        return {**seconds, "sensitivity_shared": True} if self.choices_made else seconds
 
 
 def prepare_mixed_precision(
     model: str | Path | onnx.ModelProto, config: QuantConfig | str | dict, data: Any,
     metric: str | MetricFn | Metric | None = None, labels: np.ndarray | None = None, evaluation_data: Any = None,
-) -> Prepared:
+) -> PreparedSearch:
     """Everything a search for `config`'s auto_mixed_precision section shares across targets: the
     model quantized on `data` (calibration; also the evaluation set unless `evaluation_data` or the
     section's evaluation_data names another) at every rung and lifted, and the sensitivity of each
     searched layer judged by `metric` (default the section's). Bad input is refused before the long work."""
     begin = time.perf_counter()
-    config = load_config(config)
+    config = _search_config(config)
     settings = config.auto_mixed_precision
-    if settings is None:
-        raise ValueError("the config has no auto_mixed_precision section")
-    if settings.finetune_in_loop and config.fast_finetune is None:
-        raise ValueError("auto_mixed_precision.finetune_in_loop tunes each candidate with the config's fast_finetune section "
-                         "(loop_iterations each): add one, e.g. fast_finetune: {algorithm: adaquant}")
     chosen_metric = resolve_metric(metric if metric is not None else settings.metric)
     rungs = ladders(settings)
     base = dataclasses.replace(config, auto_mixed_precision=None, fast_finetune=None, weight_storage="float", bf16_as_cast=False)
@@ -145,16 +147,37 @@ def prepare_mixed_precision(
     started = time.perf_counter()
     switch = switchable_model(model, base, base_quantized.model, items, rungs, data)
     switch.measure_activations(evaluation.batches[0])
+    search, uniform = _measured_search(switch, items, fixed, rungs, evaluation, settings, chosen_metric)
+    seconds = {"sensitivity": time.perf_counter() - started, "prepare": time.perf_counter() - begin}
+    return PreparedSearch(model, config, data, chosen_metric, rungs, base, items, evaluation, float_value, switch, search,
+                          uniform, seconds)
+
+
+def _search_config(config: QuantConfig | str | dict) -> QuantConfig:
+    """The config loaded, refused in one line without an auto_mixed_precision section, or when it
+    tunes in the loop without a fast_finetune section to tune with."""
+    config = load_config(config)
+    settings = config.auto_mixed_precision
+    if settings is None:
+        raise ValueError("the config has no auto_mixed_precision section")
+    if settings.finetune_in_loop and config.fast_finetune is None:
+        raise ValueError("auto_mixed_precision.finetune_in_loop tunes each candidate with the config's fast_finetune section "
+                         "(loop_iterations each): add one, e.g. fast_finetune: {algorithm: adaquant}")
+    return config
+
+
+def _measured_search(switch: SwitchableModel, items: list[Item], fixed: frozenset[int], rungs: dict[str, list[Rung]],
+                     evaluation: Evaluation, settings: AutoMixedPrecision, metric: Metric) -> tuple[Search, list[Point]]:
+    """A search over the switchable model with the top, each item alone at each lower rung (the
+    sensitivity) and the uniform rungs measured; the search and the uniform points."""
     search = Search([len(rungs[ladder_key(item)]) for item in items],
-                    lambda a: torch_metric(switch, items, a, evaluation, settings, chosen_metric),
-                    lambda a: average_bits(switch, items, a, settings)[0], chosen_metric, fixed)
+                    lambda a: torch_metric(switch, items, a, evaluation, settings, metric),
+                    lambda a: average_bits(switch, items, a, settings)[0], metric, fixed)
     search.measure_sensitivity(lambda assignments: sensitivity(switch, items, search.top, assignments, evaluation, settings,
-                                                               chosen_metric))
+                                                               metric))
     uniform = [search.measure(tuple(min(r, count - 1) for count in search.rungs), "uniform")
                for r in range(max(search.rungs) - 1)]
-    seconds = {"sensitivity": time.perf_counter() - started, "prepare": time.perf_counter() - begin}
-    return Prepared(model, config, data, chosen_metric, rungs, base, items, evaluation, float_value, switch, search, uniform,
-                    seconds)
+    return search, uniform
 
 
 def auto_mixed_precision(

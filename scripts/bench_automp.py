@@ -1,5 +1,10 @@
 """Benchmark automatic mixed precision: for each model and ladder, the search at several targets,
-beside the uniform rungs of the same ladder, measured in one run. JSON on stdout (and --json PATH).
+beside the uniform rungs of the same ladder, measured in one run. JSON on stdout (and --json PATH):
+per model and ladder, the preparation (rungs quantized and lifted, sensitivity: shared by the
+targets, so its seconds are stated once) and, per target, the choice and its search seconds. With
+--finetune-iterations N (default 500; 0: none), one layer-wise fast finetune of the same model on
+the same calibration data is timed too, and each target states search_over_finetune, (sensitivity
++ search seconds) / finetune seconds: the issue asks for at most 3 at 500 iterations.
 
 Cases: the digits CNN and transformer (trained here on scikit-learn's digits; calibration on the
 training split, judged by held-out top-1 accuracy with labels) on the MX ladder MX4/MX6/MX9, the
@@ -28,8 +33,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from finetune.automp import auto_mixed_precision
+from finetune.automp import PreparedSearch, prepare_mixed_precision
+from finetune.config import FastFinetune
 from finetune.files import write_text_atomic
+from finetune.quantize import quantize_model
 from finetune.zoo import (digits_split, efficientnet_lite0, export_onnx, magika_config, magika_onnx_path, magika_samples, photo_crops,
                           train_digits_cnn, train_digits_transformer)
 
@@ -66,13 +73,16 @@ def magika_case() -> tuple[Path, list, list]:
     return magika_onnx_path(), calibration, [(held[i:i + 64], truth[i:i + 64]) for i in range(0, len(held), 64)]
 
 
-def run(path: Path, calibration: list, evaluation: list, ladder: list, metric: str, goal: dict[str, float],
-        curve_points: int = 0) -> dict[str, Any]:
-    """One search; the numbers the closing note and the issue ask for."""
-    config = {"preset": ladder[-1] if isinstance(ladder[-1], str) else "A16W8",
-              "auto_mixed_precision": {"ladder": ladder, "metric": metric, **goal}}
+def prepare(path: Path, calibration: list, evaluation: list, ladder: list, metric: str, goal: dict[str, float]) -> PreparedSearch:
+    """The measurements every target of the ladder shares (`goal`, any of them, only makes the config whole)."""
+    config = {"preset": _top_rung(ladder), "auto_mixed_precision": {"ladder": ladder, "metric": metric, **goal}}
+    return prepare_mixed_precision(path, config, calibration, evaluation_data=evaluation)
+
+
+def choose(prepared: PreparedSearch, goal: dict[str, float], curve_points: int = 0) -> dict[str, Any]:
+    """One target's search from the shared preparation; the numbers the closing note and the issue ask for."""
     start = time.perf_counter()
-    report = auto_mixed_precision(path, config, calibration, evaluation_data=evaluation, curve_points=curve_points).report
+    report = prepared.choose(**goal, curve_points=curve_points).report
     chosen = report["chosen"]
     curve = [(p["average_bits"], p["metric"]) for p in report["trace"] if p["phase"] in ("curve", "search")]
     return {
@@ -81,8 +91,46 @@ def run(path: Path, calibration: list, evaluation: list, ladder: list, metric: s
         "fractions": chosen["fractions"], "onnxruntime_metric": chosen["onnxruntime_metric"], "met": chosen["met"],
         "repairs": chosen["repairs"], "evaluations": report["evaluations"], "uniform": report["uniform"],
         "curve": curve, "curve_above_uniform_line": all(m >= _uniform_line(report["uniform"], b) for b, m in curve),
-        "seconds": {**report["seconds"], "wall": time.perf_counter() - start},
+        "seconds": {"search": report["seconds"]["search"], "finetune": report["seconds"]["finetune"],
+                    "wall": time.perf_counter() - start},
     }
+
+
+def finetune(path: Path, calibration: list, ladder_name: str, iterations: int) -> dict[str, Any]:
+    """Wall seconds of one layer-wise fast finetune (finetune.recon.finetune_model; AdaRound on the
+    INT ladder, AdaQuant on the block formats) of the model quantized at the ladder's top rung, on the
+    calibration data the search uses: the issue's yardstick for the search's time."""
+    from finetune.recon import finetune_model  # lightning takes seconds to import: not timed
+
+    rung = _top_rung(LADDERS[ladder_name])
+    algorithm = "adaround" if ladder_name == "int" else "adaquant"
+    quantized = quantize_model(path, rung, calibration)
+    settings = FastFinetune(algorithm=algorithm, iterations=iterations)
+    start = time.perf_counter()
+    finetune_model(quantized.model, calibration, settings, quantized.float_model)
+    return {"what": "one finetune.recon.finetune_model call (layer units, default settings otherwise) on the model quantized "
+                    "at the ladder's top rung, with the search's calibration data; the quantizing before it is not timed",
+            "rung": rung, "algorithm": algorithm, "iterations": iterations, "seconds": time.perf_counter() - start}
+
+
+def ladder_results(case: tuple[Path, list, list], ladder_name: str, metric: str, goals: list[dict[str, float]],
+                   curve_points: int, finetune_iterations: int) -> dict[str, Any]:
+    """One preparation, then each goal chosen from it; the shared seconds stated once; with
+    `finetune_iterations`, each target's search time over that of one fast finetune."""
+    prepared = prepare(*case, LADDERS[ladder_name], metric, goals[0])
+    targets = [choose(prepared, goal, curve_points) for goal in goals]
+    uniform = [target.pop("uniform") for target in targets][0]  # one preparation: the same points for every target
+    tuned = finetune(case[0], case[1], ladder_name, finetune_iterations) if finetune_iterations else None
+    for target in targets:
+        searched = prepared.seconds["sensitivity"] + target["seconds"]["search"]
+        target["search_over_finetune"] = searched / tuned["seconds"] if tuned else None
+    return {"seconds": {"sensitivity_shared": prepared.seconds["sensitivity"], "prepare": prepared.seconds["prepare"]},
+            "finetune": tuned, "uniform": uniform, "targets": targets}
+
+
+def _top_rung(ladder: list) -> str:
+    """The preset of the ladder's top rung (A16W8 where that rung is written inline): the search's base config."""
+    return ladder[-1] if isinstance(ladder[-1], str) else "A16W8"
 
 
 def _uniform_line(uniform: list[dict], bits: float) -> float:
@@ -100,6 +148,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--calibration-crops", type=int, default=32)
     parser.add_argument("--eval-crops", type=int, default=64)
     parser.add_argument("--curve-points", type=int, default=4, help="prefixes of the search's move order measured for the curve")
+    parser.add_argument("--finetune-iterations", type=int, default=500,
+                        help="iterations of the fast finetune timed beside the search (0: none)")
     parser.add_argument("--json", type=Path, help="also write the JSON here")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
@@ -109,17 +159,15 @@ def main(argv: list[str] | None = None) -> None:
         for model in args.models.split(","):
             if model == "efficientnet":
                 case = efficientnet_case(Path(folder), args.calibration_crops, args.eval_crops)
-                for target in map(float, args.targets.split(",")):
-                    results.append({"model": model, "ladder": "mx",
-                                    **run(*case, LADDERS["mx"], "top1_agreement", {"target": target}, args.curve_points)})
-                    print(json.dumps(results[-1]), file=sys.stderr)
-                continue
-            case = magika_case() if model == "magika" else digits_case(model, Path(folder))
-            for ladder in args.ladders.split(","):
-                for drop in map(float, args.drops.split(",")):
-                    results.append({"model": model, "ladder": ladder,
-                                    **run(*case, LADDERS[ladder], "top1_accuracy", {"max_drop": drop}, args.curve_points)})
-                    print(json.dumps(results[-1]), file=sys.stderr)
+                cases = [("mx", "top1_agreement", [{"target": target} for target in map(float, args.targets.split(","))])]
+            else:
+                case = magika_case() if model == "magika" else digits_case(model, Path(folder))
+                drops = [{"max_drop": drop} for drop in map(float, args.drops.split(","))]
+                cases = [(ladder, "top1_accuracy", drops) for ladder in args.ladders.split(",")]
+            for ladder, metric, goals in cases:
+                results.append({"model": model, "ladder": ladder,
+                                **ladder_results(case, ladder, metric, goals, args.curve_points, args.finetune_iterations)})
+                print(json.dumps(results[-1]), file=sys.stderr)
     text = json.dumps({"torch_threads": 2, "results": results}, indent=1)
     if args.json:
         write_text_atomic(args.json, text + "\n")

@@ -12,7 +12,7 @@ import onnx
 import pytest
 import torch
 
-from finetune.automp import auto_mixed_precision
+from finetune.automp import auto_mixed_precision, prepare_mixed_precision
 from finetune.automp.resume import candidate_outputs, cut_tails
 from finetune.automp.search import Search
 from finetune.automp.switch import SwitchableModel
@@ -86,6 +86,29 @@ def test_reruns_give_the_same_bytes(digits: dict) -> None:
     for run in runs:
         run.report.pop("seconds")
     assert runs[0].report == runs[1].report
+
+
+def test_choices_from_one_preparation_are_the_fresh_searches(digits: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two targets chosen from one preparation give the assignments, onnxruntime metrics, model
+    bytes and reports (timings apart) of a fresh search per target; the sensitivity is measured once."""
+    measured = []
+    real_measure = Search.measure_sensitivity
+    monkeypatch.setattr(Search, "measure_sensitivity", lambda self, *args: measured.append(1) or real_measure(self, *args))
+    prepared = prepare_mixed_precision(digits["path"], MX_LADDER, digits["calibration"], evaluation_data=digits["evaluation"])
+    shared = list(prepared.search.trace)
+    chosen = {target: prepared.choose(target) for target in (0.9, 0.98)}
+    assert measured == [1] and prepared.search.trace == shared  # the choices went on from copies
+    seconds = [choice.report.pop("seconds") for choice in chosen.values()]
+    assert "sensitivity_shared" not in seconds[0] and seconds[1]["sensitivity_shared"]
+    assert seconds[0]["sensitivity"] == seconds[1]["sensitivity"] == prepared.seconds["sensitivity"]
+    for target, choice in chosen.items():
+        config = {**MX_LADDER, "auto_mixed_precision": {**MX_LADDER["auto_mixed_precision"], "target": target}}
+        fresh = auto_mixed_precision(digits["path"], config, digits["calibration"], evaluation_data=digits["evaluation"])
+        assert choice.model.SerializeToString() == fresh.model.SerializeToString() and choice.config == fresh.config
+        assert choice.report["chosen"]["onnxruntime_metric"] == fresh.report["chosen"]["onnxruntime_metric"]
+        fresh.report.pop("seconds")
+        assert choice.report == fresh.report  # the same assignment, trace and uniform points
+    assert chosen[0.9].report["layers"] != chosen[0.98].report["layers"]  # the targets chose differently
 
 
 def _mlp_with_one_sensitive_layer(path: Path) -> Path:

@@ -1,7 +1,8 @@
-"""Automatic mixed precision: quantize the model once per rung, lift each, measure every target
-layer's sensitivity in the switchable torch model, search the assignment (search.Search), then
-write the chosen configuration as a real QDQ model, fine-tune it if the config asks, and re-measure
-the metric in onnxruntime: the number the report states, which must meet the target."""
+"""Automatic mixed precision: quantize the model once per rung, lift each, and measure every target
+layer's sensitivity in the switchable torch model (prepare_mixed_precision, shared by every target);
+then, per target, search the assignment (search.Search), write the chosen configuration as a real
+QDQ model, fine-tune it if the config asks, and re-measure the metric in onnxruntime (PreparedSearch.choose):
+the number the report states, which must meet the target."""
 
 from __future__ import annotations
 
@@ -14,21 +15,18 @@ from typing import Any
 
 import numpy as np
 import onnx
-import torch
 
-from finetune.calibrate import CalibrationData, data_labels, model_inputs
-from finetune.config import QuantConfig, load_config
+from finetune.config import ConfigError, QuantConfig, load_config
 from finetune.config.automp import AutoMixedPrecision
-from finetune.lift import lift_model
 from finetune.onnx.io import load_model, save_model_atomic
-from finetune.onnx.session import inference_session
 from finetune.quantize import quantize_model
 
 from .ladder import Item, Rung, assigned_config, ladders, search_items
-from .metrics import Metric, MetricFn, check_outputs, relative_l2, resolve_metric
+from .measure import (Evaluation, average_bits, evaluation_set, ladder_key, onnxruntime_metric, sensitivity, switchable_model,
+                      torch_metric)
+from .metrics import Metric, MetricFn, resolve_metric
 from .report import build_report, summary_line, write_report
-from .resume import candidate_outputs, cut_tails
-from .search import Search
+from .search import Point, Search
 from .switch import SwitchableModel
 
 logger = logging.getLogger(__name__)
@@ -48,33 +46,93 @@ class AutoMPResult:
 
 
 @dataclass
-class _Evaluation:
-    """The evaluation set: torch batches in graph-input order, float outputs, labels."""
+class PreparedSearch:
+    """A model quantized at every rung, lifted, and measured: each searched layer alone at each lower
+    rung and the uniform rungs. Every target's choice starts from these measurements, the search's
+    costly part, so several targets pay for them once (`choose`)."""
 
-    feeds: list[dict[str, np.ndarray]]
-    batches: list[tuple[torch.Tensor, ...]]
-    float_outputs: np.ndarray
-    labels: np.ndarray | None
-    source: str
+    model: str | Path | onnx.ModelProto
+    config: QuantConfig
+    data: Any
+    metric: Metric
+    rungs: dict[str, list[Rung]]
+    base: QuantConfig  # the config without the search, tuning or storage options: what the candidates are quantized with
+    items: list[Item]
+    evaluation: Evaluation
+    float_value: float
+    switch: SwitchableModel
+    search: Search  # its trace ends with the uniform points; each choice goes on from a copy
+    uniform: list[Point]
+    seconds: dict[str, float]  # "sensitivity" (lifting the rungs included) and "prepare" (all of it)
+    choices_made: int = 0
+
+    def choose(self, target: float | None = None, *, max_drop: float | None = None, keep_top: int | None = None,
+               output_dir: str | Path | None = None, name: str = "automp", model_path: str | Path | None = None,
+               curve_points: int = 0) -> AutoMPResult:
+        """The final model for one goal (at most one of `target`, `max_drop`, `keep_top`; none: the
+        config's), as a fresh auto_mixed_precision with that goal gives it. With `output_dir`,
+        `<name>.json` and `<name>.png` go there; with `model_path`, the model is written there
+        (atomically) before the report."""
+        begin = time.perf_counter()
+        config = _with_goal(self.config, target, max_drop, keep_top)
+        settings = config.auto_mixed_precision
+        goal = _target(settings, self.metric, self.float_value)
+        search, assignment = self._search(config, goal, curve_points)
+        search_seconds = time.perf_counter() - begin
+        final, summary, assignment, measured, repairs, finetune_report = _final_model(
+            self.model, config, self.base, self.items, assignment, self.rungs, self.data, self.evaluation, self.metric, goal,
+            search)
+        final_config = dataclasses.replace(assigned_config(config, self.items, list(assignment), self.rungs),
+                                           weight_storage=config.weight_storage, bf16_as_cast=config.bf16_as_cast,
+                                           fast_finetune=config.fast_finetune)
+        report = build_report(
+            settings=settings, metric=self.metric, target=goal, float_value=self.float_value, items=self.items,
+            rungs=self.rungs, search=search, switch=self.switch, assignment=assignment, uniform=self.uniform,
+            onnxruntime_metric=measured, repairs=repairs, evaluation_source=self.evaluation.source,
+            samples=len(self.evaluation.float_outputs), finetune=finetune_report,
+            bits=average_bits(self.switch, self.items, assignment, settings),
+            seconds=self._seconds(search_seconds, finetune_report, time.perf_counter() - begin))
+        self.choices_made += 1
+        if model_path is not None:
+            save_model_atomic(final, model_path)
+        if output_dir is not None:
+            write_report(report, Path(output_dir), name)
+        logger.info(summary_line(report))
+        return AutoMPResult(final, final_config, report, summary, finetune_report)
+
+    def _search(self, config: QuantConfig, goal: float, curve_points: int) -> tuple[Search, tuple[int, ...]]:
+        """A copy of the prepared search taken on to the assignment meeting `goal` (or keeping the
+        config's keep_top layers high), then over `curve_points` prefixes; the copy and the assignment."""
+        settings = config.auto_mixed_precision
+        search = self.search.copy()
+        if settings.finetune_in_loop:
+            search.evaluate = lambda a: _measure_tuned(self.model, self.base, config, self.items, a, self.rungs, self.data,
+                                                       self.evaluation, self.metric)
+        assignment = search.keep_top(settings.keep_top) if settings.keep_top is not None else search.run(goal)
+        search.curve(curve_points)
+        return search, assignment
+
+    def _seconds(self, search: float, finetune_report: dict | None, choice: float) -> dict[str, float]:
+        """The report's wall times: the preparation's sensitivity, this choice's search and tuning, and
+        a total of the two (what a fresh run takes); after the first choice, `sensitivity_shared`
+        says the sensitivity was measured for an earlier one."""
+        seconds = {"sensitivity": self.seconds["sensitivity"], "search": search,
+                   "finetune": finetune_report["total_seconds"] if finetune_report else 0.0,
+                   "total": self.seconds["prepare"] + choice}
+        return {**seconds, "sensitivity_shared": True} if self.choices_made else seconds
 
 
-def auto_mixed_precision(
+def prepare_mixed_precision(
     model: str | Path | onnx.ModelProto, config: QuantConfig | str | dict, data: Any,
     metric: str | MetricFn | Metric | None = None, labels: np.ndarray | None = None, evaluation_data: Any = None,
-    output_dir: str | Path | None = None, name: str = "automp", model_path: str | Path | None = None, curve_points: int = 0,
-) -> AutoMPResult:
-    """Search per-layer precision for `config`'s auto_mixed_precision section on `data` (calibration;
-    also the evaluation set unless `evaluation_data` or the section's evaluation_data names another),
-    judged by `metric` (default the section's). With `output_dir`, `<name>.json` and `<name>.png` go
-    there; with `model_path`, the model is written there (atomically) before the report."""
+) -> PreparedSearch:
+    """Everything a search for `config`'s auto_mixed_precision section shares across targets: the
+    model quantized on `data` (calibration; also the evaluation set unless `evaluation_data` or the
+    section's evaluation_data names another) at every rung and lifted, and the sensitivity of each
+    searched layer judged by `metric` (default the section's). Bad input is refused before the long work."""
     begin = time.perf_counter()
-    config = load_config(config)
+    config = _search_config(config)
     settings = config.auto_mixed_precision
-    if settings is None:
-        raise ValueError("the config has no auto_mixed_precision section")
-    if settings.finetune_in_loop and config.fast_finetune is None:
-        raise ValueError("auto_mixed_precision.finetune_in_loop tunes each candidate with the config's fast_finetune section "
-                         "(loop_iterations each): add one, e.g. fast_finetune: {algorithm: adaquant}")
     chosen_metric = resolve_metric(metric if metric is not None else settings.metric)
     rungs = ladders(settings)
     base = dataclasses.replace(config, auto_mixed_precision=None, fast_finetune=None, weight_storage="float", bf16_as_cast=False)
@@ -83,71 +141,67 @@ def auto_mixed_precision(
     if not items:
         raise ValueError(f"auto_mixed_precision: the model has no node of the target op types {list(settings.target_op_types)} "
                          "to search (or all are excluded)")
-    evaluation = _evaluation(base_quantized.float_model, evaluation_data or settings.evaluation_data, data, labels, settings,
-                             chosen_metric)
+    evaluation = evaluation_set(base_quantized.float_model, evaluation_data or settings.evaluation_data, data, labels, settings,
+                                chosen_metric)
     float_value = chosen_metric(evaluation.float_outputs, evaluation.float_outputs, evaluation.labels)
-    target = _target(settings, chosen_metric, float_value)
     started = time.perf_counter()
-    switch = _switchable(model, base, base_quantized.model, items, rungs, data)
+    switch = switchable_model(model, base, base_quantized.model, items, rungs, data)
     switch.measure_activations(evaluation.batches[0])
-    search = Search([len(rungs[_ladder_key(item)]) for item in items],
-                    lambda a: _measure(switch, items, a, evaluation, settings, chosen_metric),
-                    lambda a: _average_bits(switch, items, a, settings)[0], chosen_metric, fixed)
-    search.measure_sensitivity(lambda assignments: _sensitivity(switch, items, search.top, assignments, evaluation, settings,
-                                                                chosen_metric))
+    search, uniform = _measured_search(switch, items, fixed, rungs, evaluation, settings, chosen_metric)
+    seconds = {"sensitivity": time.perf_counter() - started, "prepare": time.perf_counter() - begin}
+    return PreparedSearch(model, config, data, chosen_metric, rungs, base, items, evaluation, float_value, switch, search,
+                          uniform, seconds)
+
+
+def _search_config(config: QuantConfig | str | dict) -> QuantConfig:
+    """The config loaded, refused in one line without an auto_mixed_precision section, or when it
+    tunes in the loop without a fast_finetune section to tune with."""
+    config = load_config(config)
+    settings = config.auto_mixed_precision
+    if settings is None:
+        raise ValueError("the config has no auto_mixed_precision section")
+    if settings.finetune_in_loop and config.fast_finetune is None:
+        raise ValueError("auto_mixed_precision.finetune_in_loop tunes each candidate with the config's fast_finetune section "
+                         "(loop_iterations each): add one, e.g. fast_finetune: {algorithm: adaquant}")
+    return config
+
+
+def _measured_search(switch: SwitchableModel, items: list[Item], fixed: frozenset[int], rungs: dict[str, list[Rung]],
+                     evaluation: Evaluation, settings: AutoMixedPrecision, metric: Metric) -> tuple[Search, list[Point]]:
+    """A search over the switchable model with the top, each item alone at each lower rung (the
+    sensitivity) and the uniform rungs measured; the search and the uniform points."""
+    search = Search([len(rungs[ladder_key(item)]) for item in items],
+                    lambda a: torch_metric(switch, items, a, evaluation, settings, metric),
+                    lambda a: average_bits(switch, items, a, settings)[0], metric, fixed)
+    search.measure_sensitivity(lambda assignments: sensitivity(switch, items, search.top, assignments, evaluation, settings,
+                                                               metric))
     uniform = [search.measure(tuple(min(r, count - 1) for count in search.rungs), "uniform")
                for r in range(max(search.rungs) - 1)]
-    sensitivity_seconds = time.perf_counter() - started
-    started = time.perf_counter()
-    if settings.finetune_in_loop:
-        search.evaluate = lambda a: _measure_tuned(model, base, config, items, a, rungs, data, evaluation, chosen_metric)
-    assignment = search.keep_top(settings.keep_top) if settings.keep_top is not None else search.run(target)
-    search.curve(curve_points)
-    search_seconds = time.perf_counter() - started
-    final, summary, assignment, measured, repairs, finetune_report = _final_model(
-        model, config, base, items, assignment, rungs, data, evaluation, chosen_metric, target, search)
-    final_config = dataclasses.replace(assigned_config(config, items, list(assignment), rungs),
-                                       weight_storage=config.weight_storage, bf16_as_cast=config.bf16_as_cast,
-                                       fast_finetune=config.fast_finetune)
-    report = build_report(
-        settings=settings, metric=chosen_metric, target=target, float_value=float_value, items=items, rungs=rungs,
-        search=search, switch=switch, assignment=assignment, uniform=uniform, onnxruntime_metric=measured, repairs=repairs,
-        evaluation_source=evaluation.source, samples=len(evaluation.float_outputs), finetune=finetune_report,
-        bits=_average_bits(switch, items, assignment, settings),
-        seconds={"sensitivity": sensitivity_seconds, "search": search_seconds,
-                 "finetune": finetune_report["total_seconds"] if finetune_report else 0.0,
-                 "total": time.perf_counter() - begin},
-    )
-    if model_path is not None:
-        save_model_atomic(final, model_path)
-    if output_dir is not None:
-        write_report(report, Path(output_dir), name)
-    logger.info(summary_line(report))
-    return AutoMPResult(final, final_config, report, summary, finetune_report)
+    return search, uniform
 
 
-def _ladder_key(item: Item) -> str:
-    return "activation" if item.ladder == "split" else item.ladder
+def auto_mixed_precision(
+    model: str | Path | onnx.ModelProto, config: QuantConfig | str | dict, data: Any,
+    metric: str | MetricFn | Metric | None = None, labels: np.ndarray | None = None, evaluation_data: Any = None,
+    output_dir: str | Path | None = None, name: str = "automp", model_path: str | Path | None = None, curve_points: int = 0,
+) -> AutoMPResult:
+    """Search per-layer precision for `config`'s auto_mixed_precision section: `prepare_mixed_precision`,
+    then the choice for the section's goal (see both for the arguments)."""
+    prepared = prepare_mixed_precision(model, config, data, metric=metric, labels=labels, evaluation_data=evaluation_data)
+    return prepared.choose(output_dir=output_dir, name=name, model_path=model_path, curve_points=curve_points)
 
 
-def _progress(done: int, total: int) -> None:
-    if done == total or done % max(1, total // 10) == 0:
-        logger.info("sensitivity: %d of %d evaluation batches measured", done, total)
-
-
-def _sensitivity(switch: SwitchableModel, items: list[Item], top: tuple[int, ...], assignments: list[tuple[int, ...]],
-                 evaluation: _Evaluation, settings: AutoMixedPrecision, metric: Metric) -> list[tuple[float, float]]:
-    """(metric, relative L2) of each assignment lowering one item alone from `top`, each forward
-    resumed at that item's layer (resume.py): the numbers full forwards give, at a fraction of the cost."""
-    base = _keys(items, top)
-    for node, keys in base.items():
-        switch.set(node, keys)
-    candidates = []
-    for assignment in assignments:
-        node = next(item.node for item, rung, high in zip(items, assignment, top, strict=True) if rung != high)
-        candidates.append((node, _keys(items, assignment)[node]))
-    outputs = candidate_outputs(switch, cut_tails(switch, settings.output_index), evaluation.batches, candidates, base, _progress)
-    return [(metric(out, evaluation.float_outputs, evaluation.labels), relative_l2(out, evaluation.float_outputs)) for out in outputs]
+def _with_goal(config: QuantConfig, target: float | None, max_drop: float | None, keep_top: int | None) -> QuantConfig:
+    """The config with the goal given in place of its section's (unchanged when none is given); the
+    section's checks refuse two goals or a target out of the metric's range."""
+    goal = {"target": target, "max_drop": max_drop, "keep_top": keep_top}
+    if all(value is None for value in goal.values()):
+        return config
+    try:
+        settings = dataclasses.replace(config.auto_mixed_precision, **goal)
+    except ConfigError as error:
+        raise error.under("auto_mixed_precision") from None
+    return dataclasses.replace(config, auto_mixed_precision=settings)
 
 
 def _target(settings: AutoMixedPrecision, metric: Metric, float_value: float) -> float:
@@ -160,105 +214,6 @@ def _target(settings: AutoMixedPrecision, metric: Metric, float_value: float) ->
     return float_value
 
 
-def _evaluation(float_model: onnx.ModelProto, source: Any, data: Any, labels: np.ndarray | None,
-                settings: AutoMixedPrecision, metric: Metric) -> _Evaluation:
-    """Read the evaluation data once, run the float model on it in onnxruntime, and check the
-    metric can be computed (labels, score outputs) before any search."""
-    own = source is not None
-    source = source if own else data
-    if source is None:
-        raise ValueError("auto mixed precision needs data: pass --data (or data= in Python)")
-    feeds = list(CalibrationData(source, float_model))
-    labels = labels if labels is not None else data_labels(source, float_model)
-    session = inference_session(float_model)
-    outputs = session.get_outputs()
-    if settings.output_index >= len(outputs):
-        raise ValueError(f"auto_mixed_precision.output_index {settings.output_index}: the model has {len(outputs)} output(s)")
-    float_outputs = _onnxruntime_outputs(session, feeds, settings.output_index)
-    check_outputs(metric, float_outputs, None if labels is None else np.asarray(labels), settings.output_index)
-    names = [info.name for info in model_inputs(float_model)]
-    batches = [tuple(torch.from_numpy(np.ascontiguousarray(feed[n])) for n in names) for feed in feeds]
-    described = str(source) if isinstance(source, (str, Path)) else type(source).__name__
-    return _Evaluation(feeds, batches, float_outputs, labels, described if own else f"the calibration data ({described})")
-
-
-def _switchable(model: Any, base: QuantConfig, base_model: onnx.ModelProto, items: list[Item], rungs: dict[str, list[Rung]],
-                data: Any) -> SwitchableModel:
-    """The base model lifted, with slots filled from the model quantized at each rung."""
-    lifted = {}
-    for key, config in _uniform_configs(base, items, rungs).items():
-        logger.info("quantizing every searched layer at rung %s", key)
-        lifted[key] = lift_model(quantize_model(model, config, data).model)
-    nodes = list(dict.fromkeys((item.node, item.op_type) for item in items))
-    return SwitchableModel(lift_model(base_model), lifted, nodes)
-
-
-def _uniform_configs(base: QuantConfig, items: list[Item], rungs: dict[str, list[Rung]]) -> dict[str, QuantConfig]:
-    """One config per model key: every searched layer at that rung (for a split ladder, that
-    rung of one role and the top rung of the other)."""
-    layers = [Item(node, op_type, "layer", "layer") for node, op_type in dict.fromkeys((i.node, i.op_type) for i in items)]
-    if "layer" in rungs:
-        return {f"layer{r}": assigned_config(base, layers, [r] * len(layers), rungs) for r in range(len(rungs["layer"]))}
-    configs = {}
-    top = {role: rungs[role][-1] for role in ("activation", "weight")}
-    for role, other in (("activation", "weight"), ("weight", "activation")):
-        for r, rung in enumerate(rungs[role]):
-            mixed = {role: rung, other: top[other]}
-            ladder = {"layer": [Rung(rung.name, mixed["activation"].activation, mixed["weight"].weight)]}
-            configs[f"{role}{r}"] = assigned_config(base, layers, [0] * len(layers), ladder)
-    return configs
-
-
-def _keys(items: list[Item], assignment: tuple[int, ...]) -> dict[str, dict[str, str]]:
-    """Per node, the model key each role's slots take their modules from."""
-    keys: dict[str, dict[str, str]] = {}
-    for item, rung in zip(items, assignment, strict=True):
-        node = keys.setdefault(item.node, {})
-        if item.ladder == "layer":
-            node.update(activation=f"layer{rung}", weight=f"layer{rung}")
-        elif item.role == "layer":
-            node.update(activation=f"activation{rung}", weight=f"weight{rung}")
-        else:
-            node[item.role] = f"{item.role}{rung}"
-    return keys
-
-
-def _measure(switch: SwitchableModel, items: list[Item], assignment: tuple[int, ...], evaluation: _Evaluation,
-             settings: AutoMixedPrecision, metric: Metric) -> tuple[float, float]:
-    """(metric, relative L2) of the switchable model with `assignment` on the evaluation set."""
-    for node, keys in _keys(items, assignment).items():
-        switch.set(node, keys)
-    outputs = switch.outputs(evaluation.batches, settings.output_index)
-    return metric(outputs, evaluation.float_outputs, evaluation.labels), relative_l2(outputs, evaluation.float_outputs)
-
-
-def _average_bits(switch: SwitchableModel, items: list[Item], assignment: tuple[int, ...],
-                  settings: AutoMixedPrecision) -> tuple[float, float, float]:
-    """Average bits per element of the searched layers (all, weights, activations), each element
-    weighted by `costs` of its node or op type."""
-    ops = {item.node: item.op_type for item in items}
-    totals = {"all": [0.0, 0.0], "weight": [0.0, 0.0], "activation": [0.0, 0.0]}
-    for node, keys in _keys(items, assignment).items():
-        weight = settings.costs.get(node, settings.costs.get(ops[node], 1.0))
-        for slot in switch.slots[node]:
-            bits = slot.bits(keys[slot.role if slot.role != "bias" else "weight"])
-            for group in ("all", "activation" if slot.role == "activation" else "weight"):
-                totals[group][0] += weight * slot.elements * bits
-                totals[group][1] += weight * slot.elements
-    return tuple(total / count if count else 0.0 for total, count in totals.values())  # type: ignore[return-value]
-
-
-def _onnxruntime_outputs(session: Any, feeds: list[dict[str, np.ndarray]], output_index: int) -> np.ndarray:
-    """Output `output_index` of a session over all feeds, concatenated along samples."""
-    return np.concatenate([session.run(None, feed)[output_index] for feed in feeds])
-
-
-def _onnxruntime_metric(model: onnx.ModelProto, evaluation: _Evaluation, metric: Metric, output_index: int) -> tuple[float, float]:
-    """(metric, relative L2) of a model in onnxruntime (exact session options) on the evaluation set."""
-    outputs = _onnxruntime_outputs(inference_session(model), evaluation.feeds, output_index)
-    return metric(outputs, evaluation.float_outputs, evaluation.labels), relative_l2(outputs, evaluation.float_outputs)
-
-
 def _tune(quantized: Any, config: QuantConfig, data: Any, iterations: int | None = None) -> tuple[onnx.ModelProto, dict]:
     from finetune.recon import finetune_model  # lightning takes seconds to import: only when tuning
 
@@ -267,16 +222,16 @@ def _tune(quantized: Any, config: QuantConfig, data: Any, iterations: int | None
 
 
 def _measure_tuned(model: Any, base: QuantConfig, config: QuantConfig, items: list[Item], assignment: tuple[int, ...],
-                   rungs: dict[str, list[Rung]], data: Any, evaluation: _Evaluation, metric: Metric) -> tuple[float, float]:
+                   rungs: dict[str, list[Rung]], data: Any, evaluation: Evaluation, metric: Metric) -> tuple[float, float]:
     """(metric, relative L2) in onnxruntime of the assignment quantized and fine-tuned with the
     config's fast_finetune at the loop's iteration budget (finetune_in_loop)."""
     quantized = quantize_model(model, assigned_config(base, items, list(assignment), rungs), data)
     tuned, _ = _tune(quantized, config, data, config.auto_mixed_precision.loop_iterations)
-    return _onnxruntime_metric(tuned, evaluation, metric, config.auto_mixed_precision.output_index)
+    return onnxruntime_metric(tuned, evaluation, metric, config.auto_mixed_precision.output_index)
 
 
 def _final_model(model: Any, config: QuantConfig, base: QuantConfig, items: list[Item], assignment: tuple[int, ...],
-                 rungs: dict[str, list[Rung]], data: Any, evaluation: _Evaluation, metric: Metric, target: float,
+                 rungs: dict[str, list[Rung]], data: Any, evaluation: Evaluation, metric: Metric, target: float,
                  search: Search) -> tuple[onnx.ModelProto, dict, tuple[int, ...], float, int, dict | None]:
     """The chosen assignment as a QDQ model, measured in onnxruntime; while it misses the target,
     the lowered layer adding the most noise per bit is raised one rung (a repair, logged); then
@@ -286,7 +241,7 @@ def _final_model(model: Any, config: QuantConfig, base: QuantConfig, items: list
     final_config = lambda a: dataclasses.replace(assigned_config(base, items, list(a), rungs),
                                                  weight_storage=config.weight_storage)
     quantized = quantize_model(model, final_config(assignment), data)
-    measured, _ = _onnxruntime_metric(quantized.model, evaluation, metric, settings.output_index)
+    measured, _ = onnxruntime_metric(quantized.model, evaluation, metric, settings.output_index)
     repairs = 0
     while judged and not metric.meets(measured, target):
         if repairs == MAX_REPAIRS:
@@ -296,14 +251,14 @@ def _final_model(model: Any, config: QuantConfig, base: QuantConfig, items: list
                        metric.name, measured, target)
         assignment = search.raise_one(assignment)
         quantized = quantize_model(model, final_config(assignment), data)
-        measured, l2 = _onnxruntime_metric(quantized.model, evaluation, metric, settings.output_index)
+        measured, l2 = onnxruntime_metric(quantized.model, evaluation, metric, settings.output_index)
         search.record(assignment, measured, l2, "repair")
         repairs += 1
     final = quantized.model
     finetune_report = None
     if config.fast_finetune is not None:
         final, finetune_report = _tune(quantized, config, data)
-        measured, _ = _onnxruntime_metric(final, evaluation, metric, settings.output_index)
+        measured, _ = onnxruntime_metric(final, evaluation, metric, settings.output_index)
         if judged and not metric.meets(measured, target):
             raise ValueError(f"after fast finetune, {metric.name} in onnxruntime is {measured:.6g}, missing the target "
                              f"{target:g} it met before tuning: run without fast_finetune or with fewer iterations")

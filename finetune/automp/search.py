@@ -6,6 +6,7 @@ bisection goes on over the rest), so the full evaluations grow with log(items), 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Callable
@@ -67,6 +68,11 @@ class Search:
     @property
     def bottom(self) -> tuple[int, ...]:
         return tuple(count - 1 if i in self.fixed else 0 for i, count in enumerate(self.rungs))
+
+    def copy(self) -> Search:
+        """A search going on from what this one measured (trace, sensitivity, moves) without adding
+        to it: each target's choice starts from the same shared measurements."""
+        return dataclasses.replace(self, trace=list(self.trace), sensitivity=dict(self.sensitivity), moves=list(self.moves))
 
     def measure(self, assignment: tuple[int, ...], phase: str) -> Point:
         """Evaluate an assignment and record it in the trace."""

@@ -22,7 +22,7 @@ from finetune.onnx.io import load_model, save_model_atomic
 from finetune.quantize import quantize_model
 
 from .ladder import Item, Rung, assigned_config, ladders, search_items
-from .measure import (Evaluation, average_bits, evaluation_set, ladder_key, onnxruntime_metric, sensitivity, switchable_model,
+from .measure import (Evaluation, average_bits, evaluation_set, ladder_key, onnxruntime_metric, sensitivity, switch_source,
                       torch_metric)
 from .metrics import Metric, MetricFn, resolve_metric
 from .report import build_report, summary_line, write_report
@@ -145,7 +145,7 @@ def prepare_mixed_precision(
                                 chosen_metric)
     float_value = chosen_metric(evaluation.float_outputs, evaluation.float_outputs, evaluation.labels)
     started = time.perf_counter()
-    switch = switchable_model(model, base, base_quantized.model, items, rungs, data)
+    switch = switch_source(model, base, base_quantized.model, items, rungs, data).build()
     switch.measure_activations(evaluation.batches[0])
     search, uniform = _measured_search(switch, items, fixed, rungs, evaluation, settings, chosen_metric)
     seconds = {"sensitivity": time.perf_counter() - started, "prepare": time.perf_counter() - begin}

@@ -16,14 +16,13 @@ import torch
 from finetune.calibrate import CalibrationData, data_labels, model_inputs
 from finetune.config import QuantConfig
 from finetune.config.automp import AutoMixedPrecision
-from finetune.lift import lift_model
 from finetune.onnx.session import inference_session
 from finetune.quantize import quantize_model
 
 from .ladder import Item, Rung, assigned_config
 from .metrics import Metric, check_outputs, relative_l2
 from .resume import candidate_outputs, cut_tails
-from .switch import SwitchableModel
+from .switch import SwitchableModel, SwitchSource
 
 logger = logging.getLogger(__name__)
 
@@ -61,15 +60,14 @@ def evaluation_set(float_model: onnx.ModelProto, source: Any, data: Any, labels:
     return Evaluation(feeds, batches, float_outputs, labels, described if own else f"the calibration data ({described})")
 
 
-def switchable_model(model: Any, base: QuantConfig, base_model: onnx.ModelProto, items: list[Item],
-                     rungs: dict[str, list[Rung]], data: Any) -> SwitchableModel:
-    """The base model lifted, with slots filled from the model quantized at each rung."""
-    lifted = {}
+def switch_source(model: Any, base: QuantConfig, base_model: onnx.ModelProto, items: list[Item],
+                  rungs: dict[str, list[Rung]], data: Any) -> SwitchSource:
+    """What the switchable model is lifted from: the base model, and the model quantized at each rung."""
+    quantized = {}
     for key, config in _uniform_configs(base, items, rungs).items():
         logger.info("quantizing every searched layer at rung %s", key)
-        lifted[key] = lift_model(quantize_model(model, config, data).model)
-    nodes = list(dict.fromkeys((item.node, item.op_type) for item in items))
-    return SwitchableModel(lift_model(base_model), lifted, nodes)
+        quantized[key] = quantize_model(model, config, data).model
+    return SwitchSource(base_model, quantized, tuple(dict.fromkeys((item.node, item.op_type) for item in items)))
 
 
 def _uniform_configs(base: QuantConfig, items: list[Item], rungs: dict[str, list[Rung]]) -> dict[str, QuantConfig]:

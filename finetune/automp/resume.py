@@ -88,10 +88,10 @@ def candidate_outputs(switch: SwitchableModel, tails: Tails, batches: Sequence[t
         for result, (node, keys) in zip(results, candidates, strict=True):
             tail = tails.tails.get(node)
             if tail is None:
-                result.append(values[tails.output].float().numpy())
+                result.append(values[tails.output].float().cpu().numpy())
                 continue
             switch.set(node, keys)
-            result.append(tail.module(*(values[name] for name in tail.inputs))[0].float().numpy())
+            result.append(tail.module(*(values[name] for name in tail.inputs))[0].float().cpu().numpy())
             switch.set(node, top[node])
         if progress is not None:
             progress(done + 1, len(batches))

@@ -11,11 +11,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+import onnx
 import torch
 from torch import fx, nn
 
 from finetune.formats import IntSpec, bits_per_element
-from finetune.lift import FakeQuantize, LiftedModule
+from finetune.lift import FakeQuantize, LiftedModule, lift_model
 
 BIAS_INPUT = 2  # Conv, ConvTranspose and Gemm take their bias as input 2
 BIASED_OPS = ("Conv", "ConvTranspose", "Gemm")
@@ -120,6 +121,15 @@ class SwitchableModel:
             results.append(out.float().numpy())
         return np.concatenate(results)
 
+    def to(self, device: torch.device) -> SwitchableModel:
+        """Move the model and every slot's modules (those of all keys, not only the ones set now) to `device`."""
+        self.module.to(device)
+        for slot in (slot for slots in self.slots.values() for slot in slots):
+            for module in slot.modules.values():
+                if module is not None:
+                    module.to(device)
+        return self
+
     def measure_activations(self, batch: tuple[torch.Tensor, ...]) -> None:
         """Record each activation slot's elements per sample from one batch."""
         samples = len(batch[0]) if batch and batch[0].ndim else 1
@@ -132,6 +142,22 @@ class SwitchableModel:
         finally:
             for hook in hooks:
                 hook.remove()
+
+
+@dataclass(frozen=True)
+class SwitchSource:
+    """The QDQ models a switchable model is lifted from: the base model, one model per key and the
+    searched (node, op type) pairs. Lifting is deterministic, so another process given these builds
+    the model this one built (protos pickle as they are; a pickled GraphModule is traced again)."""
+
+    base: onnx.ModelProto
+    models: dict[str, onnx.ModelProto]
+    nodes: tuple[tuple[str, str], ...]
+
+    def build(self) -> SwitchableModel:
+        """The switchable model, lifted from these models."""
+        return SwitchableModel(lift_model(self.base), {key: lift_model(model) for key, model in self.models.items()},
+                               self.nodes)
 
 
 def _quantizers(model: LiftedModule, target: str) -> dict[int, FakeQuantize]:

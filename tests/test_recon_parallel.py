@@ -69,9 +69,12 @@ def test_fewer_batches_than_processes_is_refused() -> None:
 def test_devices_settings_are_checked_when_the_config_loads() -> None:
     with pytest.raises(ConfigError, match="strategy"):
         FastFinetune(devices=2, strategy="fsdp")
-    with pytest.raises(ConfigError, match="fast_finetune.devices"):
-        load_config({"preset": "MX9", "fast_finetune": {"devices": 2},
-                     "auto_mixed_precision": {"ladder": ["MX6", "MX9"], "target": 0.9}})
+    search = {"preset": "MX9", "auto_mixed_precision": {"ladder": ["MX6", "MX9"], "target": 0.9}}
+    with pytest.raises(ConfigError, match="fast_finetune.strategy: 'ddp' runs the whole command again"):
+        load_config({**search, "fast_finetune": {"devices": 2}})
+    with pytest.raises(ConfigError, match="fast_finetune.nodes"):
+        load_config({**search, "fast_finetune": {"devices": 2, "nodes": 2, "strategy": "ddp_spawn"}})
+    assert load_config({**search, "fast_finetune": {"devices": 2, "strategy": "ddp_spawn"}}).fast_finetune.processes == 2
 
 
 def test_resume_is_refused_with_several_devices(tmp_path: Path) -> None:

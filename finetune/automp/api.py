@@ -25,6 +25,7 @@ from .ladder import Item, Rung, assigned_config, ladders, search_items
 from .measure import (Evaluation, average_bits, evaluation_set, ladder_key, onnxruntime_metric, sensitivity, switch_source,
                       torch_metric)
 from .metrics import Metric, MetricFn, resolve_metric
+from .parallel import Processes
 from .report import build_report, summary_line, write_report
 from .search import Point, Search
 from .switch import SwitchableModel
@@ -145,9 +146,11 @@ def prepare_mixed_precision(
                                 chosen_metric)
     float_value = chosen_metric(evaluation.float_outputs, evaluation.float_outputs, evaluation.labels)
     started = time.perf_counter()
-    switch = switch_source(model, base, base_quantized.model, items, rungs, data).build()
+    source = switch_source(model, base, base_quantized.model, items, rungs, data)
+    switch = source.build()
     switch.measure_activations(evaluation.batches[0])
-    search, uniform = _measured_search(switch, items, fixed, rungs, evaluation, settings, chosen_metric)
+    search, uniform = _measured_search(switch, items, fixed, rungs, evaluation, settings, chosen_metric,
+                                       Processes.of(config.fast_finetune, source))
     seconds = {"sensitivity": time.perf_counter() - started, "prepare": time.perf_counter() - begin}
     return PreparedSearch(model, config, data, chosen_metric, rungs, base, items, evaluation, float_value, switch, search,
                           uniform, seconds)
@@ -167,14 +170,16 @@ def _search_config(config: QuantConfig | str | dict) -> QuantConfig:
 
 
 def _measured_search(switch: SwitchableModel, items: list[Item], fixed: frozenset[int], rungs: dict[str, list[Rung]],
-                     evaluation: Evaluation, settings: AutoMixedPrecision, metric: Metric) -> tuple[Search, list[Point]]:
+                     evaluation: Evaluation, settings: AutoMixedPrecision, metric: Metric,
+                     processes: Processes | None) -> tuple[Search, list[Point]]:
     """A search over the switchable model with the top, each item alone at each lower rung (the
-    sensitivity) and the uniform rungs measured; the search and the uniform points."""
+    sensitivity, split over `processes` if any) and the uniform rungs measured; the search and the
+    uniform points."""
     search = Search([len(rungs[ladder_key(item)]) for item in items],
                     lambda a: torch_metric(switch, items, a, evaluation, settings, metric),
                     lambda a: average_bits(switch, items, a, settings)[0], metric, fixed)
     search.measure_sensitivity(lambda assignments: sensitivity(switch, items, search.top, assignments, evaluation, settings,
-                                                               metric))
+                                                               metric, processes))
     uniform = [search.measure(tuple(min(r, count - 1) for count in search.rungs), "uniform")
                for r in range(max(search.rungs) - 1)]
     return search, uniform

@@ -21,6 +21,7 @@ from finetune.quantize import quantize_model
 
 from .ladder import Item, Rung, assigned_config
 from .metrics import Metric, check_outputs, relative_l2
+from .parallel import Processes
 from .resume import candidate_outputs, cut_tails
 from .switch import SwitchableModel, SwitchSource
 
@@ -121,9 +122,11 @@ def _progress(done: int, total: int) -> None:
 
 
 def sensitivity(switch: SwitchableModel, items: list[Item], top: tuple[int, ...], assignments: list[tuple[int, ...]],
-                evaluation: Evaluation, settings: AutoMixedPrecision, metric: Metric) -> list[tuple[float, float]]:
+                evaluation: Evaluation, settings: AutoMixedPrecision, metric: Metric,
+                processes: Processes | None = None) -> list[tuple[float, float]]:
     """(metric, relative L2) of each assignment lowering one item alone from `top`, each forward
-    resumed at that item's layer (resume.py): the numbers full forwards give, at a fraction of the cost."""
+    resumed at that item's layer (resume.py): the numbers full forwards give, at a fraction of the
+    cost; with `processes`, the evaluation batches are split over them (parallel.py)."""
     base = _keys(items, top)
     for node, keys in base.items():
         switch.set(node, keys)
@@ -131,7 +134,11 @@ def sensitivity(switch: SwitchableModel, items: list[Item], top: tuple[int, ...]
     for assignment in assignments:
         node = next(item.node for item, rung, high in zip(items, assignment, top, strict=True) if rung != high)
         candidates.append((node, _keys(items, assignment)[node]))
-    outputs = candidate_outputs(switch, cut_tails(switch, settings.output_index), evaluation.batches, candidates, base, _progress)
+    if processes is None:
+        outputs = candidate_outputs(switch, cut_tails(switch, settings.output_index), evaluation.batches, candidates, base,
+                                    _progress)
+    else:
+        outputs = processes.candidate_outputs(settings.output_index, evaluation.batches, candidates, base)
     return [(metric(out, evaluation.float_outputs, evaluation.labels), relative_l2(out, evaluation.float_outputs)) for out in outputs]
 
 

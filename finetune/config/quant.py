@@ -36,6 +36,8 @@ from .formats import ALL, DEFAULT_OP_TYPES, Bias, FormatChoice, NodeFormats, Ove
 from .npu import NPU_CNN_OP_TYPES, check_npu_cnn
 from .schema import ConfigError, Section, join_path
 
+PER_LAUNCH_STRATEGIES = ("ddp_spawn", "ddp_fork", "ddp_notebook")  # Fabric starts their processes at each launch
+
 
 @dataclass(frozen=True)
 class QuantConfig(Section):
@@ -72,8 +74,7 @@ class QuantConfig(Section):
                 raise ConfigError(f"exclude_nodes[{i}]", f"not a valid regular expression ({error})") from None
         self._check_bias("bias", self.bias, self.activation, self.weight)
         if self.auto_mixed_precision is not None and self.fast_finetune is not None and self.fast_finetune.processes > 1:
-            raise ConfigError("fast_finetune.devices", "the mixed-precision search tunes on one device (its candidates are "
-                              "not split across processes yet): use devices: 1 with auto_mixed_precision")
+            self._check_split_search(self.fast_finetune)
         for kind in ("op_type_overrides", "node_overrides"):
             for name, override in getattr(self, kind).items():
                 path = f"{kind}[{name!r}]"
@@ -83,6 +84,19 @@ class QuantConfig(Section):
                 self._check_bias(join_path(path, "bias"), bias, activation, weight)
         if self.npu_cnn:
             check_npu_cnn(self)
+
+    @staticmethod
+    def _check_split_search(section: FastFinetune) -> None:
+        """A mixed-precision search over several processes launches them for its sensitivity and again
+        for each tuning, and goes on in this command's process between launches: it takes one machine
+        and a strategy that starts the processes at each launch."""
+        if section.nodes > 1:
+            raise ConfigError("fast_finetune.nodes", "auto_mixed_precision splits its work over the devices of one "
+                              "machine: use nodes: 1")
+        if not section.strategy.startswith(PER_LAUNCH_STRATEGIES):
+            raise ConfigError("fast_finetune.strategy", f"{section.strategy!r} runs the whole command again per process, "
+                              "which a mixed-precision search (launching processes several times) cannot follow: use "
+                              "ddp_spawn or ddp_fork with auto_mixed_precision")
 
     @staticmethod
     def _check_bias(path: str, bias: str, activation: FormatChoice | None, weight: FormatChoice | None) -> None:

@@ -164,6 +164,22 @@ def test_resumed_sensitivity_forwards_are_bit_identical_to_full_ones(network: ty
 
 
 @pytest.mark.slow
+def test_a_sensitivity_split_over_two_processes_is_the_one_process_one(digits: dict, caplog: pytest.LogCaptureFixture) -> None:
+    """Two gloo CPU processes (fast_finetune devices 2), each evaluating every candidate on its share
+    of the 4 evaluation batches (256 and 193 samples), give the one-process sensitivity bit for bit,
+    hence the same moves and the same choice."""
+    split = {**MX_LADDER, "fast_finetune": {"devices": 2, "strategy": "ddp_spawn"}}
+    with caplog.at_level(logging.INFO, logger="finetune.automp"):
+        one, two = (prepare_mixed_precision(digits["path"], config, digits["calibration"], evaluation_data=digits["evaluation"])
+                    for config in (MX_LADDER, split))
+    assert any("split over 2 processes" in r.getMessage() for r in caplog.records)
+    points = [[p for p in prepared.search.trace if p.phase == "sensitivity"] for prepared in (one, two)]
+    assert len(points[0]) == 10 and points[1] == points[0]
+    assert two.search.trace == one.search.trace and two.search.moves == one.search.moves
+    assert two.search.copy().run(0.98) == one.search.copy().run(0.98)
+
+
+@pytest.mark.slow
 def test_finetune_in_loop_tunes_every_search_candidate_then_the_choice(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from finetune.automp import api
 

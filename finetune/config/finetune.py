@@ -45,7 +45,7 @@ class FastFinetune(Section):
     float32 matrix products in full float32 (`allow_tf32: true` lets CUDA use TF32), and one
     device (`devices: N` runs each unit's optimisation data-parallel over N processes per machine
     on `nodes` machines, each holding a share of the calibration batches, launched by the Lightning
-    Fabric `strategy`)."""
+    Fabric `strategy`; an auto_mixed_precision search splits its sensitivity over them too)."""
 
     algorithm: Literal["adaround", "adaquant"] = "adaround"
     iterations: int = field(default=1000, metadata={"min": 1})

@@ -223,3 +223,34 @@ def photo_crops(count: int, size: int = IMAGENET_SIZE, seed: int = 0, photos: Se
             crop = crop.flip(-1)
         crops.append(torch.nn.functional.interpolate(crop, size=(size, size), mode="bilinear", antialias=True))
     return (torch.cat(crops) - 127.0) / 128.0
+
+
+TEXT_LINE_HEIGHT, TEXT_LINE_WIDTH = 48, 320  # PP-OCR's recognition input
+TEXT_ALPHABET = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
+
+
+def text_recognizer_onnx_path() -> Path:
+    """PP-OCRv4's Chinese/English text-line recogniser shipped in `rapidocr-onnxruntime` (a real
+    10.9 MB ONNX model: about 50 Conv/MatMul layers, 48x320 inputs, CTC scores over 6,625 characters)."""
+    return package_file("rapidocr_onnxruntime", "models", "ch_PP-OCRv4_rec_infer.onnx")
+
+
+def text_lines(count: int, seed: int = 0) -> np.ndarray:
+    """`count` text lines rendered here (Pillow's default font at 24-34 px, random words of letters
+    and digits on light backgrounds, dark ink, offsets), as the recogniser expects: (count, 3, 48,
+    320) float32 in [-1, 1]. Different seeds give independent sets."""
+    from PIL import Image, ImageDraw, ImageFont
+
+    rng = np.random.default_rng(seed)
+    lines = np.empty((count, 3, TEXT_LINE_HEIGHT, TEXT_LINE_WIDTH), dtype=np.float32)
+    for i in range(count):
+        font = ImageFont.load_default(size=int(rng.integers(24, 35)))
+        words = ["".join(rng.choice(list(TEXT_ALPHABET), int(rng.integers(2, 9)))) for _ in range(8)]
+        left = int(rng.integers(0, 12))
+        while len(words) > 1 and left + font.getlength(" ".join(words)) > TEXT_LINE_WIDTH - 4:
+            words.pop()
+        paper, ink = int(rng.integers(200, 256)), int(rng.integers(0, 80))
+        image = Image.new("L", (TEXT_LINE_WIDTH, TEXT_LINE_HEIGHT), paper)
+        ImageDraw.Draw(image).text((left, int(rng.integers(0, 10))), " ".join(words), font=font, fill=ink)
+        lines[i] = (np.asarray(image, dtype=np.float32) / 255 - 0.5) / 0.5
+    return lines

@@ -5,14 +5,18 @@ onnxruntime on the model truncated after each unit (the per-layer input regenera
 library replaces with one pass in torch) would cost over the same calibration data.
 
 Models: the digits CNN and a small transformer classifier (both trained here, reproducibly, on
-scikit-learn's digits; metric: held-out accuracy) and EfficientNet-Lite0 (metric: agreement with
-the float model's top-1 on crops of scikit-learn's sample photos). Each (model, preset) case runs
+scikit-learn's digits; metric: held-out accuracy), EfficientNet-Lite0 (metric: agreement with
+the float model's top-1 on crops of scikit-learn's sample photos) and PP-OCRv4's text-line
+recogniser `textrec` (from the `bench` extra's rapidocr-onnxruntime, whose model file alone is
+used: `pip install --no-deps rapidocr-onnxruntime` suffices; metric: whole-line agreement of the
+greedy CTC reading with the float model's, on text lines rendered here). Each (model, preset) case runs
 in its own process, so its peak RSS is its own. AdaRound tunes layers and AdaQuant blocks unless
 --unit says otherwise (see AUTO_UNIT for the measurements behind that).
 
     python scripts/bench_finetune.py                                  # everything
     python scripts/bench_finetune.py --models digits --presets XINT8 --iterations 20   # smoke run
     python scripts/bench_finetune.py --memory 64,256,1024 --iterations 2   # peak RSS against the cache budget
+    python scripts/bench_finetune.py --models textrec --presets A8W8 --iterations 300 --no-ort-rerun   # 64 lines
     python scripts/bench_finetune.py --models digits,transformer --presets MX4,XINT8 --iterations 1000 \
         --calibration 256 --compare-quark /path/to/quark-venv/bin/python    # side by side with AMD Quark
 """
@@ -23,6 +27,7 @@ import argparse
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -42,9 +47,10 @@ from finetune.onnx.normalize import normalize_model
 from finetune.onnx.session import inference_session
 from finetune.quantize import quantize_model
 from finetune.recon import find_units, finetune_model
-from finetune.zoo import digits_split, efficientnet_lite0, export_onnx, photo_crops, train_digits_cnn, train_digits_transformer
+from finetune.zoo import (digits_split, efficientnet_lite0, export_onnx, photo_crops, text_lines, text_recognizer_onnx_path,
+                          train_digits_cnn, train_digits_transformer)
 
-MODELS = ("digits", "transformer", "efficientnet")
+MODELS = ("digits", "transformer", "efficientnet", "textrec")
 _INT8_TENSOR = {"format": "int", "dtype": "int8", "symmetric": True, "granularity": "tensor", "calibration": "minmax"}
 PRESETS: dict[str, Any] = {
     "MX4": "MX4",
@@ -55,8 +61,9 @@ PRESETS: dict[str, Any] = {
     # crops (68.0 % held out, 500 iterations); from MSE ones 83.4 % (77.0 % held out)
     "INT4W_INT8A": {"activation": _INT8_TENSOR, "weight": {**_INT8_TENSOR, "dtype": "int4", "calibration": "mse"}, "cross_layer_equalization": True},
     "XINT8": "XINT8",
+    "A8W8": "A8W8",
 }
-INT_PRESETS = ("INT4W_INT8A", "XINT8")  # AdaRound; the block formats get AdaQuant
+INT_PRESETS = ("INT4W_INT8A", "XINT8", "A8W8")  # AdaRound; the block formats get AdaQuant
 # Blocks measured better for AdaQuant (digits transformer MX4: 90 % of the loss recovered vs 74 %) and
 # worse for AdaRound at these iteration counts (EfficientNet-Lite0 XINT8, 100 it: 80.5 % agreement vs
 # 85.5 %; digits CNN W4A8: logit MSE 0.27 vs 0.075), whose rounding variables need longer over a block.
@@ -72,6 +79,9 @@ PHOTO_CALIBRATION = 128
 # 81.6 % of 1000 other crops, seed 3). 1000 crops bring the error near 1.3 points. The agreement numbers cited above
 # were measured on the first 200 of them.
 PHOTO_EVALUATION = 1000
+# The text recogniser (PP-OCRv4, from rapidocr-onnxruntime): the issue's case is 64 calibration lines; 256 held-out
+# lines judge it by whole-line agreement of the greedy CTC reading with the float model's.
+TEXT_CALIBRATION, TEXT_EVALUATION = 64, 256
 
 
 def log(message: str) -> None:
@@ -89,6 +99,10 @@ def prepare(model: str, directory: Path, calibration: int | None, evaluation: in
         export_onnx(efficientnet_lite0(), torch.zeros(1, 3, 224, 224), directory / "float.onnx", 13)
         batches = photo_crops(calibration or PHOTO_CALIBRATION, seed=1).split(8)
         np.savez(directory / "eval.npz", x=photo_crops(evaluation, seed=2).numpy())
+    elif model == "textrec":
+        shutil.copyfile(text_recognizer_onnx_path(), directory / "float.onnx")
+        batches = torch.from_numpy(text_lines(calibration or TEXT_CALIBRATION, seed=1)).split(16)
+        np.savez(directory / "eval.npz", x=text_lines(TEXT_EVALUATION, seed=2))
     else:
         network = train_digits_cnn() if model == "digits" else train_digits_transformer()
         x_train, _, x_test, y_test = digits_split()
@@ -147,8 +161,21 @@ def change_standard_error(before_hits: np.ndarray, after_hits: np.ndarray) -> fl
 
 def hits(outputs: np.ndarray, float_outputs: np.ndarray, labels: np.ndarray | None) -> np.ndarray:
     """Per item, whether the model is right: its top-1 is the label, or the float model's top-1
-    when there are no labels."""
+    when there are no labels; for sequence scores (items, steps, classes), whether its greedy CTC
+    reading equals the float model's."""
+    if outputs.ndim == 3:
+        return np.array([a == b for a, b in zip(ctc_reading(outputs), ctc_reading(float_outputs), strict=True)])
     return outputs.argmax(1) == (float_outputs.argmax(1) if labels is None else labels)
+
+
+def ctc_reading(scores: np.ndarray) -> list[tuple[int, ...]]:
+    """Greedy CTC decoding of (items, steps, classes) scores: the best class per step, repeats
+    merged, blanks (class 0) dropped."""
+    readings = []
+    for best in scores.argmax(-1):
+        merged = best[np.r_[True, best[1:] != best[:-1]]]
+        readings.append(tuple(int(c) for c in merged[merged != 0]))
+    return readings
 
 
 def scores(outputs: np.ndarray, float_outputs: np.ndarray, labels: np.ndarray | None) -> dict[str, float]:
@@ -209,7 +236,8 @@ def run_case(model: str, preset: str, directory: Path, iterations: int, adaquant
     loss = float_metric - before["metric"]
     return {
         "model": model, "preset": preset, "algorithm": algorithm, "unit": unit, "iterations_per_unit": iterations, "lr": config.lr,
-        "metric": "accuracy %" if labels is not None else "top-1 agreement with float %",
+        "metric": "accuracy %" if labels is not None else ("line agreement with float %" if float_outputs.ndim == 3
+                                                           else "top-1 agreement with float %"),
         "float": float_metric, "before": before["metric"], "after": after["metric"],
         "recovered_fraction": round((after["metric"] - before["metric"]) / loss, 9) if loss >= 2 else None,  # 12/15 digits is 0.8
         "agreement_before": before["agreement"], "agreement_after": after["agreement"],
@@ -244,7 +272,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--iterations", type=int, default=500, help="iterations per unit (default 500)")
     parser.add_argument("--adaquant-lr", type=float, help="AdaQuant learning rate (default: the library's, 1e-3)")
     parser.add_argument("--calibration", type=int, help="calibration samples for the digits models (default: the whole "
-                        "training split, 1348)")
+                        f"training split, 1348) and text lines for textrec (default {TEXT_CALIBRATION})")
     parser.add_argument("--photo-calibration", type=int, default=PHOTO_CALIBRATION,
                         help=f"calibration crops for EfficientNet-Lite0 (default {PHOTO_CALIBRATION})")
     parser.add_argument("--photo-evaluation", type=int, default=PHOTO_EVALUATION,

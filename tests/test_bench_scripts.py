@@ -42,6 +42,18 @@ def test_bench_finetune_change_error_is_that_of_paired_differences() -> None:
     assert bench.hits(outputs, outputs, np.array([0, 0])).tolist() == [False, True]
 
 
+def test_bench_finetune_reads_sequence_scores_as_greedy_ctc() -> None:
+    """Repeats merge, blanks (class 0) split them and drop out; two readings agree only when whole."""
+    spec = importlib.util.spec_from_file_location("bench_finetune", SCRIPTS / "bench_finetune.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    steps = np.eye(4)[[[1, 1, 0, 1, 2, 2, 0, 0], [3, 0, 3, 3, 1, 0, 0, 2]]]  # one-hot (2 lines, 8 steps, 4 classes)
+    assert bench.ctc_reading(steps) == [(1, 1, 2), (3, 3, 1, 2)]
+    other = steps.copy()
+    other[1, 7] = np.eye(4)[1]  # the second line's last character read as 1
+    assert bench.hits(other, steps, None).tolist() == [True, False]
+
+
 @pytest.mark.slow
 def test_demo_quantizes_tunes_and_scores_both_cases(tmp_path: Path) -> None:
     """The README's main job at a few iterations: each case writes its models, config and report,

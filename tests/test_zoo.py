@@ -1,10 +1,12 @@
-"""The bundled models: the digits CNN trains to the same weights whatever the caller's thread count."""
+"""The bundled models and data: the digits CNN trains to the same weights whatever the caller's
+thread count; text lines render the same for a seed."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from finetune.zoo import train_digits_cnn
+from finetune.zoo import text_lines, train_digits_cnn
 
 
 def test_the_digits_cnn_trains_the_same_on_any_thread_count() -> None:
@@ -21,3 +23,12 @@ def test_the_digits_cnn_trains_the_same_on_any_thread_count() -> None:
     finally:
         torch.set_num_threads(threads)
     assert all(torch.equal(a, b) for a, b in zip(*weights))
+
+
+def test_text_lines_are_the_recognisers_input_and_repeat_for_a_seed() -> None:
+    """(count, 3, 48, 320) in [-1, 1], dark ink on light paper, the same for a seed, other for another."""
+    lines = text_lines(4, seed=3)
+    assert lines.shape == (4, 3, 48, 320) and lines.dtype == np.float32
+    assert -1 <= lines.min() < 0 < lines.max() <= 1
+    assert (np.median(lines, axis=(1, 2, 3)) > 0.5).all()  # mostly paper
+    assert np.array_equal(lines, text_lines(4, seed=3)) and not np.array_equal(lines, text_lines(4, seed=4))

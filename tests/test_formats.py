@@ -305,6 +305,20 @@ def test_float16_input_is_computed_in_float32(spec: BFPSpec | MXSpec | FloatSpec
     assert_same_values(got.numpy(), quantize_dequantize(x.float(), spec).half().numpy(), str(spec))
 
 
+@pytest.mark.parametrize("shape", [(4, 40, 6, 7), (2, 48, 160, 80)], ids=["one chunk", "chunked"])
+@pytest.mark.parametrize("spec", BLOCK_SPECS, ids=str)
+def test_channels_last_input_gives_the_same_bits_and_keeps_its_layout(spec: BFPSpec | MXSpec, shape: tuple[int, ...]) -> None:
+    """A channels-last activation (what the CPU trains convolutions on) is blocked in its own memory
+    order: values and gradient equal the contiguous tensor's, and the output stays channels last."""
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(7)) * 10
+    x[:, 16:32] = 0.0
+    contiguous = outputs_and_gradient(x, spec)
+    channels_last = outputs_and_gradient(x.contiguous(memory_format=torch.channels_last), spec)
+    for a, b in zip(contiguous, channels_last):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32)), str(spec)
+    assert channels_last[0].is_contiguous(memory_format=torch.channels_last)
+
+
 def test_padding_is_zero_and_undone() -> None:
     """A partial block behaves as if padded with zeros: same result as explicit zero padding."""
     x = torch.randn(3, 21) * 5

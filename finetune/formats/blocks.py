@@ -38,16 +38,37 @@ def block_axis(x: torch.Tensor, axis: int) -> int:
 def map_blocks(x: torch.Tensor, axis: int, block_size: int, fn: BlockFn) -> tuple[torch.Tensor, ...]:
     """Apply fn to x viewed as blocks [p, n_blocks, block_size, q] along `axis` (no transposes;
     the axis is zero-padded to whole blocks) and return fn's outputs in x's shape, padding dropped.
-    On CPU the work goes chunk by chunk; a block never straddles two chunks."""
+    On CPU the work goes chunk by chunk; a block never straddles two chunks. A tensor laid out in
+    another order of its dimensions (channels last) is blocked in that order, so it is not copied
+    and fn's outputs keep its layout; the blocks, and so the values, are the same."""
     if block_size < 1:
         raise ValueError(f"block_size must be positive, got {block_size}")
     a = block_axis(x, axis)
+    order = _memory_order(x)
+    if order is not None:
+        inverse = [order.index(d) for d in range(x.dim())]
+        outputs = _map_contiguous(x.permute(order), order.index(a), block_size, fn)
+        return tuple(out.permute(inverse) for out in outputs)
+    return _map_contiguous(x, a, block_size, fn)
+
+
+def _memory_order(x: torch.Tensor) -> list[int] | None:
+    """The order of x's dimensions in memory, outermost first, when x is dense in an order other
+    than its own (x.permute(order) is then contiguous); None for a contiguous tensor or any other."""
+    if x.dim() < 2 or x.is_contiguous():
+        return None
+    order = list(x.dim_order())
+    return order if x.permute(order).is_contiguous() else None
+
+
+def _map_contiguous(x: torch.Tensor, a: int, block_size: int, fn: BlockFn) -> tuple[torch.Tensor, ...]:
+    """map_blocks along axis a (already checked), x viewed as [p, n, q] (a copy unless x is contiguous)."""
     n = x.shape[a] if x.dim() else 1
     p, q = math.prod(x.shape[:a]), math.prod(x.shape[a + 1 :])
     flat = x.reshape(p, n, q)
     chunks = list(_chunks(p, n, q, x.device))
-    if len(chunks) == 1:  # the whole tensor at once: fn's outputs are reshaped, not copied into place
-        return tuple(out.reshape(x.shape) for out in _blocked(flat, n, block_size, fn))
+    if len(chunks) == 1:  # the whole tensor at once: fn's outputs are reshaped (padding dropped), not copied into place
+        return tuple(out.contiguous().reshape(x.shape) for out in _blocked(flat, n, block_size, fn))
     outputs: list[torch.Tensor] = []
     for rows, cols in chunks:
         results = _blocked(flat[rows, :, cols], n, block_size, fn)

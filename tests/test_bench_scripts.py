@@ -87,3 +87,13 @@ def test_bench_automp_reports_the_search_beside_the_uniform_rungs(tmp_path: Path
     searched = ladder["seconds"]["sensitivity_shared"] + row["seconds"]["search"]
     assert row["search_over_finetune"] == pytest.approx(searched / ladder["finetune"]["seconds"])
     assert len(row["curve"]) >= 4 and isinstance(row["curve_above_uniform_line"], bool)
+
+
+def test_profile_step_reports_where_a_cpu_step_goes() -> None:
+    """One case, a few steps: the bare time per step and both profiles' tables, as JSON."""
+    result = subprocess.run([sys.executable, str(SCRIPTS / "profile_step.py"), "--cases", "digits:XINT8", "--iterations", "3",
+                             "--threads", "1"], capture_output=True, text=True, check=True)
+    (case,) = json.loads(result.stdout)
+    assert case["case"] == "digits:XINT8" and case["steps"] == 3 * 5  # 5 layer units of the digits CNN
+    assert case["ms_per_step"] > 0 and case["operators"] and case["python"]
+    assert any("convolution" in row["op"] for row in case["operators"])

@@ -18,7 +18,7 @@ from .bits import (
     rounder,
     straight_through,
 )
-from .blocks import check_block_attributes, map_blocks, ordinary_fields, shared_exponent_field
+from .blocks import check_block_attributes, map_blocks, normal_scale_fields, ordinary_fields, shared_exponent_field
 
 BFP_METHODS = ("to_bfp", "to_bfp_prime")
 SHARED_EXPONENT_BITS = 8
@@ -112,9 +112,9 @@ def _round_codes(scaled: torch.Tensor, spec: BFPSpec, max_code: float) -> torch.
 def _to_bfp(blocks: torch.Tensor, spec: BFPSpec, max_code: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Shared exponent = largest finite exponent field of the block; NaN/Inf pass through.
     Returns the result and the scaled values (for the gradient mask)."""
-    m = spec.mantissa_bits  # blocks whose field lies in [m, 252 + m] have normal scales both ways
-    shared, finite, ordinary = shared_exponent_field(blocks, 2, m, min(EXPONENT_FIELD_INF_NAN - 1, 252 + m))
-    scale_exp = shared - EXPONENT_BIAS - (m - 1)
+    offset = EXPONENT_BIAS + spec.mantissa_bits - 1
+    shared, finite, ordinary = shared_exponent_field(blocks, 2, *normal_scale_fields(offset))
+    scale_exp = shared - offset
     y, scaled = quantize_scaled(blocks, scale_exp, lambda v: _round_codes(v, spec, max_code), normal=ordinary)
     if finite is not None:
         y = torch.where(finite, y, blocks)
@@ -129,9 +129,10 @@ def _to_bfp_prime(blocks: torch.Tensor, spec: BFPSpec, max_code: float) -> tuple
     sub_max_abs = sub.abs().amax(dim=3, keepdim=True)
     max_shift = spec.max_sub_block_shift
     headroom = spec.mantissa_bits + max_shift
-    # From headroom + 2 on, every scale and its inverse are normal and no subnormal gets a nonzero
-    # code; to 252 + mantissa bits, the largest scale is normal too.
-    sub_max = ordinary_fields(sub_max_abs, headroom + 2, min(EXPONENT_FIELD_INF_NAN - 1, 252 + spec.mantissa_bits))
+    # Scales are 2**(field - offset - shift), 0 <= shift <= max_shift. From headroom + 2 on, the
+    # smallest is normal both ways (from headroom on) and no subnormal gets a nonzero code.
+    highest = normal_scale_fields(EXPONENT_BIAS - 1 + spec.mantissa_bits)[1]
+    sub_max = ordinary_fields(sub_max_abs, headroom + 2, highest)
     ordinary = sub_max is not None
     if sub_max is None:
         sub_max = exponent_field(sub_max_abs)

@@ -8,7 +8,15 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.nn.functional as F
 
-from .bits import EXPONENT_FIELD_INF_NAN, MANTISSA_BITS, ROUNDING_MODES, checks_rare_cases, exponent_field, needs
+from .bits import (
+    EXPONENT_FIELD_INF_NAN,
+    MANTISSA_BITS,
+    MIN_NORMAL_EXPONENT,
+    ROUNDING_MODES,
+    checks_rare_cases,
+    exponent_field,
+    needs,
+)
 
 BlockFn = Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
 
@@ -150,6 +158,12 @@ def shared_exponent_field(blocks: torch.Tensor, dim: int, lowest: int, highest: 
             return field, None, False
     finite = torch.isfinite(blocks)
     return max_exponent_field(torch.where(finite, blocks, 0.0), dim), finite, False
+
+
+def normal_scale_fields(offset: int) -> tuple[int, int]:
+    """The exponent fields f (NaN/Inf's excluded) whose scale 2**(f - offset) and its inverse are
+    both normal float32: the range a caller of ordinary_fields passes for scales of that form."""
+    return offset + MIN_NORMAL_EXPONENT, min(EXPONENT_FIELD_INF_NAN - 1, offset - MIN_NORMAL_EXPONENT)
 
 
 def ordinary_fields(magnitudes: torch.Tensor, lowest: int, highest: int) -> torch.Tensor | None:

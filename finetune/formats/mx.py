@@ -9,7 +9,6 @@ import torch
 
 from .bits import (
     EXPONENT_BIAS,
-    EXPONENT_FIELD_INF_NAN,
     compute_in_float32,
     power_of_two_below,
     quantize_scaled,
@@ -17,7 +16,7 @@ from .bits import (
     rounder,
     straight_through,
 )
-from .blocks import check_block_attributes, map_blocks, shared_exponent_field
+from .blocks import check_block_attributes, map_blocks, normal_scale_fields, shared_exponent_field
 
 
 @dataclass(frozen=True)
@@ -96,12 +95,11 @@ def _mx_float32(x: torch.Tensor, spec: MXSpec) -> torch.Tensor:
 
 def _mx_map(x: torch.Tensor, spec: MXSpec, with_mask: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The quantized values of x, and with `with_mask` also where no element saturated."""
-    max_value, emax = spec.element.max_value, spec.element.emax
-    lowest, highest = 1 + emax, min(EXPONENT_FIELD_INF_NAN - 1, 253 + emax)  # fields whose scales are normal both ways
+    max_value, offset = spec.element.max_value, EXPONENT_BIAS + spec.element.emax
 
     def per_block(blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        shared, finite, ordinary = shared_exponent_field(blocks, 2, lowest, highest)
-        scale_exp = shared - EXPONENT_BIAS - emax
+        shared, finite, ordinary = shared_exponent_field(blocks, 2, *normal_scale_fields(offset))
+        scale_exp = shared - offset
         y, scaled = quantize_scaled(blocks, scale_exp, lambda v: _quantize_element(v, spec), normal=ordinary)
         if finite is not None:
             y = torch.where(finite, y, blocks)

@@ -1,0 +1,142 @@
+"""Where one fine-tuning step's time goes on the CPU (JSON on stdout): the digits CNN and
+transformer are quantized (MX4 with AdaQuant over blocks, XINT8 with AdaRound over layers) and
+tuned; the steps of every unit are timed bare, then profiled by torch's profiler (operators by
+their own time) and by cProfile (Python functions by their own time, which is where the
+per-operator overhead of small steps shows).
+
+    python scripts/profile_step.py                                   # every case, 200 steps per unit
+    python scripts/profile_step.py --cases digits:MX4 --iterations 500 --threads 2
+    python scripts/profile_step.py --bare          # step times only: alternate two checkouts to compare them
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import cProfile
+import json
+import pstats
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from finetune.config import FastFinetune
+from finetune.quantize import quantize_model
+from finetune.recon import finetune_model
+from finetune.recon.loop import Tuner
+from finetune.recon.qdrop import Batches
+from finetune.zoo import digits_split, export_onnx, train_digits_cnn, train_digits_transformer
+
+CASES = {"digits:MX4": ("digits", "MX4", "adaquant", "block"), "digits:XINT8": ("digits", "XINT8", "adaround", "layer"),
+         "transformer:MX4": ("transformer", "MX4", "adaquant", "block")}
+SHOWN = 15  # rows of each table
+
+
+@contextlib.contextmanager
+def timed_steps(seconds: list[float], around: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
+                ) -> Iterator[None]:
+    """Time every step: the drawing of its batch (Batches.next) and Tuner._step, each inside a
+    fresh `around()`; one entry per step in `seconds`."""
+    step, draw = Tuner._step, Batches.next
+    drawing: list[float] = []
+
+    def timed(function: Any, into: list[float]) -> Any:
+        def wrapped(*args: Any) -> Any:
+            begin = time.perf_counter()
+            with around():
+                result = function(*args)
+            into.append(time.perf_counter() - begin)
+            return result
+        return wrapped
+
+    stepping: list[float] = []
+    Tuner._step, Batches.next = timed(step, stepping), timed(draw, drawing)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        Tuner._step, Batches.next = step, draw  # type: ignore[method-assign]
+        seconds.extend(a + b for a, b in zip(drawing, stepping))
+
+
+def prepare(model_name: str, preset: str, folder: Path) -> tuple[Any, list[dict[str, Any]]]:
+    """The quantized model and its calibration feeds (256 digits samples, batches of 32)."""
+    network = train_digits_cnn() if model_name == "digits" else train_digits_transformer()
+    x_train, _, x_test, _ = digits_split()
+    path = export_onnx(network, x_test[:2], folder / f"{model_name}.onnx", 17)
+    feeds = [{"x": b.numpy()} for b in x_train[:256].split(32)]
+    return quantize_model(path, preset, feeds).model, feeds
+
+
+def operators(profile: torch.profiler.profile, steps: int) -> list[dict[str, Any]]:
+    """The operators taking most of their own CPU time, in microseconds per step."""
+    rows = sorted(profile.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:SHOWN]
+    return [{"op": e.key, "us_per_step": round(e.self_cpu_time_total / steps, 1), "calls_per_step": round(e.count / steps, 1)}
+            for e in rows]
+
+
+def functions(profile: cProfile.Profile, steps: int) -> list[dict[str, Any]]:
+    """The Python functions taking most of their own time (operators they call included, as cProfile
+    cannot see into them), in microseconds per step."""
+    stats = pstats.Stats(profile).stats  # type: ignore[attr-defined]
+    rows = sorted(stats.items(), key=lambda item: item[1][2], reverse=True)[:SHOWN]
+    return [{"function": f"{Path(file).name}:{line} {name}", "us_per_step": round(1e6 * own / steps, 1),
+             "calls_per_step": round(calls / steps, 1)} for (file, line, name), (_, calls, own, _, _) in rows]
+
+
+def run(case: str, iterations: int, folder: Path, profiles: bool = True) -> dict[str, Any]:
+    """One case: bare step times, then (with `profiles`) the two profiles, each over a run of its own."""
+    model_name, preset, algorithm, unit = CASES[case]
+    quantized, feeds = prepare(model_name, preset, folder)
+    config = FastFinetune(algorithm=algorithm, unit=unit, iterations=iterations, seed=0)
+    bare: list[float] = []
+    with timed_steps(bare):
+        finetune_model(quantized, feeds, config)
+    steps = len(bare)
+    timing = {"case": case, "algorithm": algorithm, "unit": unit, "steps": steps, "threads": torch.get_num_threads(),
+              "ms_per_step": round(1e3 * sum(bare) / steps, 3), "ms_per_step_median": round(1e3 * sorted(bare)[steps // 2], 3)}
+    if not profiles:
+        return timing
+    traced: list[float] = []
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile, timed_steps(traced):
+        finetune_model(quantized, feeds, config)
+    python = cProfile.Profile()
+    python_steps: list[float] = []
+    with timed_steps(python_steps, around=lambda: _enabled(python)):
+        finetune_model(quantized, feeds, config)
+    return {**timing, "operators": operators(profile, len(traced)), "python": functions(python, len(python_steps))}
+
+
+@contextlib.contextmanager
+def _enabled(profile: cProfile.Profile) -> Iterator[None]:
+    """cProfile on for the duration of one step."""
+    profile.enable()
+    try:
+        yield
+    finally:
+        profile.disable()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {','.join(CASES)}")
+    parser.add_argument("--iterations", type=int, default=200, help="steps per unit (default 200)")
+    parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default 2)")
+    parser.add_argument("--bare", action="store_true", help="step times only, no profiles (for side-by-side timing)")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    results = []
+    with tempfile.TemporaryDirectory() as folder:
+        for case in args.cases.split(","):
+            print(f"case {case}", file=sys.stderr)
+            results.append(run(case, args.iterations, Path(folder), profiles=not args.bare))
+    json.dump(results, sys.stdout, indent=1)
+    print()
+
+
+if __name__ == "__main__":
+    main()

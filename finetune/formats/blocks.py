@@ -46,9 +46,9 @@ def block_axis(x: torch.Tensor, axis: int) -> int:
 def map_blocks(x: torch.Tensor, axis: int, block_size: int, fn: BlockFn) -> tuple[torch.Tensor, ...]:
     """Apply fn to x viewed as blocks [p, n_blocks, block_size, q] along `axis` (no transposes;
     the axis is zero-padded to whole blocks) and return fn's outputs in x's shape, padding dropped.
-    On CPU the work goes chunk by chunk; a block never straddles two chunks. A tensor laid out in
-    another order of its dimensions (channels last) is blocked in that order, so it is not copied
-    and fn's outputs keep its layout; the blocks, and so the values, are the same."""
+    On CPU the work goes chunk by chunk; a block never straddles two chunks. A channels-last
+    tensor is blocked in its memory order, so it is not copied and fn's outputs stay channels last;
+    the blocks, and so the values, are the same."""
     if block_size < 1:
         raise ValueError(f"block_size must be positive, got {block_size}")
     a = block_axis(x, axis)
@@ -61,12 +61,12 @@ def map_blocks(x: torch.Tensor, axis: int, block_size: int, fn: BlockFn) -> tupl
 
 
 def _memory_order(x: torch.Tensor) -> list[int] | None:
-    """The order of x's dimensions in memory, outermost first, when x is dense in an order other
-    than its own (x.permute(order) is then contiguous); None for a contiguous tensor or any other."""
-    if x.dim() < 2 or x.is_contiguous():
+    """[0, 2, 3, 1] for a channels-last tensor (what the CPU trains grouped convolutions on):
+    x.permute of it is contiguous. None otherwise: any other layout is copied to a contiguous one,
+    as before, so the results downstream, whose float sums follow the layout, stay as they were."""
+    if x.dim() != 4 or x.is_contiguous() or not x.is_contiguous(memory_format=torch.channels_last):
         return None
-    order = list(x.dim_order())
-    return order if x.permute(order).is_contiguous() else None
+    return [0, 2, 3, 1]
 
 
 def _map_contiguous(x: torch.Tensor, a: int, block_size: int, fn: BlockFn) -> tuple[torch.Tensor, ...]:

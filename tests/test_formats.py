@@ -308,7 +308,7 @@ def test_float16_input_is_computed_in_float32(spec: BFPSpec | MXSpec | FloatSpec
 @pytest.mark.parametrize("shape", [(4, 40, 6, 7), (2, 48, 160, 80)], ids=["one chunk", "chunked"])
 @pytest.mark.parametrize("spec", BLOCK_SPECS, ids=str)
 def test_channels_last_input_gives_the_same_bits_and_keeps_its_layout(spec: BFPSpec | MXSpec, shape: tuple[int, ...]) -> None:
-    """A channels-last activation (what the CPU trains convolutions on) is blocked in its own memory
+    """A channels-last activation (as a convolution in that layout gives) is blocked in its own memory
     order: values and gradient equal the contiguous tensor's, and the output stays channels last."""
     x = torch.randn(shape, generator=torch.Generator().manual_seed(7)) * 10
     x[:, 16:32] = 0.0

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from onnx import helper, numpy_helper
+from onnx import helper
 
 from finetune.config import ConfigError, FastFinetune
 from finetune.lift import FakeQuantize, lift_model
@@ -169,46 +169,3 @@ def test_inside_a_block_each_activation_quantizer_drops_per_element(models: dict
     assert torch.equal(outputs[0], outputs[1]) and torch.equal(torch.where(kept, quantized, x), outputs[0])
     assert 0.2 < kept[quantized != x].float().mean() < 0.3
     assert torch.equal(quantizer(x), quantized)  # hooks gone after training
-
-
-class DepthwiseSeparable(torch.nn.Module):
-    """Expand 1x1, depthwise 3x3, project 1x1: the layers that train channels last on the CPU."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.expand = torch.nn.Conv2d(4, 16, 1)
-        self.depthwise = torch.nn.Conv2d(16, 16, 3, padding=1, groups=16)
-        self.project = torch.nn.Conv2d(16, 8, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.project(torch.relu(self.depthwise(torch.relu(self.expand(x)))))
-
-
-@pytest.mark.parametrize("preset, algorithm, unit", [("MX4", "adaquant", "block"), ("XINT8", "adaround", "layer")])
-def test_units_with_a_depthwise_convolution_train_channels_last_as_they_would_contiguous(
-        preset: str, algorithm: str, unit: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The layout only changes the order of float sums: tuned weights agree with a contiguous run to
-    float tolerance, and only units holding the grouped convolution take channels last."""
-    from finetune.recon import loop
-
-    path = export_onnx(randomized(DepthwiseSeparable()), torch.randn(2, 4, 12, 12), tmp_path / "dws.onnx")
-    data = feeds((4, 4, 12, 12))
-    quantized = quantize_model(path, preset, data).model
-    config = FastFinetune(algorithm=algorithm, unit=unit, iterations=20, seed=1)
-    layouts = {}
-    original = loop.input_layout
-
-    def noted(unit_: object, module: torch.nn.Module, device: torch.device) -> torch.memory_format:
-        layouts[unit_.name] = original(unit_, module, device)
-        return layouts[unit_.name]
-
-    monkeypatch.setattr(loop, "input_layout", noted)
-    channels_last, report = finetune_model(quantized, data, config)
-    grouped = [name for name, layout in layouts.items() if layout == torch.channels_last]
-    assert grouped == ["/depthwise/Conv"] and len(layouts) == 3
-    assert report["kept"] >= 1  # tuned weights to compare
-    monkeypatch.setattr(loop, "input_layout", lambda *_: torch.contiguous_format)
-    contiguous, _ = finetune_model(quantized, data, config)
-    for a, b in zip(channels_last.graph.initializer, contiguous.graph.initializer, strict=True):
-        x, y = numpy_helper.to_array(a).astype(np.float64), numpy_helper.to_array(b).astype(np.float64)
-        np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6 * max(1.0, np.abs(y).max()), err_msg=a.name)

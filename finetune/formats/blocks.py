@@ -61,8 +61,8 @@ def map_blocks(x: torch.Tensor, axis: int, block_size: int, fn: BlockFn) -> tupl
 
 
 def _memory_order(x: torch.Tensor) -> list[int] | None:
-    """[0, 2, 3, 1] for a channels-last tensor (what the CPU trains grouped convolutions on):
-    x.permute of it is contiguous. None otherwise: any other layout is copied to a contiguous one,
+    """[0, 2, 3, 1] for a channels-last tensor (as convolutions in that layout produce): x.permute
+    of it is contiguous. None otherwise: any other layout is copied to a contiguous one,
     as before, so the results downstream, whose float sums follow the layout, stay as they were."""
     if x.dim() != 4 or x.is_contiguous() or not x.is_contiguous(memory_format=torch.channels_last):
         return None

@@ -28,7 +28,7 @@ from .cache import CachedValue
 from .parallel import Rows, sum_across, sum_gradients
 from .qdrop import Batches, dropped_quantization
 from .report import Warnings
-from .units import Unit, in_layout, input_layout, parameters_of
+from .units import Unit, parameters_of
 
 logger = logging.getLogger(__name__)
 
@@ -112,8 +112,7 @@ class Tuner:
         self.should_stop = False
         self.fabric.call("on_unit_start", tuner=self, index=k, unit=unit)
         original = {name: module.get_parameter(name).detach().clone() for name in parameters_of(unit)}
-        layout = input_layout(unit, module, self.fabric.device)
-        before, power = evaluate(train, inputs, targets, self.fabric, layout)
+        before, power = evaluate(train, inputs, targets, self.fabric)
         if not math.isfinite(before):
             raise ValueError(f"unit {k + 1}/{len(self.units)} {unit.name}: its reconstruction loss before tuning is {before}, "
                              "so its weights, its quantized inputs or its float targets hold NaN or Inf; check the model's "
@@ -125,8 +124,8 @@ class Tuner:
         for name, start in (starts or {}).items():
             if name in original:
                 module.get_parameter(name).data.copy_(start)
-        iterations = self._optimise(k, unit, module, train, inputs, float_inputs, targets, power, layout)
-        after, _ = evaluate(train, inputs, targets, self.fabric, layout)
+        iterations = self._optimise(k, unit, module, train, inputs, float_inputs, targets, power)
+        after, _ = evaluate(train, inputs, targets, self.fabric)
         diverged = not math.isfinite(after)
         if diverged or after > before:
             for name, value in original.items():
@@ -145,7 +144,7 @@ class Tuner:
         return None
 
     def _optimise(self, k: int, unit: Unit, module: LiftedModule, train: fx.GraphModule, inputs: CachedValue,
-                  float_inputs: CachedValue, targets: CachedValue, power: float, layout: torch.memory_format) -> int:
+                  float_inputs: CachedValue, targets: CachedValue, power: float) -> int:
         """The optimisation loop; returns the iterations run. AdaQuant's learning rate decays along
         a cosine, so the weights settle across the quantizer's steps (on the digits transformer at
         MX4 that recovered 93 % of the quantization loss, against 40 % at a constant rate)."""
@@ -158,7 +157,7 @@ class Tuner:
         schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, config.iterations) if not roundings else None
         device = self.fabric.device
         batches = Batches(inputs, float_inputs, targets, config, k, Rows.of(self.fabric, inputs, targets), device,
-                          config.device_cache_bytes, layout)
+                          config.device_cache_bytes)
         if batches.left_out:
             self.warnings.add(unit.name, f"{batches.left_out} of the {inputs.rows} rows of its inputs (slices along their "
                               "leading axis) are left out of its training batches: they come from calibration batches whose "
@@ -259,17 +258,16 @@ def steps_per_read(device: torch.device) -> int:
     return 1 if device.type == "cpu" else READ_EVERY
 
 
-def evaluate(train: fx.GraphModule, inputs: CachedValue, targets: CachedValue, fabric: Fabric,
-             layout: torch.memory_format = torch.contiguous_format) -> tuple[float, float]:
+def evaluate(train: fx.GraphModule, inputs: CachedValue, targets: CachedValue, fabric: Fabric) -> tuple[float, float]:
     """(MSE of the unit's output against its float target, mean square of the target) over every
-    cached sample of every process, inputs in `layout`, computed in float64 sums so the result does
-    not depend on chunking, and read by the host once."""
+    cached sample of every process, computed in float64 sums so the result does not depend on
+    chunking, and read by the host once."""
     sums = torch.zeros(2, dtype=torch.float64, device=fabric.device)
     count = 0
     with torch.no_grad():
         for chunk in range(len(inputs.chunks)):
-            output = train(in_layout(inputs.tensor(chunk, fabric.device), layout))[0]
-            target = in_layout(targets.tensor(chunk, fabric.device), layout)
+            output = train(inputs.tensor(chunk, fabric.device))[0]
+            target = targets.tensor(chunk, fabric.device)
             sums += torch.stack([(output - target).double().square().sum(), target.double().square().sum()])
             count += target.numel()
     squared_error, power, count = sum_across(fabric, [*sums.tolist(), count])

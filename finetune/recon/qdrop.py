@@ -16,7 +16,7 @@ from finetune.lift import FakeQuantize
 
 from .cache import CachedValue, SpilledArray
 from .parallel import Rows
-from .units import constant_nodes, in_layout
+from .units import constant_nodes
 
 CPU = torch.device("cpu")
 
@@ -37,11 +37,9 @@ class Batches:
     KeepMasks), so a step copies only the batch's row numbers to the device and nothing back."""
 
     def __init__(self, inputs: CachedValue, float_inputs: CachedValue, targets: CachedValue, config: FastFinetune, k: int,
-                 rows: Rows, device: torch.device = CPU, device_budget: int = 0,
-                 layout: torch.memory_format = torch.contiguous_format) -> None:
+                 rows: Rows, device: torch.device = CPU, device_budget: int = 0) -> None:
         self.inputs, self.float_inputs, self.targets = inputs, float_inputs, targets
         self.rows = rows
-        self.layout = layout  # of the training inputs (see units.input_layout)
         self.left_out = rows.total - len(rows.trainable)
         self.size = min(config.batch_size, len(rows.trainable))
         self.device = device
@@ -61,7 +59,7 @@ class Batches:
             if not held.all():
                 keep = keep[torch.from_numpy(np.flatnonzero(held)).to(keep.device, non_blocking=True)]
             x = torch.where(keep, x, float_x[0])
-        return in_layout(x, self.layout), in_layout(target, self.layout)
+        return x, target
 
     def _gather(self, rows: np.ndarray) -> list[torch.Tensor]:
         """The given local rows of the inputs, the float inputs (when mixing) and the targets, on the device."""
@@ -126,7 +124,7 @@ def dropped_quantization(train: fx.GraphModule, config: FastFinetune, k: int, ra
     masks = KeepMasks(qdrop_threshold(config.drop_ratio), device, np.random.default_rng(entropy), entropy)
 
     def mix(_module: torch.nn.Module, args: tuple[torch.Tensor, ...], quantized: torch.Tensor) -> torch.Tensor:
-        return torch.where(laid_out_as(masks.draw(tuple(quantized.shape)), quantized), quantized, args[0])
+        return torch.where(masks.draw(tuple(quantized.shape)), quantized, args[0])
 
     hooks = [quantizer.register_forward_hook(mix) for quantizer in quantizers] if config.drop_ratio < 1 else []
     try:
@@ -134,14 +132,6 @@ def dropped_quantization(train: fx.GraphModule, config: FastFinetune, k: int, ra
     finally:
         for hook in hooks:
             hook.remove()
-
-
-def laid_out_as(mask: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    """The mask in the memory layout of `value` (copied only when they differ), so that mixing keeps
-    a channels-last activation channels last: torch.where lays its result out as its first input."""
-    if mask.stride() == value.stride():
-        return mask
-    return torch.empty_like(value, dtype=torch.bool).copy_(mask)
 
 
 def qdrop_threshold(drop_ratio: float) -> int:

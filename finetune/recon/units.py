@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from torch import fx, nn
 
 from finetune.lift import FakeQuantize, LiftedModule
@@ -30,14 +29,6 @@ class Layer:
     weight: str
     weight_quantizer: str | None
     bias: str | None
-
-
-# A unit holding a grouped (depthwise) convolution trains channels last on the CPU: oneDNN runs
-# those forward and backward 2-3.6x faster in that layout (batch 16, 2 threads: EfficientNet-Lite0's
-# 96-channel 3x3 at 56x56 27 -> 7 ms, PP-OCRv4's 240-channel 5x5 at 12x80 77 -> 32 ms), while dense
-# convolutions measured 0.7-1.2x either way; outputs differ from the contiguous layout's only in the
-# order of float sums.
-CHANNELS_LAST_MIN_GROUPS = 2
 
 
 @dataclass(frozen=True)
@@ -302,17 +293,3 @@ def _block_unit(module: LiftedModule, entry: fx.Node, members: list[fx.Node], gr
         layers=tuple(layer for u in group for layer in u.layers), input=entry.name, source=source, source_argument=argument,
         nodes=tuple(n.name for n in members), output=members[-1].name, target_module=members[-1].target,
     )
-
-
-def input_layout(unit: Unit, module: nn.Module, device: torch.device) -> torch.memory_format:
-    """The memory layout a unit's 4-D inputs and targets train in: channels last on the CPU for a
-    unit holding a grouped convolution (see CHANNELS_LAST_MIN_GROUPS), contiguous otherwise
-    (accelerators: not yet measured)."""
-    grouped = any(getattr(module.get_submodule(layer.name), "groups", 1) >= CHANNELS_LAST_MIN_GROUPS
-                  for layer in unit.layers if layer.op_type == "Conv")
-    return torch.channels_last if device.type == "cpu" and grouped else torch.contiguous_format
-
-
-def in_layout(x: torch.Tensor, layout: torch.memory_format) -> torch.Tensor:
-    """x in `layout` where it applies (channels last: 4-D tensors only), else x itself."""
-    return x.contiguous(memory_format=layout) if x.dim() == 4 else x

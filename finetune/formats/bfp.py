@@ -68,6 +68,12 @@ class BFPSpec:
         """Bits of each element's magnitude: bit_width minus the shared exponent and the sign."""
         return self.bit_width - SHARED_EXPONENT_BITS - SIGN_BIT
 
+    @property
+    def scale_offset(self) -> int:
+        """A block's scale is 2**(shared exponent field - scale_offset) (less a sub-block's shift):
+        its largest code, mantissa_bits ones, then spans the largest element's binade."""
+        return EXPONENT_BIAS + self.mantissa_bits - 1
+
 
 BFP16 = BFPSpec("to_bfp", bit_width=16, block_size=8)
 MX9 = BFPSpec("to_bfp_prime", bit_width=16, block_size=16, sub_block_size=2, sub_block_shift_bits=1)
@@ -112,9 +118,8 @@ def _round_codes(scaled: torch.Tensor, spec: BFPSpec, max_code: float) -> torch.
 def _to_bfp(blocks: torch.Tensor, spec: BFPSpec, max_code: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Shared exponent = largest finite exponent field of the block; NaN/Inf pass through.
     Returns the result and the scaled values (for the gradient mask)."""
-    offset = EXPONENT_BIAS + spec.mantissa_bits - 1
-    shared, finite, ordinary = shared_exponent_field(blocks, 2, *normal_scale_fields(offset))
-    scale_exp = shared - offset
+    shared, finite, ordinary = shared_exponent_field(blocks, 2, *normal_scale_fields(spec.scale_offset))
+    scale_exp = shared - spec.scale_offset
     y, scaled = quantize_scaled(blocks, scale_exp, lambda v: _round_codes(v, spec, max_code), normal=ordinary)
     if finite is not None:
         y = torch.where(finite, y, blocks)
@@ -129,16 +134,15 @@ def _to_bfp_prime(blocks: torch.Tensor, spec: BFPSpec, max_code: float) -> tuple
     sub_max_abs = sub.abs().amax(dim=3, keepdim=True)
     max_shift = spec.max_sub_block_shift
     headroom = spec.mantissa_bits + max_shift
-    # Scales are 2**(field - offset - shift), 0 <= shift <= max_shift. From headroom + 2 on, the
-    # smallest is normal both ways (from headroom on) and no subnormal gets a nonzero code.
-    highest = normal_scale_fields(EXPONENT_BIAS - 1 + spec.mantissa_bits)[1]
-    sub_max = ordinary_fields(sub_max_abs, headroom + 2, highest)
+    # Scales are 2**(field - scale_offset - shift), 0 <= shift <= max_shift. From headroom + 2 on,
+    # the smallest is normal both ways (from headroom on) and no subnormal gets a nonzero code.
+    sub_max = ordinary_fields(sub_max_abs, headroom + 2, normal_scale_fields(spec.scale_offset)[1])
     ordinary = sub_max is not None
     if sub_max is None:
         sub_max = exponent_field(sub_max_abs)
     shared = sub_max.amax(dim=2, keepdim=True)
     shift = torch.clamp(shared - sub_max, max=max_shift)
-    scale_exp = (shared + (1 - EXPONENT_BIAS - spec.mantissa_bits)) - shift
+    scale_exp = shared - spec.scale_offset - shift
     y, scaled = quantize_scaled(sub, scale_exp, lambda v: _round_codes(v, spec, max_code), normal=ordinary)
     if not ordinary:
         if needs(_subnormals_may_round_to_nonzero(sub_max_abs, shared, headroom)):

@@ -1,9 +1,16 @@
 """The device a fine-tuning run uses: cpu, cuda, cuda:N, or hip:N on ROCm builds of torch (which
-expose HIP devices through the cuda API); an unavailable device is an error naming what exists."""
+expose HIP devices through the cuda API); an unavailable device is an error naming what exists.
+On the CPU, how freed host memory is kept for reuse."""
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import functools
+import logging
+import platform
 import re
+from collections.abc import Iterator
 
 import torch
 
@@ -31,3 +38,40 @@ def available_devices() -> list[str]:
     kind = "hip" if torch.version.hip is not None else "cuda"
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     return ["cpu", *(f"{kind}:{i}" for i in range(count))]
+
+
+# glibc's mallopt parameters, and the values a CPU run sets: blocks up to 32 MiB (glibc's largest
+# mmap threshold) come from the heap, and up to 1 GiB of freed heap stays in the process.
+M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3
+HOST_MEMORY_SETTINGS = {M_TRIM_THRESHOLD: 1 << 30, M_TOP_PAD: 64 << 20, M_MMAP_THRESHOLD: 32 << 20}
+
+logger = logging.getLogger(__name__)
+
+
+@functools.cache
+def keep_freed_host_memory() -> bool:
+    """Let glibc keep freed memory for reuse instead of handing it back to the system after each
+    step (once per process; False where the C library is not glibc). A CPU step allocates and frees
+    tensors of megabytes; by default each comes fresh from the system and is paid for again in page
+    faults: on the text recogniser's units that was 4-6x more faults and about 8 % of the time.
+    The process's memory then falls back only when a run ends (see `host_memory_kept`)."""
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    libc = ctypes.CDLL("libc.so.6")
+    if not all(libc.mallopt(parameter, value) for parameter, value in HOST_MEMORY_SETTINGS.items()):
+        logger.warning("glibc refused a mallopt setting: freed host memory may go back to the system after each step")
+        return False
+    logger.info("host memory: glibc keeps up to 1 GiB of freed memory for reuse (mallopt)")
+    return True
+
+
+@contextlib.contextmanager
+def host_memory_kept(device: torch.device) -> Iterator[None]:
+    """Inside the block, a CPU run keeps freed host memory for reuse (`keep_freed_host_memory`);
+    after it, what glibc kept goes back to the system."""
+    kept = device.type == "cpu" and keep_freed_host_memory()
+    try:
+        yield
+    finally:
+        if kept:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)

@@ -40,7 +40,7 @@ import onnx
 import onnxruntime as ort
 import torch
 
-from finetune.config import FastFinetune, load_config
+from finetune.config import EarlyStop, FastFinetune, load_config
 from finetune.lift import lift_model
 from finetune.onnx import attach_custom_ops
 from finetune.onnx.normalize import normalize_model
@@ -209,8 +209,9 @@ def ort_rerun_seconds(quantized: onnx.ModelProto, calibration: list[dict[str, np
 
 
 def run_case(model: str, preset: str, directory: Path, iterations: int, adaquant_lr: float | None, unit: str,
-             device: str = "cpu", devices: int = 1, ort_rerun: bool = True) -> dict[str, Any]:
-    """Quantize, measure, fine-tune (on `device`, or data-parallel over `devices` of its kind),
+             device: str = "cpu", devices: int = 1, ort_rerun: bool = True, patience: int | None = None) -> dict[str, Any]:
+    """Quantize, measure, fine-tune (on `device`, or data-parallel over `devices` of its kind; with
+    `patience`, each unit stops early once its loss has not improved for that many iterations),
     measure again; the case's numbers (without the onnxruntime re-run comparison unless `ort_rerun`)."""
     calibration, evaluation = load_case_data(directory)
     float_path = directory / "float.onnx"
@@ -219,7 +220,8 @@ def run_case(model: str, preset: str, directory: Path, iterations: int, adaquant
     algorithm = "adaround" if preset in INT_PRESETS else "adaquant"
     unit = AUTO_UNIT[algorithm] if unit == "auto" else unit
     config = FastFinetune(algorithm=algorithm, iterations=iterations, seed=0, lr=adaquant_lr if algorithm == "adaquant" else None,
-                          unit=unit, device=device, devices=devices, strategy="ddp_spawn")
+                          unit=unit, device=device, devices=devices, strategy="ddp_spawn",
+                          early_stop=EarlyStop(enabled=patience is not None, patience=patience or EarlyStop.patience))
     start = time.perf_counter()
     quantized = quantize_model(float_path, load_config(PRESETS[preset]), calibration).model
     quantize_seconds = time.perf_counter() - start
@@ -242,6 +244,7 @@ def run_case(model: str, preset: str, directory: Path, iterations: int, adaquant
         "recovered_fraction": round((after["metric"] - before["metric"]) / loss, 9) if loss >= 2 else None,  # 12/15 digits is 0.8
         "agreement_before": before["agreement"], "agreement_after": after["agreement"],
         "logit_mse_before": before["logit_mse"], "logit_mse_after": after["logit_mse"],
+        "early_stop_patience": patience, "iterations_run": report["iterations"],
         "units": len(report["units"]), "kept": report["kept"], "reverted": report["reverted"],
         "calibration_samples": report["samples"], "evaluation_samples": len(evaluation["x"]),
         "after_standard_error": standard_error(after["metric"], len(evaluation["x"])),
@@ -293,7 +296,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--cache-budget-mb", type=int, default=1024, help="the bounded cache of --memory (default 1024)")
     parser.add_argument("--compare-quark", metavar="PYTHON", help="also run each case through AMD Quark for ONNX in this "
                         "Python (an environment with amd-quark; scripts/quark_driver.py), alternating the tools, with the "
-                        "same data, iterations and batch size (16), early stopping off for both")
+                        "same data, iterations and batch size (16), early stopping off for Quark")
+    parser.add_argument("--quark-iterations", type=int, help="iterations per unit for AMD Quark (default: --iterations)")
+    parser.add_argument("--early-stop", type=int, metavar="PATIENCE", help="our units stop once their loss has not "
+                        "improved for PATIENCE iterations (default: no early stop)")
     parser.add_argument("--case", nargs=3, metavar=("MODEL", "PRESET", "DIR"), help=argparse.SUPPRESS)
     parser.add_argument("--memory-case", nargs=2, metavar=("DIR", "BUDGET_MB"), help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -304,7 +310,7 @@ def child(args: argparse.Namespace) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
     model, preset, directory = args.case
     print(json.dumps(run_case(model, preset, Path(directory), args.iterations, args.adaquant_lr, args.unit, args.device,
-                              args.devices, not args.no_ort_rerun)))
+                              args.devices, not args.no_ort_rerun, args.early_stop)))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -353,6 +359,7 @@ def run_child(model: str, preset: str, directory: Path, args: argparse.Namespace
     command = [sys.executable, __file__, "--case", model, preset, str(directory), "--iterations", str(args.iterations),
                "--unit", args.unit, "--device", args.device, "--devices", str(args.devices),
                *(["--no-ort-rerun"] if args.no_ort_rerun else []),
+               *(["--early-stop", str(args.early_stop)] if args.early_stop else []),
                *(["--adaquant-lr", str(args.adaquant_lr)] if args.adaquant_lr else [])]
     if args.threads:
         command += ["--threads", str(args.threads)]
@@ -378,7 +385,8 @@ def run_quark(preset: str, directory: Path, args: argparse.Namespace) -> dict[st
         return {"quark_seconds": None, "skipped": f"AMD Quark has no default config for {preset}"}
     output = directory / f"quark.{preset}.onnx"
     command = [args.compare_quark, str(Path(__file__).with_name("quark_driver.py")), str(directory / "float.onnx"),
-               str(directory / "calibration.npz"), QUARK_CONFIGS[preset], str(args.iterations), "16", str(output)]
+               str(directory / "calibration.npz"), QUARK_CONFIGS[preset], str(args.quark_iterations or args.iterations), "16",
+               str(output)]
     result = subprocess.run(command, capture_output=True, text=True, check=False)
     if result.returncode:
         raise RuntimeError(f"AMD Quark failed on {preset}:\n{result.stderr[-4000:]}")

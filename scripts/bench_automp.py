@@ -16,6 +16,7 @@ extension implies on the rest.
 
     python scripts/bench_automp.py --models digits,transformer                 # minutes
     python scripts/bench_automp.py --models efficientnet --targets 0.86,0.7,0.52 --eval-crops 64
+    python scripts/bench_automp.py --models efficientnet --efficientnet-ladders mx-tensor --eval-crops 48 --finetune-iterations 0
     python scripts/bench_automp.py --models magika --ladders mx
 """
 
@@ -42,7 +43,9 @@ from finetune.zoo import (digits_split, efficientnet_lite0, export_onnx, magika_
 
 INT4W8A = {"activation": {"format": "int", "dtype": "int8", "symmetric": True, "calibration": "minmax"},
            "weight": {"format": "int", "dtype": "int4", "symmetric": True, "granularity": "channel", "calibration": "minmax"}}
-LADDERS = {"mx": ["MX4", "MX6", "MX9"], "mxfp": ["MXFP4", "MXFP6_E2M3", "MXFP8_E4M3"], "int": [INT4W8A, "A8W8", "A16W8"]}
+MX = ["MX4", "MX6", "MX9"]
+LADDERS = {"mx": MX, "mxfp": ["MXFP4", "MXFP6_E2M3", "MXFP8_E4M3"], "int": [INT4W8A, "A8W8", "A16W8"],
+           "mx-tensor": {"activation": MX, "weight": MX}}  # each layer's activation and weight searched apart
 CALIBRATION_PHOTOS, EVALUATION_PHOTOS = (0, 1, 2, 3), (4, 5, 6)
 
 
@@ -75,7 +78,9 @@ def magika_case() -> tuple[Path, list, list]:
 
 def prepare(path: Path, calibration: list, evaluation: list, ladder: list, metric: str, goal: dict[str, float]) -> PreparedSearch:
     """The measurements every target of the ladder shares (`goal`, any of them, only makes the config whole)."""
-    config = {"preset": _top_rung(ladder), "auto_mixed_precision": {"ladder": ladder, "metric": metric, **goal}}
+    granularity = "tensor" if isinstance(ladder, dict) else "layer"
+    config = {"preset": _top_rung(ladder),
+              "auto_mixed_precision": {"ladder": ladder, "granularity": granularity, "metric": metric, **goal}}
     return prepare_mixed_precision(path, config, calibration, evaluation_data=evaluation)
 
 
@@ -128,9 +133,11 @@ def ladder_results(case: tuple[Path, list, list], ladder_name: str, metric: str,
             "finetune": tuned, "uniform": uniform, "targets": targets}
 
 
-def _top_rung(ladder: list) -> str:
-    """The preset of the ladder's top rung (A16W8 where that rung is written inline): the search's base config."""
-    return ladder[-1] if isinstance(ladder[-1], str) else "A16W8"
+def _top_rung(ladder: list | dict[str, list]) -> str:
+    """The preset of the ladder's top rung (the weight ladder's of a split one; A16W8 where that
+    rung is written inline): the search's base config."""
+    top = ladder["weight"][-1] if isinstance(ladder, dict) else ladder[-1]
+    return top if isinstance(top, str) else "A16W8"
 
 
 def _uniform_line(uniform: list[dict], bits: float) -> float:
@@ -142,7 +149,9 @@ def _uniform_line(uniform: list[dict], bits: float) -> float:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="digits,transformer", help="digits, transformer, efficientnet, magika")
-    parser.add_argument("--ladders", default="mx,mxfp,int", help="for the digits models and magika: mx, mxfp, int")
+    parser.add_argument("--ladders", default="mx,mxfp,int", help="for the digits models and magika: mx, mxfp, int, mx-tensor "
+                        "(the MX ladder with each layer's activation and weight searched apart)")
+    parser.add_argument("--efficientnet-ladders", default="mx", help="for EfficientNet-Lite0: mx, mx-tensor")
     parser.add_argument("--drops", default="0.005,0.01,0.02", help="digits, magika: allowed top-1 accuracy drops from float")
     parser.add_argument("--targets", default="0.86,0.7,0.52", help="EfficientNet-Lite0: top-1 agreement targets")
     parser.add_argument("--calibration-crops", type=int, default=32)
@@ -159,7 +168,8 @@ def main(argv: list[str] | None = None) -> None:
         for model in args.models.split(","):
             if model == "efficientnet":
                 case = efficientnet_case(Path(folder), args.calibration_crops, args.eval_crops)
-                cases = [("mx", "top1_agreement", [{"target": target} for target in map(float, args.targets.split(","))])]
+                goals = [{"target": target} for target in map(float, args.targets.split(","))]
+                cases = [(ladder, "top1_agreement", goals) for ladder in args.efficientnet_ladders.split(",")]
             else:
                 case = magika_case() if model == "magika" else digits_case(model, Path(folder))
                 drops = [{"max_drop": drop} for drop in map(float, args.drops.split(","))]

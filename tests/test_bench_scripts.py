@@ -70,23 +70,25 @@ def test_demo_quantizes_tunes_and_scores_both_cases(tmp_path: Path) -> None:
 
 
 def test_bench_automp_reports_the_search_beside_the_uniform_rungs(tmp_path: Path) -> None:
+    """The MX ladder by layer and by tensor (activation and weight apart), each beside its uniform rungs."""
     result = subprocess.run(
-        [sys.executable, str(SCRIPTS / "bench_automp.py"), "--models", "digits", "--ladders", "mx", "--drops", "0.02",
+        [sys.executable, str(SCRIPTS / "bench_automp.py"), "--models", "digits", "--ladders", "mx,mx-tensor", "--drops", "0.02",
          "--finetune-iterations", "20", "--json", str(tmp_path / "automp.json")],
         capture_output=True, text=True, check=True,
     )
     report = json.loads(result.stdout)
     assert report == json.loads((tmp_path / "automp.json").read_text())
-    (ladder,) = report["results"]
-    (row,) = ladder["targets"]
-    assert ladder["model"] == "digits" and row["met"] and row["onnxruntime_metric"] >= row["target"]
-    assert [p["name"] for p in ladder["uniform"]] == ["MX4", "MX6", "MX9"]
-    assert ladder["uniform"][0]["average_bits"] <= row["average_bits"] <= ladder["uniform"][-1]["average_bits"]
-    assert set(ladder["seconds"]) == {"sensitivity_shared", "prepare"} and set(row["seconds"]) >= {"search", "finetune"}
-    assert ladder["finetune"]["algorithm"] == "adaquant" and ladder["finetune"]["iterations"] == 20
-    searched = ladder["seconds"]["sensitivity_shared"] + row["seconds"]["search"]
-    assert row["search_over_finetune"] == pytest.approx(searched / ladder["finetune"]["seconds"])
-    assert len(row["curve"]) >= 4 and isinstance(row["curve_above_uniform_line"], bool)
+    assert [ladder["ladder"] for ladder in report["results"]] == ["mx", "mx-tensor"]
+    for ladder in report["results"]:
+        (row,) = ladder["targets"]
+        assert ladder["model"] == "digits" and row["met"] and row["onnxruntime_metric"] >= row["target"]
+        assert [p["name"] for p in ladder["uniform"]] == ["MX4", "MX6", "MX9"]
+        assert ladder["uniform"][0]["average_bits"] <= row["average_bits"] <= ladder["uniform"][-1]["average_bits"]
+        assert set(ladder["seconds"]) == {"sensitivity_shared", "prepare"} and set(row["seconds"]) >= {"search", "finetune"}
+        assert ladder["finetune"]["algorithm"] == "adaquant" and ladder["finetune"]["iterations"] == 20
+        searched = ladder["seconds"]["sensitivity_shared"] + row["seconds"]["search"]
+        assert row["search_over_finetune"] == pytest.approx(searched / ladder["finetune"]["seconds"])
+        assert len(row["curve"]) >= 4 and isinstance(row["curve_above_uniform_line"], bool)
 
 
 def test_profile_step_reports_where_a_cpu_step_goes() -> None:

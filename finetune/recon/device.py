@@ -53,7 +53,8 @@ def keep_freed_host_memory() -> bool:
     """Let glibc keep freed memory for reuse instead of handing it back to the system after each
     step (once per process; False where the C library is not glibc). A CPU step allocates and frees
     tensors of megabytes; by default each comes fresh from the system and is paid for again in page
-    faults: on the text recogniser's units that was 4-6x more faults and about 8 % of the time.
+    faults: on the text recogniser that was 4-7x more faults and about 10 s per run (8 % of a run at
+    20-60 iterations per unit, noise at 300).
     The process's memory then falls back only when a run ends (see `host_memory_kept`)."""
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False

@@ -310,8 +310,8 @@ def _deterministic(config: FastFinetune, device: torch.device) -> Iterator[None]
     setting when it starts, so it is set before any CUDA work. An op without a deterministic kernel
     becomes a one-line error naming it and the switch, not a traceback from inside backward. Torch's
     NaN filling of every new uninitialised tensor, which deterministic mode turns on, stays off: no
-    kernel here reads memory it did not write (tuned bytes are equal either way), and on the CPU the
-    filling took about a tenth of a text recogniser's step (with freed memory kept, see device)."""
+    kernel here reads memory it did not write (tuned bytes are equal either way), so the filling
+    only costs a pass over each new tensor."""
     if device.type == "cuda":
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     previous = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),

@@ -221,7 +221,7 @@ def run_case(model: str, preset: str, directory: Path, iterations: int, adaquant
     unit = AUTO_UNIT[algorithm] if unit == "auto" else unit
     config = FastFinetune(algorithm=algorithm, iterations=iterations, seed=0, lr=adaquant_lr if algorithm == "adaquant" else None,
                           unit=unit, device=device, devices=devices, strategy="ddp_spawn",
-                          early_stop=EarlyStop(enabled=patience is not None, patience=patience or EarlyStop.patience))
+                          early_stop=EarlyStop(enabled=True, patience=patience) if patience is not None else EarlyStop())
     start = time.perf_counter()
     quantized = quantize_model(float_path, load_config(PRESETS[preset]), calibration).model
     quantize_seconds = time.perf_counter() - start

@@ -49,6 +49,14 @@ logger = logging.getLogger(__name__)
 
 
 @functools.cache
+def _glibc() -> ctypes.CDLL | None:
+    """The C library where it is glibc (whose mallopt and malloc_trim the settings below use), else None."""
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return None
+    return ctypes.CDLL("libc.so.6")
+
+
+@functools.cache
 def keep_freed_host_memory() -> bool:
     """Let glibc keep freed memory for reuse instead of handing it back to the system after each
     step (once per process; False where the C library is not glibc). A CPU step allocates and frees
@@ -56,9 +64,9 @@ def keep_freed_host_memory() -> bool:
     faults: on the text recogniser that was 4-7x more faults and about 10 s per run (8 % of a run at
     20-60 iterations per unit, noise at 300).
     The process's memory then falls back only when a run ends (see `host_memory_kept`)."""
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+    libc = _glibc()
+    if libc is None:
         return False
-    libc = ctypes.CDLL("libc.so.6")
     if not all(libc.mallopt(parameter, value) for parameter, value in HOST_MEMORY_SETTINGS.items()):
         logger.warning("glibc refused a mallopt setting: freed host memory may go back to the system after each step")
         return False
@@ -75,4 +83,4 @@ def host_memory_kept(device: torch.device) -> Iterator[None]:
         yield
     finally:
         if kept:
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
+            _glibc().malloc_trim(0)  # type: ignore[union-attr]  (kept: glibc is there)

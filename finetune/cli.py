@@ -203,7 +203,8 @@ def _add_finetune_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--lr", type=float, help="learning rate (default: 0.1 adaround, 1e-3 adaquant)")
     group.add_argument("--batch-size", type=int, help="samples per optimisation step")
     group.add_argument("--early-stop", action=argparse.BooleanOptionalAction, default=None,
-                       help="stop a unit when its reconstruction loss stops improving")
+                       help="stop a unit when its reconstruction loss stops improving, after a tail that finishes "
+                            "its schedule (default: on; --no-early-stop runs every iteration)")
     group.add_argument("--device", help="cpu, cuda, cuda:N or hip:N")
     group.add_argument("--devices", type=int, help="processes tuning data-parallel, each on its own device of that kind")
     group.add_argument("--nodes", type=int, help="machines of a data-parallel run (each starts the command: torchrun)")

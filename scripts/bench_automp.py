@@ -123,14 +123,24 @@ def ladder_results(case: tuple[Path, list, list], ladder_name: str, metric: str,
     """One preparation, then each goal chosen from it; the shared seconds stated once; with
     `finetune_iterations`, each target's search time over that of one fast finetune."""
     prepared = prepare(*case, LADDERS[ladder_name], metric, goals[0])
-    targets = [choose(prepared, goal, curve_points) for goal in goals]
-    uniform = [target.pop("uniform") for target in targets][0]  # one preparation: the same points for every target
+    targets = [choose_or_refusal(prepared, goal, curve_points) for goal in goals]
+    uniforms = [target.pop("uniform") for target in targets if "uniform" in target]  # one preparation: all the same
+    uniform = uniforms[0] if uniforms else None
     tuned = finetune(case[0], case[1], ladder_name, finetune_iterations) if finetune_iterations else None
     for target in targets:
-        searched = prepared.seconds["sensitivity"] + target["seconds"]["search"]
-        target["search_over_finetune"] = searched / tuned["seconds"] if tuned else None
+        if "refused" not in target:
+            searched = prepared.seconds["sensitivity"] + target["seconds"]["search"]
+            target["search_over_finetune"] = searched / tuned["seconds"] if tuned else None
     return {"seconds": {"sensitivity_shared": prepared.seconds["sensitivity"], "prepare": prepared.seconds["prepare"]},
             "finetune": tuned, "uniform": uniform, "targets": targets}
+
+
+def choose_or_refusal(prepared: PreparedSearch, goal: dict[str, float], curve_points: int) -> dict[str, Any]:
+    """choose, or the goal with the search's one-line refusal (a target the top rung misses) in its place."""
+    try:
+        return choose(prepared, goal, curve_points)
+    except ValueError as refusal:
+        return {**goal, "refused": str(refusal)}
 
 
 def _top_rung(ladder: list | dict[str, list]) -> str:

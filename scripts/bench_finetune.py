@@ -211,7 +211,8 @@ def ort_rerun_seconds(quantized: onnx.ModelProto, calibration: list[dict[str, np
 def run_case(model: str, preset: str, directory: Path, iterations: int, adaquant_lr: float | None, unit: str,
              device: str = "cpu", devices: int = 1, ort_rerun: bool = True, patience: int | None = None) -> dict[str, Any]:
     """Quantize, measure, fine-tune (on `device`, or data-parallel over `devices` of its kind; with
-    `patience`, each unit stops early once its loss has not improved for that many iterations),
+    `patience`, each unit stops early once its loss has not improved for that many iterations, 0:
+    never; without, the default early stopping),
     measure again; the case's numbers (without the onnxruntime re-run comparison unless `ort_rerun`)."""
     calibration, evaluation = load_case_data(directory)
     float_path = directory / "float.onnx"
@@ -221,7 +222,7 @@ def run_case(model: str, preset: str, directory: Path, iterations: int, adaquant
     unit = AUTO_UNIT[algorithm] if unit == "auto" else unit
     config = FastFinetune(algorithm=algorithm, iterations=iterations, seed=0, lr=adaquant_lr if algorithm == "adaquant" else None,
                           unit=unit, device=device, devices=devices, strategy="ddp_spawn",
-                          early_stop=EarlyStop(enabled=True, patience=patience) if patience is not None else EarlyStop())
+                          early_stop=EarlyStop() if patience is None else EarlyStop(enabled=patience > 0, patience=max(1, patience)))
     start = time.perf_counter()
     quantized = quantize_model(float_path, load_config(PRESETS[preset]), calibration).model
     quantize_seconds = time.perf_counter() - start
@@ -244,7 +245,7 @@ def run_case(model: str, preset: str, directory: Path, iterations: int, adaquant
         "recovered_fraction": round((after["metric"] - before["metric"]) / loss, 9) if loss >= 2 else None,  # 12/15 digits is 0.8
         "agreement_before": before["agreement"], "agreement_after": after["agreement"],
         "logit_mse_before": before["logit_mse"], "logit_mse_after": after["logit_mse"],
-        "early_stop_patience": patience, "iterations_run": report["iterations"],
+        "early_stop_patience": config.early_stop.patience if config.early_stop.enabled else None, "iterations_run": report["iterations"],
         "units": len(report["units"]), "kept": report["kept"], "reverted": report["reverted"],
         "calibration_samples": report["samples"], "evaluation_samples": len(evaluation["x"]),
         "after_standard_error": standard_error(after["metric"], len(evaluation["x"])),
@@ -299,7 +300,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "same data, iterations and batch size (16), early stopping off for Quark")
     parser.add_argument("--quark-iterations", type=int, help="iterations per unit for AMD Quark (default: --iterations)")
     parser.add_argument("--early-stop", type=int, metavar="PATIENCE", help="our units stop once their loss has not "
-                        "improved for PATIENCE iterations (default: no early stop)")
+                        "improved for PATIENCE iterations, then finish their schedule in PATIENCE more; 0: never "
+                        "(default: the config's default, on with patience 100)")
     parser.add_argument("--case", nargs=3, metavar=("MODEL", "PRESET", "DIR"), help=argparse.SUPPRESS)
     parser.add_argument("--memory-case", nargs=2, metavar=("DIR", "BUDGET_MB"), help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -359,7 +361,7 @@ def run_child(model: str, preset: str, directory: Path, args: argparse.Namespace
     command = [sys.executable, __file__, "--case", model, preset, str(directory), "--iterations", str(args.iterations),
                "--unit", args.unit, "--device", args.device, "--devices", str(args.devices),
                *(["--no-ort-rerun"] if args.no_ort_rerun else []),
-               *(["--early-stop", str(args.early_stop)] if args.early_stop else []),
+               *(["--early-stop", str(args.early_stop)] if args.early_stop is not None else []),
                *(["--adaquant-lr", str(args.adaquant_lr)] if args.adaquant_lr else [])]
     if args.threads:
         command += ["--threads", str(args.threads)]

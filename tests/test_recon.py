@@ -5,6 +5,7 @@ devices."""
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from collections import Counter
@@ -27,8 +28,8 @@ from finetune.recon import (
     finetune_model,
     resolve_device,
 )
-from finetune.recon.adaround import SoftRounding
-from finetune.recon.loop import HostAdam
+from finetune.recon.adaround import BETA_END, BETA_START, Annealing, SoftRounding
+from finetune.recon.loop import CosineTail, HostAdam
 from finetune.zoo import digits_split
 
 from .recon_helpers import (  # noqa: F401  (one_thread: autouse fixture)
@@ -268,6 +269,33 @@ def test_early_stopping_ends_units_before_the_iteration_budget(digits: dict) -> 
     config = FastFinetune(algorithm="adaquant", iterations=400, early_stop={"enabled": True, "patience": 5, "warmup": 10})
     _, report = finetune_model(quantized, digits["small"], config)
     assert all(15 <= u["iterations"] < 400 for u in report["units"])
+
+
+def test_an_early_stop_squeezes_the_rest_of_the_annealing_into_fewer_steps() -> None:
+    """Mid-way, the exponent reached goes on to BETA_END in the tail; stopped in warm-up, annealing
+    starts at BETA_START at once and takes the steps a budget whose warm-up ended there would (four
+    times the warm-up, more than a short tail), and never past the budget."""
+    annealing = Annealing(1000)
+    reached = annealing.exponent(600)
+    assert annealing.finish_from(600, 40) == 640
+    assert annealing.exponent(600) == pytest.approx(reached) and annealing.exponent(640) == pytest.approx(BETA_END)
+    assert annealing.exponent(620) == pytest.approx((reached + BETA_END) / 2)
+    warming = Annealing(1000)
+    assert warming.finish_from(50, 40) == 250
+    assert warming.exponent(49) is None and warming.exponent(50) == BETA_START
+    assert warming.exponent(150) == pytest.approx((BETA_START + BETA_END) / 2) and warming.exponent(250) == pytest.approx(BETA_END)
+    assert Annealing(1000).finish_from(10, 100) == 110 and Annealing(1000).finish_from(190, 40) == 950
+    assert Annealing(1000).finish_from(980, 40) == 1000
+
+
+def test_a_cosine_tail_brings_the_learning_rate_from_where_it_stood_to_zero() -> None:
+    optimizer = torch.optim.Adam([torch.zeros(1, requires_grad=True)], lr=0.4)
+    tail = CosineTail(optimizer, 4)
+    rates = []
+    for _ in range(4):
+        tail.step()
+        rates.append(optimizer.param_groups[0]["lr"])
+    assert rates == pytest.approx([0.4 * 0.5 * (1 + math.cos(math.pi * i / 4)) for i in range(1, 5)]) and rates[-1] == pytest.approx(0)
 
 
 # --- reproducibility, caching, devices, reports ---------------------------------------------------

@@ -29,10 +29,11 @@ from .recon_helpers import one_thread  # noqa: F401  (autouse fixture)
 
 class Recorder:
     """A user's callback: the moments it hears, each unit's step losses and the weights the model
-    holds when a unit ends; it stops unit `stop_unit` after `stop_after` steps."""
+    holds when a unit ends; it stops unit `stop_unit` after `stop_after` steps, at once or, with a
+    `tail`, after that many more steps that finish its schedule."""
 
-    def __init__(self, stop_unit: int | None = None, stop_after: int = 0) -> None:
-        self.stop_unit, self.stop_after = stop_unit, stop_after
+    def __init__(self, stop_unit: int | None = None, stop_after: int = 0, tail: int | None = None) -> None:
+        self.stop_unit, self.stop_after, self.tail = stop_unit, stop_after, tail
         self.moments: list[tuple[Any, ...]] = []
         self.losses: list[list[float]] = []
         self.kept_weights: list[tuple[LiftedModule, str, torch.Tensor]] = []
@@ -47,7 +48,10 @@ class Recorder:
     def on_step_end(self, tuner: Any, index: int, step: int, loss: float) -> None:
         self.losses[index].append(loss)
         if index == self.stop_unit and step + 1 == self.stop_after:
-            tuner.should_stop = True
+            if self.tail is None:
+                tuner.should_stop = True
+            else:
+                tuner.finish_schedule(self.tail)
 
     def on_unit_end(self, index: int, unit: Unit, result: Any, module: LiftedModule) -> None:
         self.moments.append(("unit_end", index, unit.name, dataclasses.asdict(result)))
@@ -81,13 +85,34 @@ def test_a_user_callback_hears_every_unit_in_order_and_can_stop_one(quantized: t
     assert all(torch.equal(module.get_parameter(weight).cpu(), kept.cpu()) for module, weight, kept in recorder.kept_weights)
 
 
-def stop_by_rule(losses: list[float], patience: int, warmup: int) -> int:
+@pytest.mark.parametrize(("algorithm", "tuned"), [("adaquant", 8), ("adaround", 15)])
+def test_finishing_the_schedule_runs_a_tail_of_steps_then_ends_the_unit(quantized: tuple, algorithm: str, tuned: int) -> None:
+    """A unit told after step 3 to finish its schedule in 5 steps runs 8; AdaRound, still warming up
+    then, anneals over 4 x 3 steps instead, so 15; the budget's end comes first when it is nearer (a
+    unit stopped at 3 of 6 runs 6)."""
+    model, feeds = quantized
+    for iterations, expected in [(40, tuned), (6, 6)]:
+        recorder = Recorder(stop_unit=1, stop_after=3, tail=5)
+        _, report = finetune_model(model, feeds, FastFinetune(algorithm=algorithm, iterations=iterations, early_stop={"enabled": False}),
+                                   callbacks=[recorder])
+        assert [u["iterations"] for u in report["units"]][:3] == [iterations, expected, iterations]
+        assert len(recorder.losses[1]) == expected
+
+
+def stop_by_rule(losses: list[float], patience: int, warmup: int, iterations: int, window: int = 10) -> int:
     """The iterations early stopping runs given a unit's step losses: until `patience` steps from
-    `warmup` on failed to improve on the best loss so far (min_delta 0)."""
+    `warmup` on failed to improve the best mean of the last `window` losses (min_delta 0), then
+    `patience` more that finish the schedule, within the budget."""
+    return min(iterations, stop_step_by_rule(losses, patience, warmup, window) + patience)
+
+
+def stop_step_by_rule(losses: list[float], patience: int, warmup: int, window: int = 10) -> int:
+    """The step after which the rule asks a unit to finish (len(losses) if it never does)."""
     best, wait = math.inf, 0
-    for step, loss in enumerate(losses[warmup:], warmup):
-        best, wait = (loss, 0) if loss < best else (best, wait + 1)
-        if wait >= patience:
+    for step in range(max(warmup, window - 1), len(losses)):
+        mean = math.fsum(losses[step + 1 - window : step + 1]) / window
+        best, wait = (mean, 0) if mean < best else (best, wait + 1)
+        if wait == patience:
             return step + 1
     return len(losses)
 
@@ -99,15 +124,15 @@ def test_early_stopping_ends_each_unit_where_its_rule_says(quantized: tuple) -> 
     _, report = finetune_model(model, feeds, config, callbacks=[recorder])
     iterations = [u["iterations"] for u in report["units"]]
     assert iterations == [len(losses) for losses in recorder.losses]
-    assert iterations == [stop_by_rule(losses, patience=5, warmup=10) for losses in recorder.losses]
-    assert all(15 <= n < 300 for n in iterations)
+    assert iterations == [stop_by_rule(losses, patience=5, warmup=10, iterations=300) for losses in recorder.losses]
+    assert all(20 <= n < 300 for n in iterations)
 
 
 
 def test_losses_read_in_groups_reach_the_callbacks_step_by_step(quantized: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
     """As on a GPU, where the host reads the losses once per group of steps: the callbacks hear the
     same losses as when every step is read, and an early stop takes effect at the end of the group
-    in which the rule stops (the run is the per-step run up to there)."""
+    in which the rule stops (the run is the per-step run up to there), its tail following."""
     model, feeds = quantized
     config = FastFinetune(algorithm="adaquant", iterations=300, early_stop={"enabled": True, "patience": 5, "warmup": 10})
     every_step = Recorder()
@@ -115,10 +140,11 @@ def test_losses_read_in_groups_reach_the_callbacks_step_by_step(quantized: tuple
     monkeypatch.setattr("finetune.recon.loop.steps_per_read", lambda device: 7)
     grouped = Recorder()
     _, report = finetune_model(model, feeds, config, callbacks=[grouped])
-    for losses, per_step, row in zip(grouped.losses, every_step.losses, report["units"]):
-        stop = len(per_step)
-        assert row["iterations"] == len(losses) == min(300, -(-stop // 7) * 7)
-        assert losses[:stop] == per_step
+    for losses, row in zip(grouped.losses, report["units"]):
+        stop = stop_step_by_rule(losses, patience=5, warmup=10)
+        assert row["iterations"] == len(losses) == min(300, -(-stop // 7) * 7 + 5)
+    first_stop = stop_step_by_rule(every_step.losses[0], patience=5, warmup=10)
+    assert grouped.losses[0][:first_stop] == every_step.losses[0][:first_stop]  # later units start from other weights
 
 # --- the checkpoint and resuming --------------------------------------------------------------------
 

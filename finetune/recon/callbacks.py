@@ -15,12 +15,14 @@ Every hook is optional; the Tuner calls them by name, in this order:
 Fabric's `call` passes a hook only the keyword arguments it names. on_step_end runs on every step
 and is called directly with all four keywords instead, as Fabric calls its own per-step
 on_after_optimizer_step: `call` inspects the hook's signature each time (20-60 us, 1-3 % of a step
-on small units). A callback ends a unit's optimisation by setting `tuner.should_stop`, as
-Lightning's EarlyStopping sets `trainer.should_stop`. Units a resumed run restores from its
+on small units). A callback ends a unit's optimisation at once by setting `tuner.should_stop`, as
+Lightning's EarlyStopping sets `trainer.should_stop`, or after a tail that finishes the unit's
+schedule with `tuner.finish_schedule(steps)`. Units a resumed run restores from its
 checkpoint are not told again: the run's callbacks heard them in the run that tuned them."""
 
 from __future__ import annotations
 
+import collections
 import csv
 import dataclasses
 import hashlib
@@ -63,27 +65,32 @@ def builtin_callbacks(config: FastFinetune, log_dir: Path | None) -> list[Any]:
 
 
 class EarlyStopping:
-    """Ends a unit's optimisation after `patience` steps without an improvement of the loss by at
-    least `min_delta`, counting only from step `warmup` on."""
+    """Ends a unit's optimisation after `patience` steps in which the mean loss of the last `window`
+    steps did not improve on its best by at least `min_delta`, counting only from step `warmup` on;
+    the unit's schedule then runs its rest in `patience` more steps (Tuner.finish_schedule).
+    Each step's loss is one batch's, and batches differ: a single lucky batch would otherwise set a
+    best that later steps rarely beat, and stop units that are still improving."""
 
-    def __init__(self, patience: int, min_delta: float, warmup: int) -> None:
-        self.patience, self.min_delta, self.warmup = patience, min_delta, warmup
-        self.best, self.wait = math.inf, 0
+    def __init__(self, patience: int, min_delta: float, warmup: int, window: int = LOG_EVERY) -> None:
+        self.patience, self.min_delta, self.warmup, self.window = patience, min_delta, warmup, window
+        self.on_unit_start()
 
     def on_unit_start(self) -> None:
-        """Forget the previous unit's best loss."""
-        self.best, self.wait = math.inf, 0
+        """Forget the previous unit's losses."""
+        self.best, self.wait, self.recent = math.inf, 0, collections.deque(maxlen=self.window)
 
     def on_step_end(self, tuner: Tuner, index: int, step: int, loss: float) -> None:
-        """Stop the tuner once `patience` steps in a row did not improve on the best loss."""
-        if step < self.warmup:
+        """Stop the tuner once `patience` steps in a row did not improve on the best windowed loss."""
+        self.recent.append(loss)
+        if step < self.warmup or len(self.recent) < self.window:
             return
-        if loss < self.best - self.min_delta:
-            self.best, self.wait = loss, 0
+        mean = math.fsum(self.recent) / self.window
+        if mean < self.best - self.min_delta:
+            self.best, self.wait = mean, 0
             return
         self.wait += 1
-        if self.wait >= self.patience:
-            tuner.should_stop = True
+        if self.wait == self.patience:
+            tuner.finish_schedule(self.patience)
 
 
 class MetricLog:

@@ -23,7 +23,7 @@ from torch import fx
 from finetune.config import FastFinetune
 from finetune.lift import LiftedModule
 
-from .adaround import REG_WEIGHT, SoftRounding, beta
+from .adaround import REG_WEIGHT, Annealing, SoftRounding
 from .cache import CachedValue
 from .parallel import Rows, sum_across, sum_gradients
 from .qdrop import Batches, dropped_quantization
@@ -64,6 +64,21 @@ class HostAdam(torch.optim.Adam):
         """Nothing to check: CPU tensors are never captured in a CUDA graph."""
 
 
+class CosineTail:
+    """AdaQuant's learning rate after an early stop: a half cosine from the rate reached down to
+    zero over the tail's `steps`, as the full schedule would have ended."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, steps: int) -> None:
+        self.optimizer, self.steps, self.done = optimizer, steps, 0
+        self.start = [group["lr"] for group in optimizer.param_groups]
+
+    def step(self) -> None:
+        """Set the rate of the next step."""
+        self.done += 1
+        for group, lr in zip(self.optimizer.param_groups, self.start):
+            group["lr"] = lr * 0.5 * (1 + math.cos(math.pi * self.done / self.steps))
+
+
 class Tuner:
     """Tunes the units one after another with one Fabric holding the callbacks; a run is the `with`
     block around the tune calls (on_run_start on entry, on_run_end on exit). A resumed run restores
@@ -76,6 +91,7 @@ class Tuner:
         self.warnings = Warnings()  # what the tuning undid or left out, unit by unit
         self.resumed_units = 0  # the first units, finished by an earlier run
         self.should_stop = False  # a callback sets it to end the unit's optimisation after the current step
+        self.stop_tail = 0  # ... or after this many more steps, which finish its schedule (see finish_schedule)
         self.fabric = fabric  # holds the callbacks; over several processes, their process group
         self._step_hooks = [hook for hook in (getattr(c, "on_step_end", None) for c in callbacks) if callable(hook)]
 
@@ -109,7 +125,7 @@ class Tuner:
         A loss that is not finite before tuning is an error: the unit's weights or values hold NaN or Inf."""
         begin = time.perf_counter()
         unit = self.units[k]
-        self.should_stop = False
+        self.should_stop, self.stop_tail = False, 0
         self.fabric.call("on_unit_start", tuner=self, index=k, unit=unit)
         original = {name: module.get_parameter(name).detach().clone() for name in parameters_of(unit)}
         before, power = evaluate(train, inputs, targets, self.fabric)
@@ -171,23 +187,45 @@ class Tuner:
                 if unit.op_type == "block":
                     installed.enter_context(dropped_quantization(train, config, k, self.fabric.global_rank, device))
                 read_every = steps_per_read(device)
+                annealing = Annealing(config.iterations) if roundings else None
                 losses: list[torch.Tensor] = []
-                for step in range(config.iterations):
-                    losses.append(self._step(model, optimizer, batches.next(), power, roundings, step, batches.size))
+                step, end, stopping = 0, config.iterations, False
+                while step < end:
+                    losses.append(self._step(model, optimizer, batches.next(), power, roundings, annealing, step, batches.size))
+                    step += 1
                     if schedule is not None:
                         schedule.step()
-                    if len(losses) == read_every or step + 1 == config.iterations:
-                        self._hear_steps(k, step + 1 - len(losses), losses)
+                    if len(losses) == read_every or step == end:
+                        self._hear_steps(k, step - len(losses), losses)
                         losses = []
-                    if self.should_stop:
-                        logger.info("unit %d/%d %s: early stop after %d iterations", k + 1, len(self.units), unit.name, step + 1)
-                        break
+                    if self.should_stop and not stopping:
+                        stopping, end = True, self._stop(k, unit, step, annealing)
+                        schedule = CosineTail(optimizer, end - step) if schedule is not None and end > step else None
             for rounding, weight in roundings:
                 weight.data.copy_(rounding.hardened(weight))
         finally:
             for parameter in frozen:
                 parameter.requires_grad_(True)
-        return step + 1
+        return step
+
+    def finish_schedule(self, tail: int) -> None:
+        """End the unit's optimisation after `tail` more steps (the budget's end if sooner; AdaRound
+        stopped in its warm-up may take more, see Annealing.finish_from) that run what its schedule
+        had left: AdaRound's annealing, which decides the roundings, or AdaQuant's learning-rate
+        decay, which settles the weights. Early stopping ends units this way: stopping
+        at once would keep undecided roundings, or weights still moving at a high rate."""
+        self.should_stop, self.stop_tail = True, tail
+
+    def _stop(self, k: int, unit: Unit, step: int, annealing: Annealing | None) -> int:
+        """The step at which a unit told to stop after `step` steps ends, with its schedule's rest
+        squeezed into the steps up to there."""
+        if annealing is not None and self.stop_tail:
+            end = annealing.finish_from(step, self.stop_tail)
+        else:
+            end = min(self.config.iterations, step + self.stop_tail)
+        logger.info("unit %d/%d %s: stopped after %d iterations%s", k + 1, len(self.units), unit.name, step,
+                    f", its schedule ending by iteration {end}" if end > step else "")
+        return end
 
     def _trainables(self, unit: Unit, module: LiftedModule) -> tuple[Roundings, list[torch.Tensor], list[torch.Tensor]]:
         """(AdaRound's soft roundings with their weights, the tensors to train, the unit's parameters frozen meanwhile):
@@ -215,7 +253,7 @@ class Tuner:
                 hook(tuner=self, index=k, step=first + offset, loss=loss)
 
     def _step(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: tuple[torch.Tensor, torch.Tensor],
-              power: float, roundings: Roundings, step: int, batch_size: int) -> torch.Tensor:
+              power: float, roundings: Roundings, annealing: Annealing | None, step: int, batch_size: int) -> torch.Tensor:
         """One Adam step on MSE relative to the target power (plus AdaRound's regulariser, averaged
         over every rounded weight element of the unit). Over several processes each holds some rows
         of the batch of `batch_size`: its share of the loss is its rows' squared error over the whole
@@ -228,7 +266,7 @@ class Tuner:
         else:
             mse = (model(x)[0] - target).square().sum() / (batch_size * math.prod(target.shape[1:]))
         objective = mse / power
-        exponent = beta(step, self.config.iterations) if roundings else None
+        exponent = annealing.exponent(step) if annealing is not None else None
         if exponent is not None:
             elements = sum(r.v.numel() for r, _ in roundings)
             regularizer = sum(r.regularizer(exponent) * (r.v.numel() / elements) for r, _ in roundings)

@@ -110,11 +110,12 @@ def finetune(path: Path, calibration: list, ladder_name: str, iterations: int) -
     rung = _top_rung(LADDERS[ladder_name])
     algorithm = "adaround" if ladder_name == "int" else "adaquant"
     quantized = quantize_model(path, rung, calibration)
-    settings = FastFinetune(algorithm=algorithm, iterations=iterations)
+    settings = FastFinetune(algorithm=algorithm, iterations=iterations, early_stop={"enabled": False})  # all of them
     start = time.perf_counter()
     finetune_model(quantized.model, calibration, settings, quantized.float_model)
-    return {"what": "one finetune.recon.finetune_model call (layer units, default settings otherwise) on the model quantized "
-                    "at the ladder's top rung, with the search's calibration data; the quantizing before it is not timed",
+    return {"what": "one finetune.recon.finetune_model call (layer units, every iteration run: no early stop, default "
+                    "settings otherwise) on the model quantized at the ladder's top rung, with the search's calibration data; "
+                    "the quantizing before it is not timed",
             "rung": rung, "algorithm": algorithm, "iterations": iterations, "seconds": time.perf_counter() - start}
 
 

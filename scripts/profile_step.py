@@ -92,7 +92,7 @@ def run(case: str, iterations: int, folder: Path, profiles: bool = True) -> dict
     """One case: bare step times, then (with `profiles`) the two profiles, each over a run of its own."""
     model_name, preset, algorithm, unit = CASES[case]
     quantized, feeds = prepare(model_name, preset, folder)
-    config = FastFinetune(algorithm=algorithm, unit=unit, iterations=iterations, seed=0)
+    config = FastFinetune(algorithm=algorithm, unit=unit, iterations=iterations, seed=0, early_stop={"enabled": False})
     bare: list[float] = []
     with timed_steps(bare):
         finetune_model(quantized, feeds, config)

@@ -6,6 +6,7 @@ import importlib.util
 import json
 import subprocess
 import sys
+from typing import Any
 from pathlib import Path
 
 import numpy as np
@@ -28,10 +29,16 @@ def test_bench_formats_reports_every_format_as_json() -> None:
         assert row["torch_s"] > 0 and row["onnxruntime_s"] > 0 and row["torch_vs_clone"] > 0
 
 
+def script(name: str) -> Any:
+    """A script of scripts/ imported as a module, to test its functions."""
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_bench_finetune_change_error_is_that_of_paired_differences() -> None:
-    spec = importlib.util.spec_from_file_location("bench_finetune", SCRIPTS / "bench_finetune.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = script("bench_finetune")
     before = np.array([True, False, False, True, True])
     after = np.array([True, True, False, False, True])
     # differences 0, 1, 0, -1, 0: sample variance 2/4, over 5 items
@@ -44,9 +51,7 @@ def test_bench_finetune_change_error_is_that_of_paired_differences() -> None:
 
 def test_bench_finetune_reads_sequence_scores_as_greedy_ctc() -> None:
     """Repeats merge, blanks (class 0) split them and drop out; two readings agree only when whole."""
-    spec = importlib.util.spec_from_file_location("bench_finetune", SCRIPTS / "bench_finetune.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = script("bench_finetune")
     steps = np.eye(4)[[[1, 1, 0, 1, 2, 2, 0, 0], [3, 0, 3, 3, 1, 0, 0, 2]]]  # one-hot (2 lines, 8 steps, 4 classes)
     assert bench.ctc_reading(steps) == [(1, 1, 2), (3, 3, 1, 2)]
     other = steps.copy()
@@ -89,6 +94,18 @@ def test_bench_automp_reports_the_search_beside_the_uniform_rungs(tmp_path: Path
         searched = ladder["seconds"]["sensitivity_shared"] + row["seconds"]["search"]
         assert row["search_over_finetune"] == pytest.approx(searched / ladder["finetune"]["seconds"])
         assert len(row["curve"]) >= 4 and isinstance(row["curve_above_uniform_line"], bool)
+
+
+def test_bench_automp_records_a_target_the_search_refuses_and_goes_on() -> None:
+    """A target even the top rung misses is the search's one-line error: the bench keeps it beside
+    the goal, as that target's result, instead of losing the other targets' results."""
+    refusal = "target top1_accuracy 0.9 is missed even with every searched layer at the top rung (top1_accuracy 0.8 there)"
+
+    class Refusing:
+        def choose(self, **goal: Any) -> Any:
+            raise ValueError(refusal)
+
+    assert script("bench_automp").choose_or_refusal(Refusing(), {"max_drop": 0.005}, 0) == {"max_drop": 0.005, "refused": refusal}
 
 
 def test_profile_step_reports_where_a_cpu_step_goes() -> None:

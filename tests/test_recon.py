@@ -271,21 +271,19 @@ def test_early_stopping_ends_units_before_the_iteration_budget(digits: dict) -> 
     assert all(15 <= u["iterations"] < 400 for u in report["units"])
 
 
-def test_an_early_stop_squeezes_the_rest_of_the_annealing_into_fewer_steps() -> None:
-    """Mid-way, the exponent reached goes on to BETA_END in the tail; stopped in warm-up, annealing
-    starts at BETA_START at once and takes the steps a budget whose warm-up ended there would (four
-    times the warm-up, more than a short tail), and never past the budget."""
-    annealing = Annealing(1000)
-    reached = annealing.exponent(600)
-    assert annealing.finish_from(600, 40) == 640
-    assert annealing.exponent(600) == pytest.approx(reached) and annealing.exponent(640) == pytest.approx(BETA_END)
-    assert annealing.exponent(620) == pytest.approx((reached + BETA_END) / 2)
+def test_an_early_stop_in_warm_up_starts_the_annealing_and_one_later_changes_nothing() -> None:
+    """Stopped in warm-up, annealing starts at BETA_START at once and takes the steps a budget whose
+    warm-up ended there would (four times the warm-up), or the tail if longer, never past the
+    budget; stopped while annealing (where the loss rises by design), the schedule runs on as it was."""
     warming = Annealing(1000)
     assert warming.finish_from(50, 40) == 250
     assert warming.exponent(49) is None and warming.exponent(50) == BETA_START
     assert warming.exponent(150) == pytest.approx((BETA_START + BETA_END) / 2) and warming.exponent(250) == pytest.approx(BETA_END)
     assert Annealing(1000).finish_from(10, 100) == 110 and Annealing(1000).finish_from(190, 40) == 950
-    assert Annealing(1000).finish_from(980, 40) == 1000
+    assert Annealing(100).finish_from(19, 5) == 95
+    annealing, untouched = Annealing(1000), Annealing(1000)
+    assert annealing.finish_from(600, 40) == 1000
+    assert [annealing.exponent(s) for s in range(1000)] == [untouched.exponent(s) for s in range(1000)]
 
 
 def test_a_cosine_tail_brings_the_learning_rate_from_where_it_stood_to_zero() -> None:

@@ -22,8 +22,9 @@ DEVICE_HELP = "cpu, cuda, cuda:N, hip or hip:N"
 class EarlyStop(Section):
     """End a unit's optimisation once its loss (the mean over the last 10 steps) has not improved
     by `min_delta` for `patience` iterations, counting only after `warmup` iterations; the
-    schedule's rest (AdaRound's annealing, AdaQuant's learning-rate decay) then runs in a tail of
-    `patience` iterations (defaults: on, 100, 0.0, 0)."""
+    schedule's rest then runs in a tail: AdaQuant's learning-rate decay over `patience`
+    iterations, AdaRound's annealing (when stopped in its warm-up) over four times the warm-up run
+    (defaults: on, 100, 0.0, 0)."""
 
     enabled: bool = True
     patience: int = field(default=100, metadata={"min": 1})

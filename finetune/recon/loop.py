@@ -209,11 +209,11 @@ class Tuner:
         return step
 
     def finish_schedule(self, tail: int) -> None:
-        """End the unit's optimisation after `tail` more steps (the budget's end if sooner; AdaRound
-        stopped in its warm-up may take more, see Annealing.finish_from) that run what its schedule
-        had left: AdaRound's annealing, which decides the roundings, or AdaQuant's learning-rate
-        decay, which settles the weights. Early stopping ends units this way: stopping
-        at once would keep undecided roundings, or weights still moving at a high rate."""
+        """End the unit's optimisation after `tail` more steps (the budget's end if sooner) that run
+        what its schedule had left: AdaQuant's learning-rate decay, which settles the weights, or
+        AdaRound's annealing, which decides the roundings (its own steps: Annealing.finish_from).
+        Early stopping ends units this way: stopping at once would keep weights still moving at a
+        high rate, or undecided roundings."""
         self.should_stop, self.stop_tail = True, tail
 
     def _stop(self, k: int, unit: Unit, step: int, annealing: Annealing | None) -> int:
@@ -223,8 +223,8 @@ class Tuner:
             end = annealing.finish_from(step, self.stop_tail)
         else:
             end = min(self.config.iterations, step + self.stop_tail)
-        logger.info("unit %d/%d %s: stopped after %d iterations%s", k + 1, len(self.units), unit.name, step,
-                    f", its schedule ending by iteration {end}" if end > step else "")
+        logger.info("unit %d/%d %s: told to stop after %d iterations%s", k + 1, len(self.units), unit.name, step,
+                    f"; its schedule ends at iteration {end}" if end > step else "")
         return end
 
     def _trainables(self, unit: Unit, module: LiftedModule) -> tuple[Roundings, list[torch.Tensor], list[torch.Tensor]]:

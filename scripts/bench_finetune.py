@@ -222,7 +222,8 @@ def run_case(model: str, preset: str, directory: Path, iterations: int, adaquant
     unit = AUTO_UNIT[algorithm] if unit == "auto" else unit
     config = FastFinetune(algorithm=algorithm, iterations=iterations, seed=0, lr=adaquant_lr if algorithm == "adaquant" else None,
                           unit=unit, device=device, devices=devices, strategy="ddp_spawn",
-                          early_stop=EarlyStop() if patience is None else EarlyStop(enabled=patience > 0, patience=max(1, patience)))
+                          early_stop=EarlyStop() if patience is None
+                          else EarlyStop(enabled=patience > 0, patience=max(1, patience)))
     start = time.perf_counter()
     quantized = quantize_model(float_path, load_config(PRESETS[preset]), calibration).model
     quantize_seconds = time.perf_counter() - start
@@ -245,7 +246,8 @@ def run_case(model: str, preset: str, directory: Path, iterations: int, adaquant
         "recovered_fraction": round((after["metric"] - before["metric"]) / loss, 9) if loss >= 2 else None,  # 12/15 digits is 0.8
         "agreement_before": before["agreement"], "agreement_after": after["agreement"],
         "logit_mse_before": before["logit_mse"], "logit_mse_after": after["logit_mse"],
-        "early_stop_patience": config.early_stop.patience if config.early_stop.enabled else None, "iterations_run": report["iterations"],
+        "early_stop_patience": config.early_stop.patience if config.early_stop.enabled else None,
+        "iterations_run": report["iterations"],
         "units": len(report["units"]), "kept": report["kept"], "reverted": report["reverted"],
         "calibration_samples": report["samples"], "evaluation_samples": len(evaluation["x"]),
         "after_standard_error": standard_error(after["metric"], len(evaluation["x"])),

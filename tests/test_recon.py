@@ -278,7 +278,8 @@ def test_an_early_stop_in_warm_up_starts_the_annealing_and_one_later_changes_not
     warming = Annealing(1000)
     assert warming.finish_from(50, 40) == 250
     assert warming.exponent(49) is None and warming.exponent(50) == BETA_START
-    assert warming.exponent(150) == pytest.approx((BETA_START + BETA_END) / 2) and warming.exponent(250) == pytest.approx(BETA_END)
+    assert warming.exponent(150) == pytest.approx((BETA_START + BETA_END) / 2)
+    assert warming.exponent(250) == pytest.approx(BETA_END)
     assert Annealing(1000).finish_from(10, 100) == 110 and Annealing(1000).finish_from(190, 40) == 950
     assert Annealing(100).finish_from(19, 5) == 95
     annealing, untouched = Annealing(1000), Annealing(1000)
@@ -293,7 +294,8 @@ def test_a_cosine_tail_brings_the_learning_rate_from_where_it_stood_to_zero() ->
     for _ in range(4):
         tail.step()
         rates.append(optimizer.param_groups[0]["lr"])
-    assert rates == pytest.approx([0.4 * 0.5 * (1 + math.cos(math.pi * i / 4)) for i in range(1, 5)]) and rates[-1] == pytest.approx(0)
+    assert rates == pytest.approx([0.4 * 0.5 * (1 + math.cos(math.pi * i / 4)) for i in range(1, 5)])
+    assert rates[-1] == pytest.approx(0)
 
 
 # --- reproducibility, caching, devices, reports ---------------------------------------------------

@@ -93,8 +93,8 @@ def test_finishing_the_schedule_runs_a_tail_of_steps_then_ends_the_unit(quantize
     model, feeds = quantized
     for iterations, expected in [(40, tuned), (6, 6)]:
         recorder = Recorder(stop_unit=1, stop_after=3, tail=5)
-        _, report = finetune_model(model, feeds, FastFinetune(algorithm=algorithm, iterations=iterations, early_stop={"enabled": False}),
-                                   callbacks=[recorder])
+        config = FastFinetune(algorithm=algorithm, iterations=iterations, early_stop={"enabled": False})
+        _, report = finetune_model(model, feeds, config, callbacks=[recorder])
         assert [u["iterations"] for u in report["units"]][:3] == [iterations, expected, iterations]
         assert len(recorder.losses[1]) == expected
 

@@ -49,6 +49,7 @@ from .units import Unit, parameters_of
 logger = logging.getLogger(__name__)
 
 LOG_EVERY = 10  # steps between logged rows and progress-bar loss updates
+LOSS_WINDOW = 10  # steps whose mean loss early stopping watches (one batch's loss is noisy)
 CHECKPOINT_KEYS = {"fingerprint", "results", "warnings", "weights"}  # what a checkpoint holds
 
 
@@ -71,7 +72,7 @@ class EarlyStopping:
     Each step's loss is one batch's, and batches differ: a single lucky batch would otherwise set a
     best that later steps rarely beat, and stop units that are still improving."""
 
-    def __init__(self, patience: int, min_delta: float, warmup: int, window: int = LOG_EVERY) -> None:
+    def __init__(self, patience: int, min_delta: float, warmup: int, window: int = LOSS_WINDOW) -> None:
         self.patience, self.min_delta, self.warmup, self.window = patience, min_delta, warmup, window
         self.on_unit_start()
 

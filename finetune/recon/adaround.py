@@ -78,14 +78,14 @@ class Annealing:
     yet decided: `finish_from` starts the annealing early instead."""
 
     def __init__(self, iterations: int) -> None:
-        self.start = float(int(WARMUP_FRACTION * iterations))
+        self.start = int(WARMUP_FRACTION * iterations)
         self.end = iterations
 
     def exponent(self, step: int) -> float | None:
         """The exponent at a step, None during warm-up."""
         if step < self.start:
             return None
-        progress = (step - self.start) / max(1.0, self.end - self.start)
+        progress = (step - self.start) / max(1, self.end - self.start)
         return BETA_END + (BETA_START - BETA_END) * (1 - progress)
 
     def finish_from(self, step: int, tail: int) -> int:
@@ -100,7 +100,7 @@ class Annealing:
         if step >= self.start:
             return self.end
         annealing = max(tail, round(step * (1 - WARMUP_FRACTION) / WARMUP_FRACTION))
-        self.start, self.end = float(step), min(self.end, step + annealing)
+        self.start, self.end = step, min(self.end, step + annealing)
         return self.end
 
 

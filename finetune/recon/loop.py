@@ -200,7 +200,7 @@ class Tuner:
                         losses = []
                     if self.should_stop and not stopping:
                         stopping, end = True, self._stop(k, unit, step, annealing)
-                        schedule = CosineTail(optimizer, end - step) if schedule is not None and end > step else None
+                        schedule = CosineTail(optimizer, end - step) if schedule is not None else None
             for rounding, weight in roundings:
                 weight.data.copy_(rounding.hardened(weight))
         finally:

@@ -18,10 +18,12 @@ import onnxruntime as ort
 from onnx import numpy_helper
 from tqdm.auto import tqdm  # installed with lightning, a dependency of finetune
 
+from finetune.onnx.graphs import all_graphs, all_nodes
 from finetune.onnx.io import load_model
 from finetune.onnx.session import inference_session
 
 from .data import Feed
+from .expose import expose_inner_values
 from .observers import Observer
 
 logger = logging.getLogger(__name__)
@@ -47,23 +49,24 @@ def collect_statistics(
         observers[name].update(value)
     if not fed and not computed:
         return observers
-    _expose(augmented, computed)
+    carried = expose_inner_values(augmented.graph, set(computed), _element_types(augmented))
+    _expose(augmented, [carried.get(name, name) for name in computed])
     session = inference_session(augmented, providers)
-    batches = _stream(session, data, observers, fed, computed, progress, log_every)
+    batches = _stream(session, data, observers, fed, computed, carried, progress, log_every)
     if batches == 0:
         raise ValueError("the calibration data gave no batches")
     return observers
 
 
 def _split_sources(model: onnx.ModelProto, names: list[str]) -> tuple[dict[str, np.ndarray], list[str], list[str]]:
-    """Observed names split into initializer values, graph inputs and tensors computed by nodes;
-    a name that is none of these in the main graph is an error."""
-    initializers = {tensor.name: tensor for tensor in model.graph.initializer}
+    """Observed names split into initializer values, graph inputs and tensors computed by nodes
+    (subgraphs' included); a name that is none of these is an error."""
+    initializers = {tensor.name: tensor for graph in all_graphs(model.graph) for tensor in graph.initializer}
     inputs = {value.name for value in model.graph.input} - set(initializers)
-    produced = {output for node in model.graph.node for output in node.output if output}
+    produced = {output for node in all_nodes(model.graph) for output in node.output if output}
     unknown = [name for name in names if name not in initializers and name not in inputs and name not in produced]
     if unknown:
-        raise ValueError(f"observed tensors {unknown} are not inputs, initializers or node outputs of the main graph")
+        raise ValueError(f"observed tensors {unknown} are not inputs, initializers or node outputs of the model")
     constants = {name: numpy_helper.to_array(initializers[name]) for name in names if name in initializers}
     fed = [name for name in names if name in inputs]
     computed = [name for name in names if name in produced and name not in initializers]
@@ -79,21 +82,32 @@ def _expose(model: onnx.ModelProto, names: list[str]) -> None:
             model.graph.output.append(known.get(name, onnx.ValueInfoProto(name=name)))
 
 
+def _element_types(model: onnx.ModelProto) -> dict[str, int]:
+    """The element type of every value the model declares, subgraphs included."""
+    return {info.name: info.type.tensor_type.elem_type
+            for graph in all_graphs(model.graph) for info in [*graph.input, *graph.output, *graph.value_info]
+            if info.type.tensor_type.elem_type}
+
+
 def _stream(
     session: ort.InferenceSession,
     data: Iterable[Feed],
     observers: Mapping[str, Observer],
     fed: list[str],
     computed: list[str],
+    carried: Mapping[str, str],
     progress: bool,
     log_every: int,
 ) -> int:
-    """Run every batch and update the observers; returns the number of batches."""
+    """Run every batch and update the observers (a subgraph's value comes out under the name
+    that carries it; an If branch not taken gives it empty, which is skipped); returns the
+    number of batches."""
     batches = 0
     for feed in tqdm(data, desc="calibration", unit="batch", disable=not progress):
-        outputs = session.run(computed, feed) if computed else []
+        outputs = session.run([carried.get(name, name) for name in computed], feed) if computed else []
         for name, value in zip(computed, outputs):
-            observers[name].update(value)
+            if value.size or name not in carried:
+                observers[name].update(value)
         for name in fed:
             observers[name].update(feed[name])
         del outputs  # release this batch's activations before the next run

@@ -14,6 +14,7 @@ from onnx.reference import ReferenceEvaluator
 from finetune.notices import Notice, warn
 
 from .domains import DEFAULT_DOMAINS
+from .graphs import all_graphs, graph_reads, has_subgraphs
 from .normalize import default_opset, keep_only, shape_inference_notice, try_infer_shapes
 
 logger = logging.getLogger(__name__)
@@ -105,7 +106,7 @@ def foldable(node: onnx.NodeProto) -> bool:
     """Whether the node is of a kind folding may replace: deterministic, default domain, no subgraphs."""
     if node.domain not in DEFAULT_DOMAINS or node.op_type in NOT_FOLDED:
         return False
-    return not any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute)
+    return not has_subgraphs(node)
 
 
 def _fold(
@@ -147,8 +148,10 @@ def static_shapes(model: onnx.ModelProto) -> dict[str, tuple[int, ...]]:
 
 
 def drop_unused_initializers(model: onnx.ModelProto) -> list[str]:
-    """Remove initializers that no node reads and that are not graph outputs, in place."""
-    graph = model.graph
-    used = {name for node in graph.node for name in node.input} | {o.name for o in graph.output}
-    dropped = keep_only(graph.initializer, lambda tensor: tensor.name in used)
+    """Remove initializers that no node reads (inside subgraphs included) and that are not graph
+    outputs, in place, in the main graph and in every subgraph."""
+    dropped = 0
+    for graph in all_graphs(model.graph):
+        unused = {tensor.name for tensor in graph.initializer} - graph_reads(graph)
+        dropped += keep_only(graph.initializer, lambda tensor, unused=unused: tensor.name not in unused)
     return [f"removed {dropped} unused initializer(s)"] if dropped else []

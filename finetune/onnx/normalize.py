@@ -15,6 +15,7 @@ from onnx import helper, numpy_helper, shape_inference, version_converter
 from finetune.notices import Notice, warn
 
 from .domains import DEFAULT_DOMAINS, MIN_OPSET
+from .graphs import all_graphs, all_nodes, node_reads, rename_reads
 from .io import PROTOBUF_LIMIT
 
 logger = logging.getLogger(__name__)
@@ -76,20 +77,21 @@ def _upgrade_opset(model: onnx.ModelProto, min_opset: int) -> list[str]:
 
 
 def _constants_to_initializers(model: onnx.ModelProto) -> list[str]:
-    """Turn Constant nodes, then ConstantOfShape nodes of a constant shape, into initializers."""
-    graph = model.graph
-    outputs = {o.name for o in graph.output}
+    """Turn Constant nodes, then ConstantOfShape nodes of a constant shape, into initializers of
+    their own graph (subgraphs included: exporters write a branch's weights as Constants)."""
     folded = {"Constant": 0, "ConstantOfShape": 0}
-    kept = []
-    for node in graph.node:
-        value = _constant_value(node, graph) if node.output and node.output[0] not in outputs else None
-        if value is None:
-            kept.append(node)
-            continue
-        graph.initializer.append(numpy_helper.from_array(value, node.output[0]))
-        folded[node.op_type] += 1
-    del graph.node[:]
-    graph.node.extend(kept)
+    for graph in reversed(list(all_graphs(model.graph))):  # innermost first: rebuilding a graph's nodes copies them
+        outputs = {o.name for o in graph.output}
+        kept = []
+        for node in graph.node:
+            value = _constant_value(node, graph) if node.output and node.output[0] not in outputs else None
+            if value is None:
+                kept.append(node)
+                continue
+            graph.initializer.append(numpy_helper.from_array(value, node.output[0]))
+            folded[node.op_type] += 1
+        del graph.node[:]
+        graph.node.extend(kept)
     return [f"turned {count} {op} node(s) into initializers" for op, count in folded.items() if count]
 
 
@@ -144,9 +146,7 @@ def _bypass_initializer_identities(model: onnx.ModelProto) -> list[str]:
     if not renames:
         return []
     keep_only(graph.node, lambda node: not (node.op_type == "Identity" and node.output and node.output[0] in renames))
-    for node in graph.node:
-        for i, name in enumerate(node.input):
-            node.input[i] = renames.get(name, name)
+    rename_reads(graph.node, renames)
     return [f"bypassed {len(renames)} Identity node(s) of initializers"]
 
 
@@ -170,12 +170,14 @@ def keep_only(items: Any, keep: Callable[[Any], bool]) -> int:
 
 
 def _sort_topologically(model: onnx.ModelProto) -> list[str]:
-    """Order the nodes so each follows the producers of its inputs, keeping the given order where
+    """Order the nodes so each follows the producers of its inputs (subgraphs' outer reads
+    included), keeping the given order where
     it allows (AMD Quark writes some nodes after their readers: onnxruntime sorts, the checker, the
     version converter and the lifter need the order)."""
     graph = model.graph
     producer = {name: index for index, node in enumerate(graph.node) for name in node.output if name}
-    waiting_on = [{producer[name] for name in node.input if name in producer} - {index} for index, node in enumerate(graph.node)]
+    waiting_on = [{producer[name] for name in node_reads(node) if name in producer} - {index}
+                  for index, node in enumerate(graph.node)]
     readers: dict[int, list[int]] = {}
     for index, needs in enumerate(waiting_on):
         for needed in needs:
@@ -200,11 +202,13 @@ def _sort_topologically(model: onnx.ModelProto) -> list[str]:
 
 
 def _name_nodes(model: onnx.ModelProto) -> list[str]:
-    """Give every node a unique, non-empty name (op type and index where it had none or a duplicate)."""
-    taken = {node.name for node in model.graph.node if node.name}
+    """Give every node, subgraphs' included, a name unique in the model (op type and index where
+    it had none or a duplicate): plans, overrides and lifted modules find nodes by name."""
+    nodes = list(all_nodes(model.graph))
+    taken = {node.name for node in nodes if node.name}
     seen: set[str] = set()
     renamed = 0
-    for index, node in enumerate(model.graph.node):
+    for index, node in enumerate(nodes):
         if node.name and node.name not in seen:
             seen.add(node.name)
             continue

@@ -13,6 +13,7 @@ from finetune.formats import BFPSpec, FloatSpec, FormatSpec, IntSpec, MXSpec
 
 from .dtypes import numpy_dtype
 from .functions import BFP, CUSTOM_DOMAIN, DEQUANTIZE, MX, QUANTIZE
+from .graphs import all_nodes, graph_reads
 
 # Code types the standard QuantizeLinear/DequantizeLinear (opset 21) take; the rest use our ops.
 STANDARD_CODES = ("int4", "uint4", "int8", "uint8", "int16", "uint16", "float8_e4m3fn", "float8_e5m2")
@@ -109,11 +110,11 @@ def bf16_pairs_to_casts(model: onnx.ModelProto) -> int:
         for dequantize in pair:
             _become_cast(dequantize, onnx.TensorProto.FLOAT)
         rewritten += 1
-    unread = parameters - {name for node in graph.node for name in node.input} - outputs
+    unread = parameters - graph_reads(graph)
     kept_initializers = [t for t in graph.initializer if t.name not in unread]
     del graph.initializer[:]
     graph.initializer.extend(kept_initializers)
-    used = {(n.domain, n.op_type, n.overload) for n in graph.node}
+    used = {(n.domain, n.op_type, n.overload) for n in all_nodes(graph)}
     kept = [f for f in model.functions if f.domain != CUSTOM_DOMAIN or (f.domain, f.name, f.overload) in used]
     del model.functions[:]
     model.functions.extend(kept)

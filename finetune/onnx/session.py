@@ -44,3 +44,22 @@ def inference_session(
         path = Path(folder) / "model.onnx"
         save_model_atomic(load_model(model), path)
         return ort.InferenceSession(str(path), options, providers=providers)
+
+
+def load_failure(model: str | os.PathLike | onnx.ModelProto) -> str | None:
+    """onnxruntime's reason, on one line, for refusing to load the model; None when it loads."""
+    try:
+        inference_session(model)
+    except Exception as error:  # onnxruntime raises its own exception types (Fail, InvalidGraph, ...)
+        return " ".join(str(error).split())
+    return None
+
+
+def require_loads(model: onnx.ModelProto, original: str | os.PathLike | onnx.ModelProto, what: str) -> None:
+    """Refuse to hand back a model that stock onnxruntime cannot load when it loaded `original`
+    (a ValueError naming onnxruntime's reason, which names the node), so no run writes one."""
+    failure = load_failure(model)
+    if failure is None or load_failure(original) is not None:
+        return
+    raise ValueError(f"{what}: onnxruntime refuses the model this run made, although it loads the input ({failure}); "
+                     "nothing was written: please report this with the model")

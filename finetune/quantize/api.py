@@ -18,6 +18,7 @@ from finetune.onnx.fold import fold_constants
 from finetune.onnx.io import load_model
 from finetune.onnx.normalize import normalize_model
 from finetune.onnx.qdq import bf16_pairs_to_casts
+from finetune.onnx.session import require_loads
 
 from .calibrate import calibrate
 from .checks import check_plan
@@ -76,6 +77,7 @@ def quantize_model(
     quantized = attach_custom_ops(insert_qdq(normalized, uses, qparams, config.weight_storage))
     if config.bf16_as_cast:
         changes.append(f"bf16_as_cast: {bf16_pairs_to_casts(quantized)} bfloat16 quantize-dequantize pair(s) written as Cast pairs")
+    require_loads(quantized, original, "quantize")
     summary = summarize(original, quantized, uses, changes, notices, time.perf_counter() - start, alignments)
     return QuantizeResult(quantized, summary, float_model)
 

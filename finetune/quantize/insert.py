@@ -13,6 +13,8 @@ from onnx import numpy_helper
 
 from finetune.formats import FormatSpec, IntSpec, float_codes, int_codes
 from finetune.onnx.dtypes import numpy_dtype
+from finetune.onnx.fold import drop_unused_initializers
+from finetune.onnx.graphs import all_graphs
 from finetune.onnx.qdq import make_qdq, uses_standard_ops
 
 from .calibrate import QParams
@@ -33,16 +35,21 @@ def insert_qdq(model: onnx.ModelProto, uses: list[Use], qparams: QParams, weight
     for use in uses:
         inserter.rewire(use)
     inserter.finish()
+    drop_unused_initializers(result)
     return result
 
 
 class _Inserter:
-    """Adds the QDQ chains to one graph: each created once, placed before its first consumer."""
+    """Adds the QDQ chains to a graph and its subgraphs: each created once per graph that reads
+    it, placed before its first consumer there; new initializers go to the main graph, which
+    every subgraph sees."""
 
     def __init__(self, graph: onnx.GraphProto, qparams: QParams, compact: bool, half: set[str]) -> None:
         self.graph, self.qparams, self.compact, self.half = graph, qparams, compact, half
-        self.nodes = {n.name: n for n in graph.node}
-        self.initializers = {t.name: t for t in graph.initializer}
+        self.graphs = list(all_graphs(graph))
+        self.owner = {n.name: index for index, each in enumerate(self.graphs) for n in each.node}
+        self.nodes = {n.name: n for each in self.graphs for n in each.node}
+        self.initializers = {t.name: t for each in self.graphs for t in each.initializer}
         self.outputs: dict[tuple, str] = {}
         self.added: dict[str, list[onnx.NodeProto]] = defaultdict(list)
 
@@ -56,31 +63,29 @@ class _Inserter:
 
     def finish(self) -> None:
         """Insert the new nodes before their consumers and drop initializers nothing reads."""
-        ordered = []
-        for node in self.graph.node:
-            ordered.extend(self.added.get(node.name, []))
-            ordered.append(node)
-        del self.graph.node[:]
-        self.graph.node.extend(ordered)
-        read = {name for node in self.graph.node for name in node.input} | {o.name for o in self.graph.output}
-        kept = [t for t in self.graph.initializer if t.name in read]
-        del self.graph.initializer[:]
-        self.graph.initializer.extend(kept)
+        for graph in reversed(self.graphs):  # innermost first: rebuilding a graph's nodes copies its subgraphs
+            ordered = []
+            for node in graph.node:
+                ordered.extend(self.added.get(node.name, []))
+                ordered.append(node)
+            del graph.node[:]
+            graph.node.extend(ordered)
 
     def _ensure(self, use: Use, source: str, consumer: str, compact: bool) -> str:
-        """The output of `use`'s quantize-dequantize of `source`, created on first need."""
-        if use.key in self.outputs:
-            return self.outputs[use.key]
+        """The output of `use`'s quantize-dequantize of `source` in the consumer's graph, created on first need."""
+        key = (self.owner[consumer], use.key)
+        if key in self.outputs:
+            return self.outputs[key]
         name = self._unique(f"{use.tensor}_{format_label(use.spec)}")
-        output = self.outputs[use.key] = f"{name}_qdq"
+        output = self.outputs[key] = f"{name}_qdq"
         new = self.added[consumer]
         if use.tensor in self.half:
             source = self._cast(new, source, f"{name}_float", onnx.TensorProto.FLOAT)
             output = f"{name}_qdq_float"
         new.extend(self._qdq_nodes(use, source, name, output, compact))
         if use.tensor in self.half:
-            self._cast(new, output, self.outputs[use.key], onnx.TensorProto.FLOAT16)
-        return self.outputs[use.key]
+            self._cast(new, output, self.outputs[key], onnx.TensorProto.FLOAT16)
+        return self.outputs[key]
 
     @staticmethod
     def _cast(new: list[onnx.NodeProto], source: str, output: str, to: int) -> str:

@@ -14,6 +14,7 @@ from finetune.config import FormatChoice, QuantConfig
 from finetune.formats import FormatSpec, IntSpec
 from finetune.notices import Notice, warn
 from finetune.onnx.domains import DEFAULT_DOMAINS
+from finetune.onnx.graphs import all_graphs, all_nodes
 from finetune.onnx.normalize import default_opset, normalize_model
 from finetune.onnx.qdq import STANDARD_QDQ_OPSET, uses_standard_ops
 
@@ -44,16 +45,15 @@ class Use:
 
 
 def plan(model: onnx.ModelProto, config: QuantConfig, notices: list[Notice]) -> list[Use]:
-    """Every quantized input of every selected node, in graph order, with its concrete format;
-    an input the config quantizes but whose element type onnx could not infer stays float, and
-    is added to `notices` (WARNING)."""
-    graph = model.graph
-    initializers = {t.name: t for t in graph.initializer}
+    """Every quantized input of every selected node (inside If/Loop/Scan bodies too), in graph
+    order, with its concrete format; an input the config quantizes but whose element type onnx
+    could not infer stays float, and is added to `notices` (WARNING)."""
+    initializers = {t.name: t for graph in all_graphs(model.graph) for t in graph.initializer}
     types, ranks = tensor_types_and_ranks(model)
-    producers = {output: node for node in graph.node for output in node.output}
+    producers = {output: node for node in all_nodes(model.graph) for output in node.output}
     uses: list[Use] = []
     untyped = []
-    for node in graph.node:
+    for node in all_nodes(model.graph):
         if node.domain not in DEFAULT_DOMAINS:
             continue
         formats = config.node_formats(node.name, node.op_type)
@@ -142,16 +142,18 @@ def _int32_bias_axes(uses: list[Use]) -> list[Use]:
 
 
 def tensor_types_and_ranks(model: onnx.ModelProto) -> tuple[dict[str, int], dict[str, int]]:
-    """Element type and rank of every value the (shape-inferred) graph knows."""
-    graph = model.graph
+    """Element type and rank of every value the (shape-inferred) graph and its subgraphs know."""
     types, ranks = {}, {}
-    for info in [*graph.input, *graph.output, *graph.value_info]:
-        tensor_type = info.type.tensor_type
-        types[info.name] = tensor_type.elem_type
-        if tensor_type.HasField("shape"):
-            ranks[info.name] = len(tensor_type.shape.dim)
-    for tensor in graph.initializer:
-        types[tensor.name], ranks[tensor.name] = tensor.data_type, len(tensor.dims)
+    for graph in all_graphs(model.graph):
+        for info in [*graph.input, *graph.output, *graph.value_info]:
+            tensor_type = info.type.tensor_type
+            if info.name in types and not tensor_type.elem_type:
+                continue  # a subgraph's untyped output naming an outer value keeps the outer type
+            types[info.name] = tensor_type.elem_type
+            if tensor_type.HasField("shape"):
+                ranks[info.name] = len(tensor_type.shape.dim)
+        for tensor in graph.initializer:
+            types[tensor.name], ranks[tensor.name] = tensor.data_type, len(tensor.dims)
     return types, ranks
 
 

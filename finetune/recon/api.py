@@ -26,6 +26,7 @@ from finetune.lift import FakeQuantize, LiftedModule, lift_model
 from finetune.lift.params import fold_computed_weights
 from finetune.onnx import attach_custom_ops
 from finetune.onnx.io import load_model, save_model_atomic
+from finetune.onnx.session import require_loads
 
 from .adaround import check_int_weights
 from .cache import ActivationCache
@@ -88,6 +89,7 @@ def finetune_model(
     if tuned is None:
         return None, report  # a process other than the first of a data-parallel run: the first one writes
     report["total_seconds"] = time.perf_counter() - begin
+    require_loads(tuned, original, "fine-tuning")
     if model_path is not None:
         save_model_atomic(tuned, model_path)
     if output_dir is not None:

@@ -1,0 +1,98 @@
+"""Subgraphs are part of the model: names read only inside If branches survive every pass, the
+quantizer quantizes and calibrates the nodes inside them, and no run hands back a model that
+onnxruntime refuses when it loaded the input."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+
+from finetune.onnx.fold import fold_constants
+from finetune.onnx.graphs import all_nodes, node_reads
+from finetune.onnx.normalize import normalize_model
+from finetune.onnx.session import inference_session, require_loads
+from finetune.quantize import quantize_model, quantizer_presets
+from tests.subgraph_models import branch_inputs, if_reading_outer_names, then_branch_alone
+
+BRANCH_LAYERS = {"then_matmul1": "W1", "then_matmul2": "W2", "else_gemm": "W3", "else_matmul": "else_scale"}
+
+
+def run(model: onnx.ModelProto, feed: dict[str, np.ndarray]) -> np.ndarray:
+    return inference_session(model).run(None, feed)[0]
+
+
+def test_node_reads_counts_the_outer_names_of_its_branches() -> None:
+    model = if_reading_outer_names()
+    branch = model.graph.node[-1]
+    assert node_reads(branch) == ["positive", "B3", "W1", "W2", "W3", "shift", "x"]
+
+
+def test_normalise_and_fold_keep_what_only_branches_read() -> None:
+    """The outer Constant and the initializers only the branches read stay (they were dropped
+    as unused, leaving a model onnxruntime refused), and the outputs are the input's, bit for bit."""
+    model = if_reading_outer_names()
+    normalized, _ = normalize_model(model)
+    fold_constants(normalized)
+    kept = {tensor.name for tensor in normalized.graph.initializer}
+    assert {"W1", "W2", "W3", "B3", "shift"} <= kept
+    for feed in branch_inputs(4):
+        np.testing.assert_array_equal(run(normalized, feed), run(model, feed))
+
+
+def test_topological_sort_orders_an_outer_producer_before_the_branch_reading_it() -> None:
+    """A node whose output a branch reads implicitly, written after the If, is moved before it."""
+    model = if_reading_outer_names()
+    nodes = list(model.graph.node)
+    shift = nodes.pop(0)
+    del model.graph.node[:]
+    model.graph.node.extend([*nodes, shift])  # the If now precedes the Constant its branch reads
+    normalized, changes = normalize_model(model)
+    assert any(change.startswith("sorted the nodes") for change in changes)
+    np.testing.assert_array_equal(run(normalized, branch_inputs(1)[0]), run(if_reading_outer_names(), branch_inputs(1)[0]))
+
+
+@pytest.mark.parametrize("preset", quantizer_presets())
+def test_every_preset_quantizes_the_layers_inside_branches(preset: str) -> None:
+    """Each MatMul/Gemm in a branch reads its weight through a quantizer, and onnxruntime runs
+    the result on both branches (it refused the model, or the run ended in a traceback, before)."""
+    model = if_reading_outer_names()
+    quantized = quantize_model(model, preset, branch_inputs(8)).model
+    layers = {node.name: node for node in all_nodes(quantized.graph) if node.name in BRANCH_LAYERS}
+    assert set(layers) == set(BRANCH_LAYERS)
+    for name, weight in BRANCH_LAYERS.items():
+        assert weight not in layers[name].input, f"{name} reads its float weight {weight}"
+    for feed in branch_inputs(2):
+        assert np.isfinite(run(quantized, feed)).all()
+
+
+def test_calibration_inside_a_branch_equals_the_branch_calibrated_alone() -> None:
+    """The int8 scales of the then branch's activations, calibrated on the rows that take it, are
+    those of the same layers in a model of the branch alone calibrated on those rows: the other
+    branch's rows (an empty value) leave the statistics untouched."""
+    model = if_reading_outer_names()
+    feeds = branch_inputs(8)
+    branched = quantize_model(model, "XINT8", feeds).model
+    alone = quantize_model(then_branch_alone(model), "XINT8", feeds[::2]).model
+    assert _scales(branched, "then_relu") == _scales(alone, "then_relu")
+    assert _scales(branched, "then_relu")  # the relu's output is quantized with a calibrated scale
+
+
+def _scales(model: onnx.ModelProto, tensor: str) -> list[float]:
+    """The scales of the QuantizeLinear nodes reading `tensor`, anywhere in the model."""
+    initializers = {t.name: onnx.numpy_helper.to_array(t) for t in model.graph.initializer}
+    return [float(initializers[node.input[1]]) for node in all_nodes(model.graph)
+            if node.op_type == "QuantizeLinear" and node.input[0] == tensor]
+
+
+def test_a_model_onnxruntime_refuses_is_never_handed_back() -> None:
+    """require_loads names onnxruntime's reason when the output does not load but the input did,
+    and lets a run through whose input onnxruntime refused too (a foreign custom op, say)."""
+    model = if_reading_outer_names()
+    broken = onnx.ModelProto()
+    broken.CopyFrom(model)
+    del broken.graph.initializer[:1]  # W1, read only inside the then branch
+    with pytest.raises(ValueError, match="onnxruntime refuses the model this run made.*W1"):
+        require_loads(broken, model, "quantize")
+    require_loads(broken, broken, "quantize")
+    require_loads(model, model, "quantize")

@@ -1,4 +1,5 @@
-"""Loading of the reference vectors (tests/data/vectors/public, the repository's own copy) and exact comparison."""
+"""Loading of the reference vectors (tests/data/vectors/public, the repository's own copy, and
+tests/data/vectors/scalars, AMD Quark's outputs on one-element inputs) and exact comparison."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 import numpy as np
 
 VECTOR_DIR = Path(__file__).resolve().parent / "data" / "vectors" / "public"
+SCALAR_VECTORS = VECTOR_DIR.parent / "scalars" / "scalars.json"
 
 
 @dataclass(frozen=True)
@@ -32,6 +34,20 @@ def load_vector_sets() -> list[VectorSet]:
         arrays = np.load(path.with_suffix(".npz"))
         pairs = [(arrays[f"x_{i}"], arrays[f"y_{i}"]) for i in range(meta["n_inputs"])]
         sets.append(VectorSet(meta["name"], meta["op_type"], meta["attributes"], pairs))
+    return sets
+
+
+def load_scalar_vector_sets() -> list[VectorSet]:
+    """Every configuration of the scalar vectors, one (x, y) pair per shape (rank 0, [1], ...) and value."""
+    meta = json.loads(SCALAR_VECTORS.read_text())
+    arrays = np.load(SCALAR_VECTORS.with_suffix(".npz"))
+    shapes = [tuple(shape) for shape in meta["shapes"]]
+    sets = []
+    for config in meta["configurations"]:
+        y = arrays[f"y.{config['name']}"]
+        pairs = [(np.full(shape, x, np.float32), np.full(shape, y[i, j], np.float32))
+                 for i, shape in enumerate(shapes) for j, x in enumerate(arrays["x"])]
+        sets.append(VectorSet(config["name"], config["op_type"], config["attributes"], pairs))
     return sets
 
 

@@ -88,6 +88,8 @@ def bfp_quantize_dequantize(x: torch.Tensor, spec: BFPSpec) -> torch.Tensor:
 
 
 def _bfp_float32(x: torch.Tensor, spec: BFPSpec) -> torch.Tensor:
+    """The format on float32 x; a one-element x (rank 0 included, whatever the axis) comes back as it
+    is apart from the bfloat16 pre-rounding, as AMD Quark's kernels return it."""
     if spec.convert_to_bfloat_before_bfp:
         x = straight_through(x, x.detach().to(torch.bfloat16).float(), None)
     if x.numel() <= 1:

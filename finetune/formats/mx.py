@@ -87,6 +87,8 @@ def mx_quantize_dequantize(x: torch.Tensor, spec: MXSpec) -> torch.Tensor:
 
 
 def _mx_float32(x: torch.Tensor, spec: MXSpec) -> torch.Tensor:
+    """The format on float32 x; a one-element x (rank 0 included, whatever the axis) comes back as
+    it is, as AMD Quark's kernels return it."""
     if x.numel() <= 1:
         return x
     y, passes = _mx_map(x, spec, with_mask=x.requires_grad)

@@ -29,17 +29,20 @@ def axis_index(b: Body, rank: str, axis: int) -> str:
 
 
 def to_blocks(b: Body, x: str, axis: int, inner: list[int]) -> tuple[str, Callable[[str], str]]:
-    """View x as [P, nb, *inner, Q] blocks along `axis` (rank-1 inputs use axis 0), zero-padding the
-    axis to a multiple of the block; returns the blocks and the function that undoes the view.
-    P and Q are the products of the dimensions before and after the axis, so nothing transposes."""
+    """View x as [P, nb, *inner, Q] blocks along `axis` (rank-0 x as rank 1; rank-1 and one-element
+    inputs use axis 0, as AMD Quark ignores axis there), zero-padding the axis to a multiple of the
+    block; returns the blocks and the function that undoes the view. P and Q are the products of the
+    dimensions before and after the axis, so nothing transposes. Every shape comes from x at run time."""
     block = math.prod(inner)
     one, zero = b.const([1], np.int64), b.const([0], np.int64)
     shape = b.op("Shape", x)
-    at = axis_index(b, b.op("Shape", shape), axis)
+    viewed = _at_least_rank_1(b, shape)
+    single = b.op("Equal", b.op("Size", x), b.const(1, np.int64))
+    at = b.op("Where", single, zero, axis_index(b, b.op("Shape", viewed), axis))
     after = b.op("Add", at, one)
-    before_size = b.op("ReduceProd", b.op("Slice", shape, zero, at), keepdims=1)
-    length = b.op("Slice", shape, at, after)
-    after_size = b.op("ReduceProd", b.op("Slice", shape, after, b.const([_INT64_MAX], np.int64)), keepdims=1)
+    before_size = b.op("ReduceProd", b.op("Slice", viewed, zero, at), keepdims=1)
+    length = b.op("Slice", viewed, at, after)
+    after_size = b.op("ReduceProd", b.op("Slice", viewed, after, b.const([_INT64_MAX], np.int64)), keepdims=1)
     size = b.const([block], np.int64)
     padding = b.op("Mod", b.op("Sub", size, b.op("Mod", length, size)), size)
     flat = b.reshape(x, b.op("Concat", before_size, length, after_size, axis=0))
@@ -49,11 +52,22 @@ def to_blocks(b: Body, x: str, axis: int, inner: list[int]) -> tuple[str, Callab
     blocks = b.reshape(padded, b.op("Concat", before_size, count, b.const(inner, np.int64), after_size, axis=0))
 
     def undo(y: str) -> str:
-        """Back to x's shape, dropping the padding."""
+        """Back to x's shape (rank 0 included), dropping the padding."""
         rows = b.reshape(y, b.op("Concat", before_size, padded_length, after_size, axis=0))
         return b.reshape(b.op("Slice", rows, zero, length, one), shape)
 
     return blocks, undo
+
+
+def _at_least_rank_1(b: Body, shape: str) -> str:
+    """x's shape with a leading 1 where x is rank 0 (a scalar is blocked as a one-element vector)."""
+    missing = b.op("Max", b.op("Sub", b.const([1], np.int64), b.op("Shape", shape)), b.const([0], np.int64))
+    return b.op("Concat", _ones(b, missing), shape, axis=0)
+
+
+def _ones(b: Body, count: str) -> str:
+    """An int64 vector of `count` ones (count a one-element int64 tensor), for padding shapes."""
+    return b.op("ConstantOfShape", count, value=numpy_helper.from_array(np.array([1], np.int64)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,5 +109,4 @@ def broadcast_along(b: Body, parameter: str, x: str, axis: int) -> str:
     trailing = b.op("Max", b.op("Sub", b.op("Sub", rank, b.const([1], np.int64)), at), b.const([0], np.int64))
     parameter_shape = b.op("Shape", parameter)
     count = b.op("Mul", trailing, b.op("Size", parameter_shape))
-    ones = b.op("ConstantOfShape", count, value=numpy_helper.from_array(np.array([1], np.int64)))
-    return b.op("Reshape", parameter, b.op("Concat", parameter_shape, ones, axis=0))
+    return b.op("Reshape", parameter, b.op("Concat", parameter_shape, _ones(b, count), axis=0))

@@ -26,7 +26,8 @@ def _qdq_function(
     domain: str, op_type: str, spec: BlockBody, opset: int, io_type: int | None
 ) -> onnx.FunctionProto:
     """y = qdq(x) in float32 for x of any float type (CastLike, or io_type below opset 15); a
-    one-element x comes back unchanged apart from the pre-rounding, as AMD Quark's kernels do."""
+    one-element x (rank 0 included, whatever the axis) comes back unchanged apart from the
+    pre-rounding, as AMD Quark's kernels return it."""
     b = Body(opset)
     x = spec.prepare(b, b.op("Cast", "x", to=TensorProto.FLOAT) if io_type != TensorProto.FLOAT else "x")
     y = spec.build(b, x)
@@ -85,6 +86,19 @@ def _graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
                     yield from _graphs(subgraph)
 
 
+def _forget_zero_dims(model: onnx.ModelProto) -> None:
+    """Make every 0 dimension of value_info and graph outputs unknown: AMD Quark writes 0 for the
+    batch of most tensors, onnxruntime takes such shapes as real and folds a body's Shape of x into
+    them, and then the body reshapes real data to the wrong size. Graph inputs keep theirs, which
+    onnxruntime checks against the data fed."""
+    for graph in _graphs(model.graph):
+        for info in [*graph.output, *graph.value_info]:
+            if info.type.HasField("tensor_type") and info.type.tensor_type.HasField("shape"):
+                for dim in info.type.tensor_type.shape.dim:
+                    if dim.HasField("dim_value") and dim.dim_value == 0:
+                        dim.Clear()
+
+
 def _value_types(model: onnx.ModelProto) -> dict[str, int]:
     """Element types known without inference: graph inputs/outputs, value_info, initializers, Constants."""
     types: dict[str, int] = {}
@@ -122,8 +136,9 @@ def _import_domains(model: onnx.ModelProto, domains: set[str]) -> None:
 
 def attach_custom_ops(model: onnx.ModelProto, domains: Collection[str] = DOMAINS) -> onnx.ModelProto:
     """A copy of `model` in which every node of `domains` (com.finetune and com.amd.quark by default;
-    subgraphs included) has a standard-op function body, so stock onnxruntime runs it; idempotent,
-    the input is untouched."""
+    subgraphs included) has a standard-op function body, so stock onnxruntime runs it, and in which
+    no declared 0 dimension (see _forget_zero_dims) misleads those bodies; idempotent, the input is
+    untouched."""
     result = onnx.ModelProto()
     result.CopyFrom(model)
     custom = [node for graph in _graphs(result.graph) for node in graph.node if node.domain in domains]
@@ -146,5 +161,6 @@ def attach_custom_ops(model: onnx.ModelProto, domains: Collection[str] = DOMAINS
     del result.functions[:]
     result.functions.extend(others + [functions[key] for key in sorted(functions)])
     _import_domains(result, {node.domain for node in custom})
+    _forget_zero_dims(result)
     result.ir_version = max(result.ir_version, OVERLOAD_IR_VERSION)
     return result

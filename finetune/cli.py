@@ -26,7 +26,11 @@ def attach_ops(args: argparse.Namespace) -> None:
     """Add function bodies for com.finetune / com.amd.quark nodes so stock onnxruntime runs them."""
     check_output(args.output, args.input)
     model = load_model(args.input)
-    save_model_atomic(attach_custom_ops(model), args.output)
+    attached = attach_custom_ops(model)
+    if attached.SerializeToString() == model.SerializeToString():
+        logger.warning("%s needs no function bodies (it has no com.finetune / com.amd.quark node without one): "
+                       "the output is an unchanged copy", args.input)
+    save_model_atomic(attached, args.output)
     logger.info("wrote %s", args.output)
 
 

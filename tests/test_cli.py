@@ -58,6 +58,16 @@ def test_attach_ops_runs_quark_models_in_stock_onnxruntime(tmp_path: Path) -> No
             assert_same_values(got, VECTORS[name].pairs[case][1], f"{name} input {case}")
 
 
+def test_attach_ops_on_a_model_that_has_its_bodies_says_the_copy_is_unchanged(tmp_path: Path) -> None:
+    source, attached, again = tmp_path / "quark.onnx", tmp_path / "attached.onnx", tmp_path / "again.onnx"
+    quark_model(source, ["mx_int8_axlast_rm0"])
+    assert "unchanged copy" not in finetune_cli("attach-ops", str(source), str(attached)).stderr
+    result = finetune_cli("attach-ops", str(attached), str(again))
+    assert result.returncode == 0, result.stderr
+    assert "needs no function bodies" in result.stderr and "unchanged copy" in result.stderr
+    assert again.read_bytes() == attached.read_bytes()
+
+
 def test_attach_ops_names_a_missing_input(tmp_path: Path) -> None:
     result = finetune_cli("attach-ops", str(tmp_path / "nope.onnx"), str(tmp_path / "out.onnx"))
     assert result.returncode == 2

@@ -21,7 +21,7 @@ from finetune.config import load_config
 from finetune.notices import Notice
 from finetune.onnx.normalize import normalize_model
 from finetune.pipeline import quantize_and_finetune
-from finetune.quantize import quantize_model
+from finetune.quantize import format_summary, quantize_model
 from finetune.quantize.checks import ONE_ELEMENT
 from finetune.quantize.plan import UNTYPED
 
@@ -194,7 +194,7 @@ def test_the_command_prints_the_warnings_and_writes_them_into_the_summary_json(t
     model, output = tmp_path / "linear.onnx", tmp_path / "out" / "q.onnx"
     onnx.save(linear(), model)
     assert main(["quantize", str(model), "--config", "MX4", "--weight-storage", "compact", "-o", str(output)]) == 0
-    reason = "weight_storage compact: to_bfp_prime11 has no compact form onnxruntime runs, so it stays float"
+    reason = "weight_storage compact: MX4 has no compact form onnxruntime runs, so it stays float"
     assert f"warning: tensor w: {reason}" in capsys.readouterr().out
     summary = json.loads(output.with_name("q.onnx.summary.json").read_text())
     assert summary["warnings"] == [{"tensor": "w", "reason": reason}]
@@ -220,3 +220,21 @@ def test_a_model_with_nothing_to_quantize_is_a_warning() -> None:
     assert result.summary["quantized_nodes"] == 0
     assert result.summary["warnings"] == [{"model": "test", "reason": "nothing was quantized: no node of the config's op types "
                                            "(Conv) has a tensor the config quantizes, so the output computes what the input does"}]
+
+
+def test_the_summary_names_a_block_format_as_its_preset_with_its_attributes() -> None:
+    summary = quantize_model(linear(), "MX6", None).summary
+    row = next(row for row in summary["tensors_per_format"] if row["role"] == "weight")
+    assert row["format"] == "MX6"
+    assert row["attributes"].startswith("bfp_method=to_bfp_prime bit_width=13 block_size=16")
+    assert "to_bfp_prime13" not in format_summary(summary)
+
+
+def test_data_no_format_needs_is_still_checked_on_its_first_sample() -> None:
+    """Block formats calibrate nothing, yet data of the wrong shape fails the run (it passed silently);
+    a one-pass source is left unread for the run that needs it."""
+    with pytest.raises(ValueError, match="input 'x'"):
+        quantize_model(linear(), "MX6", [{"x": np.zeros((2, 63), np.float32)}])
+    feeds = iter([{"x": np.zeros((2, 64), np.float32)}])
+    quantize_model(linear(), "MX6", feeds)
+    assert next(feeds)["x"].shape == (2, 64)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -47,9 +48,24 @@ def calibrate(model: onnx.ModelProto, uses: list[Use], data: Any, providers: lis
         warn(logger, notices, [Notice("tensor", tensor, f"{observer.non_finite} NaN or Inf values in the calibration pass "
                                       "were left out of its range (an overflow in the float model?)")
                                for (tensor, _), observer in activations.items() if observer.non_finite])
+    elif data is not None:
+        _check_unneeded_data(model, data)
     qparams = {key: observer.scale_zero_point() for key, observer in observers.items()}
     qparams.update(int32_bias_qparams(uses, qparams))
     return qparams
+
+
+def _check_unneeded_data(model: onnx.ModelProto, data: Any) -> None:
+    """Data the formats do not need (block formats, BF16) is still checked against the model's
+    inputs on its first sample, so wrong data fails here and not in a later run that reads it; a
+    source that gives one pass only is left for that run and the log says it was not read."""
+    if isinstance(data, Iterator) or (hasattr(data, "get_next") and not hasattr(data, "rewind")):
+        logger.info("the calibration data was not read: no tensor's format needs calibration (block formats, BF16), "
+                    "and the source gives one pass only")
+        return
+    next(iter(CalibrationData(data, model)), None)
+    logger.info("the calibration data was not needed (no tensor's format needs calibration: block formats, BF16); "
+                "its first sample matches the model's inputs")
 
 
 def _needs_calibration(use: Use) -> bool:

@@ -23,7 +23,7 @@ from finetune.onnx.normalize import OPSET_KEPT, default_opset
 
 from .insert import has_compact_form
 from .plan import Use, opset_for, with_producer_formats
-from .summary import format_label
+from .summary import display_name
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ def check_opset(model: onnx.ModelProto, uses: list[Use], changes: list[str]) -> 
     needed = opset_for(use.spec)
     why = next((f" ({change})" for change in reversed(changes) if change.startswith(OPSET_KEPT)), "")
     raise ValueError(
-        f"{format_label(use.spec)} on tensor {use.tensor!r} needs default-domain opset {needed}, but the model has opset "
+        f"{display_name(use.spec)} on tensor {use.tensor!r} needs default-domain opset {needed}, but the model has opset "
         f"{opset}{why}; convert the model to opset {needed} or newer first, or choose a format opset {opset} holds"
     )
 
@@ -126,7 +126,7 @@ def format_notices(model: onnx.ModelProto, uses: list[Use], compact: bool) -> li
     for use in with_producer_formats(uses):
         spec, tensor = use.spec, use.tensor
         if compact and tensor in initializers and not has_compact_form(use):
-            reason = f"weight_storage compact: {format_label(spec)} has no compact form onnxruntime runs, so it stays float"
+            reason = f"weight_storage compact: {display_name(spec)} has no compact form onnxruntime runs, so it stays float"
             notices.append(Notice("tensor", tensor, reason))
         if isinstance(spec, (BFPSpec, MXSpec)) and tensor in shapes and math.prod(shapes[tensor]) == 1:
             notices.append(Notice("tensor", tensor, ONE_ELEMENT))

@@ -29,7 +29,7 @@ from finetune.onnx.domains import DEFAULT_DOMAINS
 
 from .calibrate import QParams, int32_bias_qparams
 from .plan import Use
-from .summary import format_label
+from .summary import display_name
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ def align_eltwise_formats(
             activation = None if formats is None else formats.activation
             if activation is not None and activation.spec() != use.spec:
                 spec = activation.spec()
-                before, after = format_label(use.spec), format_label(spec)
+                before, after = display_name(use.spec), display_name(spec)
                 records.append(_record([f"{use.node} ({op_type})"], use.tensor, "format", before, after))
                 use = dataclasses.replace(use, choice=activation, spec=spec)
         aligned.append(use)

@@ -4,12 +4,29 @@ what was not done as configured, with the reason) and its table."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from typing import Any
 
 import onnx
 
-from finetune.formats import FloatSpec, FormatSpec, IntSpec, MXSpec
+from finetune.formats import (
+    BFP16,
+    MX4,
+    MX6,
+    MX9,
+    MXFP4,
+    MXFP6_E2M3,
+    MXFP6_E3M2,
+    MXFP8_E4M3,
+    MXFP8_E5M2,
+    MXINT8,
+    BFPSpec,
+    FloatSpec,
+    FormatSpec,
+    IntSpec,
+    MXSpec,
+)
 from finetune.notices import Notice, describe
 
 from .plan import Use, with_producer_formats
@@ -24,6 +41,29 @@ def format_label(spec: FormatSpec) -> str:
     return f"{spec.bfp_method}{spec.bit_width}"
 
 
+# The block formats by the names the presets and users know them by (matched on every attribute but the axis).
+NAMED_BLOCK_FORMATS: dict[str, BFPSpec | MXSpec] = {
+    "BFP16": BFP16, "MX4": MX4, "MX6": MX6, "MX9": MX9, "MXINT8": MXINT8, "MXFP8_E4M3": MXFP8_E4M3,
+    "MXFP8_E5M2": MXFP8_E5M2, "MXFP6_E3M2": MXFP6_E3M2, "MXFP6_E2M3": MXFP6_E2M3, "MXFP4": MXFP4,
+}
+
+
+def display_name(spec: FormatSpec) -> str:
+    """The format's name for people: a block format's preset name (MX6, not to_bfp_prime13) where
+    one matches, else its short label."""
+    if isinstance(spec, (BFPSpec, MXSpec)):
+        return next((name for name, named in NAMED_BLOCK_FORMATS.items()
+                     if dataclasses.replace(named, axis=spec.axis) == spec), format_label(spec))
+    return format_label(spec)
+
+
+def format_attributes(spec: FormatSpec) -> str:
+    """A block format's node attributes other than the axis (what sets e.g. MX6 apart), else ''."""
+    if not isinstance(spec, (BFPSpec, MXSpec)):
+        return ""
+    return " ".join(f"{field.name}={getattr(spec, field.name)}" for field in dataclasses.fields(spec) if field.name != "axis")
+
+
 def summarize(
     original: onnx.ModelProto, quantized: onnx.ModelProto, uses: list[Use], changes: list[str], notices: list[Notice],
     seconds: float, alignments: list[dict[str, Any]] | None = None,
@@ -32,9 +72,10 @@ def summarize(
     the warnings ({"tensor" | "node" | "model" | "config": name, "reason": ...} each) and, with
     npu_cnn, the scales and formats its alignments changed (finetune.quantize.npu)."""
     distinct = {(u.tensor, u.spec): u for u in with_producer_formats(uses)}.values()
-    per_format = Counter((use.role, format_label(use.spec)) for use in distinct)
+    per_format = Counter((use.role, display_name(use.spec), format_attributes(use.spec)) for use in distinct)
     summary = {
-        "tensors_per_format": [{"role": r, "format": f, "tensors": n} for (r, f), n in sorted(per_format.items())],
+        "tensors_per_format": [{"role": r, "format": f, "tensors": n, **({"attributes": a} if a else {})}
+                               for (r, f, a), n in sorted(per_format.items())],
         "quantized_nodes": len({u.node for u in uses}),
         "model_bytes_before": original.ByteSize(),
         "model_bytes_after": quantized.ByteSize(),
@@ -50,7 +91,8 @@ def summarize(
 def format_summary(summary: dict[str, Any]) -> str:
     """The summary as the table the CLI prints."""
     lines = [f"{'role':<12}{'format':<18}{'tensors':>8}"]
-    lines += [f"{row['role']:<12}{row['format']:<18}{row['tensors']:>8}" for row in summary["tensors_per_format"]]
+    lines += [f"{row['role']:<12}{row['format']:<18}{row['tensors']:>8}  {row.get('attributes', '')}".rstrip()
+              for row in summary["tensors_per_format"]]
     before, after = summary["model_bytes_before"], summary["model_bytes_after"]
     lines.append(f"quantized nodes: {summary['quantized_nodes']}; model size {before:,} -> {after:,} bytes "
                  f"({after / before:.2f}x); {summary['seconds']:.2f} s")

@@ -556,7 +556,38 @@ def test_quark_layer_wise_auto_mixprecision_and_dual_quant() -> None:
     searched = from_quark({**options, "extra_options": {"AutoMixprecision": {"TargetQuantType": "QBFP", "Top1AccTarget": 0.01}}})
     section = searched.auto_mixed_precision
     assert not searched.op_type_overrides and (section.metric, section.max_drop) == ("top1_accuracy", 0.01)
-    assert [c.format for c in section.ladder.activation] == ["float", "bfp"]  # [activation_type, the target type]
+    assert [c.format for c in section.ladder.activation] == ["bfp", "float"]  # [the target type, activation_type]
+
+
+A16W8 = {"activation_type": "QInt16", "weight_type": "QInt8", "include_auto_mp": True}
+
+
+def _auto_mp(**block: object) -> dict:
+    """Quark's documented auto mixed precision (activations QInt16, weights QInt8, target QInt8) with `block` over it."""
+    return {**A16W8, "extra_options": {"AutoMixprecision": {"ActTargetQuantType": "QInt8", "WeightTargetQuantType": "QInt8",
+                                                            **block}}}
+
+
+def test_quark_num_target_and_target_indices_name_the_layers_that_take_the_target_types() -> None:
+    """NumTarget layers take the target types: the least sensitive lowered when those are the cheaper
+    rung; the most sensitive kept high when they are the costlier, as TargetIndices are."""
+    lowered = from_quark(_auto_mp(NumTarget=2)).auto_mixed_precision
+    assert (lowered.lower, lowered.keep_top) == (2, None)
+    costlier = {**A16W8, "activation_type": "QInt8"}
+    blocks = {"NumTarget": 2}, {"L2Target": 0.1, "TargetIndices": [3]}
+    raised, held = (from_quark({**costlier, "extra_options": {"AutoMixprecision": {"ActTargetQuantType": "QInt16", **block}}})
+                    .auto_mixed_precision for block in blocks)
+    assert (raised.lower, raised.keep_top) == (None, 2) and held.keep_high == (3,)
+
+
+@pytest.mark.parametrize(("block", "message"), [
+    ({"L2Target": 0.1, "TargetIndices": [3]}, "TargetIndices: puts nodes at the target types, the cheaper rung here"),
+    ({"L2Target": 0.1, "WeightTargetQuantType": "QInt16"}, "cheaper in one of activation and weight and costlier in the other"),
+])
+def test_quark_auto_mp_without_an_order_to_search_is_refused_in_one_line(block: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message) as caught:
+        from_quark(_auto_mp(**block))
+    assert "\n" not in str(caught.value)
 
 
 def test_load_config_detects_quark_files_and_mappings(tmp_path: Path) -> None:

@@ -22,11 +22,19 @@ from finetune.onnx.io import load_model, save_model_atomic
 from finetune.quantize import quantize_model
 
 from .ladder import Item, Rung, assigned_config, ladders, search_items
-from .measure import (Evaluation, average_bits, evaluation_set, ladder_key, onnxruntime_metric, sensitivity, switch_source,
-                      torch_metric)
+from .measure import (
+    Evaluation,
+    average_bits,
+    evaluation_set,
+    ladder_key,
+    onnxruntime_metric,
+    sensitivity,
+    switch_source,
+    torch_metric,
+)
 from .metrics import Metric, MetricFn, resolve_metric
 from .parallel import Processes
-from .report import build_report, summary_line, write_report
+from .report import build_report, held, summary_line, write_report
 from .search import Point, Search
 from .switch import SwitchableModel
 
@@ -68,14 +76,14 @@ class PreparedSearch:
     choices_made: int = 0
 
     def choose(self, target: float | None = None, *, max_drop: float | None = None, keep_top: int | None = None,
-               output_dir: str | Path | None = None, name: str = "automp", model_path: str | Path | None = None,
+               lower: int | None = None, output_dir: str | Path | None = None, name: str = "automp", model_path: str | Path | None = None,
                curve_points: int = 0) -> AutoMPResult:
-        """The final model for one goal (at most one of `target`, `max_drop`, `keep_top`; none: the
-        config's), as a fresh auto_mixed_precision with that goal gives it. With `output_dir`,
+        """The final model for one goal (at most one of `target`, `max_drop`, `keep_top`, `lower`; none:
+        the config's), as a fresh auto_mixed_precision with that goal gives it. With `output_dir`,
         `<name>.json` and `<name>.png` go there; with `model_path`, the model is written there
         (atomically) before the report."""
         begin = time.perf_counter()
-        config = _with_goal(self.config, target, max_drop, keep_top)
+        config = _with_goal(self.config, {"target": target, "max_drop": max_drop, "keep_top": keep_top, "lower": lower})
         settings = config.auto_mixed_precision
         goal = _target(settings, self.metric, self.float_value)
         search, assignment = self._search(config, goal, curve_points)
@@ -109,7 +117,12 @@ class PreparedSearch:
         if settings.finetune_in_loop:
             search.evaluate = lambda a: _measure_tuned(self.model, self.base, config, self.items, a, self.rungs, self.data,
                                                        self.evaluation, self.metric)
-        assignment = search.keep_top(settings.keep_top) if settings.keep_top is not None else search.run(goal)
+        if settings.keep_top is not None:
+            assignment = search.keep_top(settings.keep_top)
+        elif settings.lower is not None:
+            assignment = search.lower(settings.lower)
+        else:
+            assignment = search.run(goal)
         search.curve(curve_points)
         return search, assignment
 
@@ -177,7 +190,7 @@ def _measured_search(switch: SwitchableModel, items: list[Item], fixed: frozense
     uniform points."""
     search = Search([len(rungs[ladder_key(item)]) for item in items],
                     lambda a: torch_metric(switch, items, a, evaluation, settings, metric),
-                    lambda a: average_bits(switch, items, a, settings)[0], metric, fixed)
+                    lambda a: average_bits(switch, items, a, settings)[0], metric, fixed, lambda a: held(items, rungs, a))
     search.measure_sensitivity(lambda assignments: sensitivity(switch, items, search.top, assignments, evaluation, settings,
                                                                metric, processes))
     uniform = [search.measure(tuple(min(r, count - 1) for count in search.rungs), "uniform")
@@ -196,10 +209,10 @@ def auto_mixed_precision(
     return prepared.choose(output_dir=output_dir, name=name, model_path=model_path, curve_points=curve_points)
 
 
-def _with_goal(config: QuantConfig, target: float | None, max_drop: float | None, keep_top: int | None) -> QuantConfig:
-    """The config with the goal given in place of its section's (unchanged when none is given); the
-    section's checks refuse two goals or a target out of the metric's range."""
-    goal = {"target": target, "max_drop": max_drop, "keep_top": keep_top}
+def _with_goal(config: QuantConfig, goal: dict[str, float | int | None]) -> QuantConfig:
+    """The config with the goal given (one value per key of GOALS) in place of its section's
+    (unchanged when none is given); the section's checks refuse two goals or a target out of the
+    metric's range."""
     if all(value is None for value in goal.values()):
         return config
     try:
@@ -211,7 +224,7 @@ def _with_goal(config: QuantConfig, target: float | None, max_drop: float | None
 
 def _target(settings: AutoMixedPrecision, metric: Metric, float_value: float) -> float:
     """The target the final model must meet: given, or `max_drop` from the float model's value
-    (for keep_top, which has none, the float value: reported only)."""
+    (for keep_top and lower, which have none, the float value: reported only)."""
     if settings.target is not None:
         return settings.target
     if settings.max_drop is not None:
@@ -242,7 +255,7 @@ def _final_model(model: Any, config: QuantConfig, base: QuantConfig, items: list
     the lowered layer adding the most noise per bit is raised one rung (a repair, logged); then
     the config's fast finetune, after which the target must still be met."""
     settings = config.auto_mixed_precision
-    judged = settings.keep_top is None
+    judged = settings.keep_top is None and settings.lower is None
     final_config = lambda a: dataclasses.replace(assigned_config(base, items, list(a), rungs),
                                                  weight_storage=config.weight_storage)
     quantized = quantize_model(model, final_config(assignment), data)

@@ -5,14 +5,18 @@ searched layer on one rung (quantized once each) or on its chosen rungs (the fin
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import logging
 from dataclasses import dataclass
 from typing import Any
 
 import onnx
 
 from finetune.config import FormatChoice, Override, QuantConfig, load_config
-from finetune.config.automp import AutoMixedPrecision, SplitLadder
+from finetune.config.automp import AutoMixedPrecision, SplitLadder, choice_bits
 from finetune.onnx.domains import DEFAULT_DOMAINS
+
+logger = logging.getLogger(__name__)
 
 ROLES = ("activation", "weight")
 
@@ -42,12 +46,39 @@ class Item:
 
 
 def ladders(settings: AutoMixedPrecision) -> dict[str, list[Rung]]:
-    """The rungs by ladder key, cheapest first: `layer` for one ladder, `activation` and `weight`
-    for a split ladder."""
-    if isinstance(settings.ladder, SplitLadder):
-        return {role: [_tensor_rung(rung, role, f"ladder.{role}[{i}]") for i, rung in enumerate(getattr(settings.ladder, role))]
+    """The rungs by ladder key, cheapest first by bits per element whatever order the config gives
+    them in: `layer` for one ladder, `activation` and `weight` for a split ladder (sorted apart for
+    granularity tensor, as pairs for granularity layer)."""
+    if not isinstance(settings.ladder, SplitLadder):
+        rungs = [_layer_rung(rung, f"ladder[{i}]") for i, rung in enumerate(settings.ladder)]
+        return {"layer": [rungs[i] for i in _cost_order(rungs, "ladder")]}
+    resolved = {role: [_tensor_rung(rung, role, f"ladder.{role}[{i}]") for i, rung in enumerate(getattr(settings.ladder, role))]
                 for role in ROLES}
-    return {"layer": [_layer_rung(rung, f"ladder[{i}]") for i, rung in enumerate(settings.ladder)]}
+    if settings.granularity == "tensor":
+        return {role: [rungs[i] for i in _cost_order(rungs, f"ladder.{role}")] for role, rungs in resolved.items()}
+    pairs = [Rung(f"{a.name}+{w.name}", a.activation, w.weight) for a, w in zip(*resolved.values(), strict=True)]
+    order = _cost_order(pairs, "ladder")
+    return {role: [rungs[i] for i in order] for role, rungs in resolved.items()}
+
+
+def rung_cost(rung: Rung) -> tuple[float, float]:
+    """(activation, weight) bits per element of a rung (a role it leaves unset or float costs 32)."""
+    return choice_bits(rung.activation), choice_bits(rung.weight)
+
+
+def _cost_order(rungs: list[Rung], where: str) -> list[int]:
+    """The rungs' indices cheapest first (ties keep their given order), logged when that is not the
+    given order; two rungs each cheaper in one role have no order and are refused in one line."""
+    order = sorted(range(len(rungs)), key=lambda i: rung_cost(rungs[i]))
+    for low, high in itertools.pairwise(order):
+        if rung_cost(rungs[low])[1] > rung_cost(rungs[high])[1]:
+            raise ValueError(f"auto_mixed_precision.{where}: rungs {rungs[low].name} and {rungs[high].name} have no order "
+                             f"by cost ({rungs[low].name} has the cheaper activations, {rungs[high].name} the cheaper "
+                             "weights): give a split ladder with granularity tensor")
+    if order != sorted(order):
+        logger.info("auto_mixed_precision.%s taken cheapest first by bits per element: %s", where,
+                    ", ".join(rungs[i].name for i in order))
+    return order
 
 
 def _layer_rung(rung: str | Override, where: str) -> Rung:
@@ -72,14 +103,17 @@ def _preset(name: str, where: str) -> QuantConfig:
 
 
 def _describe(*choices: FormatChoice | None) -> str:
-    """A short name of an inline rung: each format with its dtype or element type."""
+    """A short name of an inline rung: each format's dtype (int8, bfloat16), or the format with its
+    element type or width (mx:fp4_e2m1, bfp:16b)."""
     parts = []
     for choice in choices:
         if choice is None:
             parts.append("float")
-            continue
-        detail = choice.dtype or choice.element_dtype or (f"{choice.bit_width}b" if choice.bit_width else "")
-        parts.append(f"{choice.format}:{detail}" if detail else choice.format)
+        elif choice.dtype:
+            parts.append(choice.dtype)
+        else:
+            detail = choice.element_dtype or (f"{choice.bit_width}b" if choice.bit_width else "")
+            parts.append(f"{choice.format}:{detail}" if detail else choice.format)
     return "/".join(parts)
 
 

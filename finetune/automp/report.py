@@ -9,13 +9,16 @@ import json
 from pathlib import Path
 from typing import Any
 
-from finetune.config.automp import AutoMixedPrecision
+from finetune.config.automp import GOALS, AutoMixedPrecision
 from finetune.files import write_atomic, write_text_atomic
 
-from .ladder import Item, Rung
+from .ladder import ROLES, Item, Rung
+from .measure import ladder_key
 from .metrics import Metric
 from .search import Point, Search
 from .switch import SwitchableModel
+
+UNJUDGED = ("keep_top", "lower")  # goals that fix how many layers stay high, with no target to meet
 
 
 def build_report(*, settings: AutoMixedPrecision, metric: Metric, target: float, float_value: float, items: list[Item],
@@ -25,10 +28,10 @@ def build_report(*, settings: AutoMixedPrecision, metric: Metric, target: float,
     """The JSON-ready report of one search."""
     names = {key: [rung.name for rung in ladder] for key, ladder in rungs.items()}
     top = search.trace[0]
-    goal = "keep_top" if settings.keep_top is not None else "max_drop" if settings.max_drop is not None else "target"
+    goal = next(key for key in GOALS if getattr(settings, key) is not None)
     return {
         "metric": metric.name, "higher_is_better": metric.higher_is_better, "goal": goal, "target": target,
-        "keep_top": settings.keep_top, "float_metric": float_value, "evaluation_data": evaluation_source,
+        "keep_top": settings.keep_top, "lower": settings.lower, "float_metric": float_value, "evaluation_data": evaluation_source,
         "samples": samples, "granularity": settings.granularity, "ladder": names,
         "layers": _layers(items, rungs, search, switch, assignment),
         "uniform": [_point(p, _uniform_name(p, items, rungs)) for p in [*uniform, top]],
@@ -36,9 +39,9 @@ def build_report(*, settings: AutoMixedPrecision, metric: Metric, target: float,
         "evaluations": len(search.trace),
         "chosen": {
             "average_bits": bits[0], "weight_bits": bits[1], "activation_bits": bits[2],
-            "fractions": _fractions(items, rungs, switch, assignment),
+            "holds": held(items, rungs, assignment), "fractions": _fractions(items, rungs, switch, assignment),
             "torch_metric": _torch_metric(search, assignment), "onnxruntime_metric": onnxruntime_metric,
-            "repairs": repairs, "met": metric.meets(onnxruntime_metric, target) if goal != "keep_top" else None,
+            "repairs": repairs, "met": None if goal in UNJUDGED else metric.meets(onnxruntime_metric, target),
         },
         "finetune": None if finetune is None else {k: finetune[k] for k in ("algorithm", "kept", "reverted", "total_seconds")},
         "seconds": seconds,
@@ -56,9 +59,35 @@ def _uniform_name(point: Point, items: list[Item], rungs: dict[str, list[Rung]])
 
 
 def _rung_name(item: Item, rung: int, rungs: dict[str, list[Rung]]) -> str:
+    return "+".join(_role_names(item, rung, rungs).values())
+
+
+def _role_names(item: Item, rung: int, rungs: dict[str, list[Rung]]) -> dict[str, str]:
+    """What an item holds at a rung, by what it covers: `layer` (one ladder), or its activation and
+    weight (a split ladder), or its one role (granularity tensor)."""
     if item.ladder == "split":
-        return f"{rungs['activation'][rung].name}+{rungs['weight'][rung].name}"
-    return rungs[item.ladder][rung].name
+        return {role: rungs[role][rung].name for role in ROLES}
+    return {item.role: rungs[item.ladder][rung].name}
+
+
+def held(items: list[Item], rungs: dict[str, list[Rung]], assignment: tuple[int, ...]) -> str:
+    """What an assignment puts in the model, per role, against the top (costliest) rung: e.g.
+    '5 of 5 activations lowered to int8; no weight lowered (5 of 5 at int8)'."""
+    chosen: dict[str, list[str]] = {}
+    top: dict[str, str] = {}
+    for item, rung in zip(items, assignment, strict=True):
+        top.update(_role_names(item, len(rungs[ladder_key(item)]) - 1, rungs))
+        for role, name in _role_names(item, rung, rungs).items():
+            chosen.setdefault(role, []).append(name)
+    return "; ".join(_held_role(role, names, top[role]) for role, names in chosen.items())
+
+
+def _held_role(role: str, names: list[str], top: str) -> str:
+    lowered = [name for name in names if name != top]
+    if not lowered:
+        return f"no {role} lowered ({len(names)} of {len(names)} at {top})"
+    kept = f", {len(names) - len(lowered)} at {top}" if len(lowered) < len(names) else ""
+    return f"{len(lowered)} of {len(names)} {role}s lowered to {' / '.join(dict.fromkeys(lowered))}{kept}"
 
 
 def _torch_metric(search: Search, assignment: tuple[int, ...]) -> float | None:
@@ -90,21 +119,24 @@ def _fractions(items: list[Item], rungs: dict[str, list[Rung]], switch: Switchab
     """Share of weight and of activation elements (of the searched layers) at each rung."""
     counts: dict[str, dict[str, float]] = {"weight": {}, "activation": {}}
     for i, item in enumerate(items):
-        name = _rung_name(item, assignment[i], rungs)
+        names = _role_names(item, assignment[i], rungs)
         for slot in switch.slots[item.node]:
             role = "activation" if slot.role == "activation" else "weight"
             if item.role in ("layer", role) and slot.role != "bias":
+                name = names.get(role, names.get("layer"))
                 counts[role][name] = counts[role].get(name, 0.0) + slot.elements
     return {role: {k: v / sum(c.values()) for k, v in sorted(c.items())} for role, c in counts.items() if c}
 
 
 def summary_line(report: dict[str, Any]) -> str:
-    """One line: shares per rung, average bits, the onnxruntime metric against the target, wall time."""
+    """One line: what the model holds, shares of elements per format, average bits, the onnxruntime
+    metric against the target, wall time."""
     chosen = report["chosen"]
-    shares = "; ".join(f"{role} " + ", ".join(f"{name} {share:.0%}" for name, share in fractions.items())
+    shares = "; ".join(f"{role} elements " + ", ".join(f"{name} {share:.0%}" for name, share in fractions.items())
                        for role, fractions in chosen["fractions"].items())
-    goal = "" if report["goal"] == "keep_top" else f" (target {report['target']:.6g})"
-    return (f"auto mixed precision: {shares}; {chosen['average_bits']:.2f} average bits; {report['metric']} in onnxruntime "
+    goal = "" if report["goal"] in UNJUDGED else f" (target {report['target']:.6g})"
+    return (f"auto mixed precision: {chosen['holds']}; {shares}; {chosen['average_bits']:.2f} average bits; "
+            f"{report['metric']} in onnxruntime "
             f"{chosen['onnxruntime_metric']:.6g}{goal}; {report['evaluations']} evaluations, {report['seconds']['total']:.1f} s")
 
 
@@ -144,12 +176,13 @@ def plot(report: dict[str, Any], path: Path) -> None:
     chosen = report["chosen"]
     right.scatter([chosen["average_bits"]], [chosen["onnxruntime_metric"]], marker="*", s=160, color="#4c72b0", zorder=3,
                   label="chosen (onnxruntime)")
-    if report["goal"] != "keep_top":
+    if report["goal"] not in UNJUDGED:
         right.axhline(report["target"], color="#55a868", linestyle="--", linewidth=1, label="target")
     right.set_xlabel("average bits per element (searched layers)")
     right.set_ylabel(report["metric"])
     right.set_title("metric against average bits")
     right.legend(fontsize=8)
+    figure.suptitle(chosen["holds"], fontsize=9)
     figure.tight_layout()
     write_atomic(path, lambda tmp: figure.savefig(tmp, format="png", metadata={"Software": None}))
     plt.close(figure)

@@ -49,14 +49,16 @@ Evaluate = Callable[[tuple[int, ...]], tuple[float, float]]  # assignment -> (me
 
 @dataclass
 class Search:
-    """A search over `rungs[i]` rungs per item; items in `fixed` stay at the top. `evaluate`
-    measures an assignment and `bits` prices it (average bits per element)."""
+    """A search over `rungs[i]` rungs per item (cheapest first); items in `fixed` stay at the top.
+    `evaluate` measures an assignment, `bits` prices it (average bits per element) and `describe`
+    says in words what it puts in the model (for the log)."""
 
     rungs: list[int]
     evaluate: Evaluate
     bits: Callable[[tuple[int, ...]], float]
     metric: Metric
     fixed: frozenset[int] = frozenset()
+    describe: Callable[[tuple[int, ...]], str] = lambda assignment: f"rungs {assignment}"
     trace: list[Point] = field(default_factory=list)
     sensitivity: dict[tuple[int, int], Point] = field(default_factory=dict)
     moves: list[Move] = field(default_factory=list)
@@ -121,7 +123,8 @@ class Search:
                              f"rung ({self.metric.name} {top.metric:.6g} there): lower the target or raise the ladder")
         bottom = self.measure(self.bottom, "bottom")
         if self.metric.meets(bottom.metric, target):
-            logger.info("the target is met with every searched layer at the bottom rung: all of them take it")
+            logger.info("the target is met with every searched item at its cheapest rung, which all take: %s",
+                        self.describe(self.bottom))
             return self.bottom
         accepted, remaining = self.top, list(self.moves)
         for _ in range(SKIP_ROUNDS + 1):
@@ -153,7 +156,14 @@ class Search:
         high = {m.item for m in ranked[:count]}
         assignment = tuple(self.top[i] if i in high else r for i, r in enumerate(self.bottom))
         self.measure(assignment, "keep_top")
+        logger.info("the %d most sensitive searched items stay at the top rung: %s", count, self.describe(assignment))
         return assignment
+
+    def lower(self, count: int) -> tuple[int, ...]:
+        """The `count` items whose bottom rung adds the least noise per bit saved take it; the
+        others stay at the top (Quark's NumTarget with the cheaper target types)."""
+        free = sum(1 for m in self.moves if m.rung == 0)
+        return self.keep_top(max(free - count, 0))
 
     def curve(self, points: int) -> None:
         """Measure `points` prefixes spread evenly over the ordered moves (for the metric-versus-bits picture)."""

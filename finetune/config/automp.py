@@ -1,11 +1,14 @@
-"""The automatic mixed precision settings of a config: a ladder of rungs (cheapest first) that each
-target layer may take, the metric and the target the final model must reach, and how the search
-measures candidates. The search itself is `finetune.automp`."""
+"""The automatic mixed precision settings of a config: a ladder of rungs that each target layer may
+take (ordered by their bits per element when the search starts, cheapest first, whatever order they
+are written in), the metric and the target the final model must reach, and how the search measures
+candidates. The search itself is `finetune.automp`."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Literal
+
+from finetune.formats import bits_per_element
 
 from .formats import DEFAULT_OP_TYPES, FormatChoice, Override
 from .schema import ConfigError, Section
@@ -13,12 +16,18 @@ from .schema import ConfigError, Section
 METRICS = ("l2", "cosine", "top1_agreement", "top1_accuracy")  # or "module:function" (see finetune.automp.metrics)
 Rung = str | Override  # a preset name or path, or the {activation, weight, bias} formats of a layer at that rung
 TensorRung = str | FormatChoice  # a preset name or path (its activation or weight format), or one format
+GOALS = ("target", "max_drop", "keep_top", "lower")  # exactly one of these says what the search aims at
+
+
+def choice_bits(choice: FormatChoice | None) -> float:
+    """Bits one element costs in a format (None: float32): what orders a ladder's rungs."""
+    return bits_per_element(None if choice is None else choice.spec())
 
 
 @dataclass(frozen=True)
 class SplitLadder(Section):
-    """Separate ladders for activations and weights, cheapest first (granularity tensor, or both of
-    one length for granularity layer)."""
+    """Separate ladders for activations and weights (granularity tensor, or both of one length for
+    granularity layer, where rung i of one goes with rung i of the other)."""
 
     activation: tuple[TensorRung, ...]
     weight: tuple[TensorRung, ...]
@@ -31,11 +40,12 @@ class SplitLadder(Section):
 
 @dataclass(frozen=True)
 class AutoMixedPrecision(Section):
-    """Per-layer precision search against an accuracy target. Target layers start at the top rung of
-    the ladder; the least sensitive ones per bit saved are lowered while the metric on the
-    evaluation data still meets `target` (or stays within `max_drop` of the float model's; or, with
-    `keep_top`, exactly that many of the most sensitive layers stay at the top rung and the rest take
-    the bottom one). Layers in `keep_high` stay at the top rung, those in `exclude` keep the config's
+    """Per-layer precision search against an accuracy target. The rungs are ordered by bits per
+    element (the costliest is the top); target layers start at the top rung; the least sensitive
+    ones per bit saved are lowered while the metric on the evaluation data still meets `target` (or
+    stays within `max_drop` of the float model's; or, with `keep_top`, exactly that many of the most
+    sensitive layers stay at the top rung and the rest take the bottom one; with `lower`, exactly
+    that many of the least sensitive take the bottom rung and the rest stay at the top). Layers in `keep_high` stay at the top rung, those in `exclude` keep the config's
     own formats (each entry a node name, a tensor the node reads, or the node's index among the
     target-op-type nodes in graph order). `costs` scales the bits of a node or op type (default 1). Defaults: the default op
     types, granularity layer, metric top1_agreement, output 0, no fine-tuning in the loop (when true:
@@ -45,6 +55,7 @@ class AutoMixedPrecision(Section):
     target: float | None = None
     max_drop: float | None = field(default=None, metadata={"min": 0})
     keep_top: int | None = field(default=None, metadata={"min": 0})
+    lower: int | None = field(default=None, metadata={"min": 0})
     metric: str = "top1_agreement"
     target_op_types: tuple[str, ...] = DEFAULT_OP_TYPES
     granularity: Literal["layer", "tensor"] = "layer"
@@ -57,9 +68,9 @@ class AutoMixedPrecision(Section):
     costs: dict[str, float] = field(default_factory=dict)
 
     def _check(self) -> None:
-        goals = [key for key in ("target", "max_drop", "keep_top") if getattr(self, key) is not None]
+        goals = [key for key in GOALS if getattr(self, key) is not None]
         if len(goals) != 1:
-            raise ConfigError("target", f"give exactly one of target, max_drop and keep_top (got {goals or 'none'})")
+            raise ConfigError("target", f"give exactly one of {', '.join(GOALS)} (got {goals or 'none'})")
         if self.metric not in METRICS and ":" not in self.metric:
             raise ConfigError("metric", f"must be one of {', '.join(METRICS)} or 'module:function'; got {self.metric!r}")
         if self.metric in ("cosine", "top1_agreement", "top1_accuracy") and self.target is not None and not 0 <= self.target <= 1:

@@ -1,14 +1,19 @@
-"""AMD Quark's AutoMixprecision block translated: with an accuracy goal (L2Target, Top1AccTarget or
-NumTarget) it becomes an auto_mixed_precision search over the two-rung ladder [the config's types,
-the target types] (Quark starts high and lowers the least sensitive layers while the target holds);
-without one, every TargetOpType node simply takes the target types (op_type_overrides)."""
+"""AMD Quark's AutoMixprecision block translated. Quark quantizes the model with the config's types,
+then moves the layers least sensitive to the target types (ActTargetQuantType, WeightTargetQuantType,
+or TargetQuantType) one by one while the accuracy goal (L2Target, Top1AccTarget) holds, or moves
+NumTarget of them. Here that is an auto_mixed_precision search over the two rungs [the target types,
+the config's types], which the search takes cheapest first by bits per element: in Quark's documented
+use (activations QInt16, target QInt8) the target types are the cheaper rung, and the search lowers
+every layer the goal allows to them. Without a goal, every TargetOpType node simply takes the target
+types (op_type_overrides)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any, Protocol
 
-from .formats import DEFAULT_OP_TYPES
+from .automp import choice_bits
+from .formats import DEFAULT_OP_TYPES, FormatChoice
 from .quark_options import AUTO_MP_ACCEPTED_ONLY, AUTO_MP_MAPPED, AUTO_MP_NO_EFFECT, QUANT_TYPES, enum_value
 from .schema import ConfigError
 
@@ -41,7 +46,7 @@ def _block(t: Translation) -> Mapping[str, Any] | None:
 
 
 def _target_types(t: Translation, block: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any], str]:
-    """The target (higher) activation and weight formats, and the bias there."""
+    """The target activation and weight formats (those Quark gives the layers it moves), and the bias there."""
     act, weight = block.get("ActTargetQuantType"), block.get("WeightTargetQuantType")
     if act is None and weight is None:
         if block.get("TargetQuantType") is None:
@@ -89,26 +94,57 @@ def search_section(t: Translation, block: Mapping[str, Any]) -> dict[str, Any]:
     if len(goals) > 1:
         raise ConfigError(PATH, f"give one of {', '.join(GOALS)}, not {' and '.join(goals)}")
     activation, weight, _ = _target_types(t, block)
-    low_activation = t.choice(t.activation_type, "activation", None, "activation_type")
-    low_weight = t.choice(t.weight_type, "weight", None, "weight_type")
+    base_activation = t.choice(t.activation_type, "activation", None, "activation_type")
+    base_weight = t.choice(t.weight_type, "weight", None, "weight_type")
+    cheaper = _target_is_cheaper((activation, weight), (base_activation, base_weight))
     section: dict[str, Any] = {
-        "ladder": {"activation": [low_activation, activation], "weight": [low_weight, weight]},
+        "ladder": {"activation": [activation, base_activation], "weight": [weight, base_weight]},
         "target_op_types": list(block.get("TargetOpType") or DEFAULT_OP_TYPES),
         "output_index": block.get("OutputIndex", 0),
         "finetune_in_loop": bool(block.get("AutoMixUseFastFT", False)),
-        "keep_high": [*(block.get("TargetTensors") or []), *(block.get("TargetIndices") or [])],
+        "keep_high": _moved_nodes(block, cheaper),
         "exclude": list(block.get("ExcludeIndices") or []),
     }
-    goal = goals[0]
-    if goal == "L2Target":
-        section.update(metric="l2", target=block[goal])
-    elif goal == "NumTarget":
-        section.update(keep_top=block[goal])
-    else:
-        function = block.get("EvaluateFunction")
-        if function is not None and not isinstance(function, str):
-            raise ConfigError(f"{PATH}.EvaluateFunction", "give it as 'module:function' (outputs, float outputs, labels) -> "
-                              "accuracy, or pass metric= to finetune.automp.auto_mixed_precision")
-        section.update(metric=function or "top1_accuracy", max_drop=block[goal])
+    section.update(_goal(block, goals[0], cheaper))
     t.origins["auto_mixed_precision"] = PATH
     return section
+
+
+def _bits(pair: tuple[dict[str, Any], dict[str, Any]]) -> tuple[float, float]:
+    """Bits per element of an (activation, weight) pair of format mappings."""
+    return tuple(choice_bits(FormatChoice(**choice)) for choice in pair)  # type: ignore[return-value]
+
+
+def _target_is_cheaper(target: tuple[dict[str, Any], dict[str, Any]], base: tuple[dict[str, Any], dict[str, Any]]) -> bool:
+    """Whether the target types cost fewer bits per element than the config's (the search's bottom
+    rung); refused when each is cheaper in one role, since the two rungs then have no order."""
+    (target_a, target_w), (base_a, base_w) = _bits(target), _bits(base)
+    if (target_a - base_a) * (target_w - base_w) < 0:
+        raise ConfigError(PATH, "the target types are cheaper in one of activation and weight and costlier in the other: "
+                          "the two rungs have no order by cost to search along")
+    return target_a + target_w < base_a + base_w
+
+
+def _moved_nodes(block: Mapping[str, Any], cheaper: bool) -> list[Any]:
+    """TargetTensors / TargetIndices, the nodes Quark moves to the target types: held at the top rung
+    when the target types are the costlier; refused when they are the cheaper (nothing holds a layer low)."""
+    nodes = [*(block.get("TargetTensors") or []), *(block.get("TargetIndices") or [])]
+    if nodes and cheaper:
+        key = "TargetTensors" if block.get("TargetTensors") else "TargetIndices"
+        raise ConfigError(f"{PATH}.{key}", "puts nodes at the target types, the cheaper rung here, which the search "
+                          "cannot hold layers at: give them as node_overrides with those types instead")
+    return nodes
+
+
+def _goal(block: Mapping[str, Any], goal: str, cheaper: bool) -> dict[str, Any]:
+    """The native goal of Quark's: L2Target a relative L2 target, Top1AccTarget a drop of a top-1
+    metric, NumTarget how many layers take the target types (lowered, or kept high when those cost more)."""
+    if goal == "L2Target":
+        return {"metric": "l2", "target": block[goal]}
+    if goal == "NumTarget":
+        return {"lower" if cheaper else "keep_top": block[goal]}
+    function = block.get("EvaluateFunction")
+    if function is not None and not isinstance(function, str):
+        raise ConfigError(f"{PATH}.EvaluateFunction", "give it as 'module:function' (outputs, float outputs, labels) -> "
+                          "accuracy, or pass metric= to finetune.automp.auto_mixed_precision")
+    return {"metric": function or "top1_accuracy", "max_drop": block[goal]}

@@ -1,5 +1,6 @@
 """Write the tuned parameters of a lifted module back into a copy of the original ONNX model,
-without changing its topology, so stock onnxruntime runs what torch computed."""
+without changing its topology, so stock onnxruntime runs what torch computed. A weight may live
+in any graph of the model: the main graph or an If/Loop/Scan body."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from onnx import helper, numpy_helper
 
 from finetune.lift import LiftedModule, ParamSource
 from finetune.onnx import CUSTOM_DOMAIN, QUARK_DOMAIN, attach_custom_ops
+from finetune.onnx.graphs import all_graphs
 from finetune.onnx.io import load_model
 from finetune.onnx.normalize import constant_of_shape_value
 from finetune.onnx.qdq import bf16_pairs_to_casts
@@ -65,22 +67,26 @@ def _target_tensor(graph: onnx.GraphProto, tensors: dict[str, onnx.TensorProto],
 
 
 def _writable_tensors(graph: onnx.GraphProto) -> dict[str, onnx.TensorProto]:
-    """Initializers and Constant-node tensors by the value name they define."""
-    tensors = {t.name: t for t in graph.initializer}
-    for node in graph.node:
-        if node.op_type == "Constant" and len(node.attribute) == 1 and node.attribute[0].name == "value":
-            tensors[node.output[0]] = node.attribute[0].t
+    """Initializers and Constant-node tensors, of the graph and its subgraphs, by the value name they define."""
+    tensors = {}
+    for each in all_graphs(graph):
+        tensors.update((t.name, t) for t in each.initializer)
+        for node in each.node:
+            if node.op_type == "Constant" and len(node.attribute) == 1 and node.attribute[0].name == "value":
+                tensors[node.output[0]] = node.attribute[0].t
     return tensors
 
 
 def _constant_of_shape_tensor(
     graph: onnx.GraphProto, tensors: dict[str, onnx.TensorProto], name: str
 ) -> onnx.TensorProto | None:
-    """Replace the ConstantOfShape node producing `name` by a Constant node of the same value in
-    the same place (so it can hold any values), and return that Constant's tensor; None if absent."""
-    index = next((i for i, n in enumerate(graph.node) if n.op_type == "ConstantOfShape" and n.output[0] == name), None)
-    if index is None:
+    """Replace the ConstantOfShape node producing `name` (in any graph) by a Constant node of the same
+    value in the same place (so it can hold any values), and return that Constant's tensor; None if absent."""
+    found = next(((each, i) for each in all_graphs(graph) for i, n in enumerate(each.node)
+                  if n.op_type == "ConstantOfShape" and n.output[0] == name), None)
+    if found is None:
         return None
+    graph, index = found
     node = graph.node[index]
     value = constant_of_shape_value(node, numpy_helper.to_array(tensors[node.input[0]]))
     constant = helper.make_node("Constant", [], [name], name=node.name, value=numpy_helper.from_array(value, name))

@@ -2,20 +2,25 @@
 
 Module names are the ONNX node names with `.` replaced by `/`. Initializers live in one container
 module: the weights and biases fine-tuning may change as parameters (each mapped back to its
-initializer in `finetune_params`), everything else as buffers."""
+initializer in `finetune_params`), everything else as buffers. The bodies of If/Loop/Scan nodes
+are built the same way as GraphModules of their own inside the control module (ops/control.py);
+an initializer read in several graphs is one parameter, registered in each of their containers."""
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import inspect
 import logging
 import re
 from collections import defaultdict
+from dataclasses import dataclass, field
 from operator import getitem
 from pathlib import Path
 from typing import Any
 
 import onnx
+import torch
 from onnx2torch.node_converters.shape import OnnxShape
 from onnx2torch.onnx_graph import OnnxGraph
 from onnx2torch.onnx_node import OnnxNode
@@ -23,12 +28,14 @@ from torch import fx, nn
 
 from finetune.onnx.domains import DEFAULT_DOMAINS
 from finetune.onnx.dtypes import to_torch
+from finetune.onnx.graphs import node_reads
 from finetune.onnx.io import load_model
 from finetune.onnx.normalize import normalize_model
 
 from . import ops  # noqa: F401  (registers the converters)
 from .fake_quant import FakeQuantize
 from .host_shapes import HostOp, HostShape, host_shapes
+from .ops.control import Body, constant_condition, contained_bodies, control_module, is_control
 from .params import Dequantize, ParamSource, tensor_array, trainable_initializers
 from .qdq import QOPERATOR_OPS, QUANTIZE_TO_DEQUANTIZE, is_folded_quantize
 from .registry import find_converter
@@ -59,20 +66,43 @@ def lift_model(model: str | Path | onnx.ModelProto) -> LiftedModule:
     order; one output as a tensor, several as a tuple), with fake-quant modules for its QDQ
     patterns and `finetune_params` mapping each trainable parameter to its ParamSource."""
     normalized, _ = normalize_model(load_model(model))
-    return _Builder(normalized).build()
+    module = _Builder(normalized.graph, _Shared.of(normalized)).build()
+    module.finetune_params = _merged_sources(module)
+    _freeze_unmapped_parameters(module)
+    return module
+
+
+@dataclass
+class _Shared:
+    """What the builders of a model's graph and of its bodies share: the opsets, the self-contained
+    copy of every control node's body, the initializers that become parameters, and the tensors
+    already made from initializers (so a weight several graphs read is one parameter)."""
+
+    opsets: dict[str, int]
+    bodies: dict[tuple[str, str], onnx.GraphProto]
+    trainable: set[str]
+    made: dict[str, tuple[torch.Tensor, Dequantize | None]] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, model: onnx.ModelProto) -> _Shared:
+        """The shared state of a normalised model."""
+        opsets = {("" if o.domain in DEFAULT_DOMAINS else o.domain): o.version for o in model.opset_import}
+        bodies = dict(contained_bodies(model.graph, {t.name: t for t in model.graph.initializer}, {}))
+        trainable = trainable_initializers(model.graph).union(*(trainable_initializers(b) for b in bodies.values()))
+        return cls(opsets, bodies, trainable)
 
 
 class _Builder:
-    """One pass over the topologically sorted nodes, emitting fx nodes."""
+    """One pass over the topologically sorted nodes of one graph, emitting fx nodes."""
 
-    def __init__(self, model: onnx.ModelProto):
-        self.graph = OnnxGraph(model.graph)
-        self.opsets = {("" if o.domain in DEFAULT_DOMAINS else o.domain): o.version for o in model.opset_import}
-        self.trainable = trainable_initializers(model.graph)
-        self.graph_outputs = {o.name for o in model.graph.output}
+    def __init__(self, graph: onnx.GraphProto, shared: _Shared):
+        self.proto, self.shared = graph, shared
+        self.graph = OnnxGraph(graph)
+        self.opsets = shared.opsets
+        self.graph_outputs = {o.name for o in graph.output}
         self.consumers: dict[str, list[OnnxNode]] = defaultdict(list)
         for node in self.graph.nodes.values():
-            for name in node.input_values:
+            for name in node_reads(node.proto):  # a body's outer reads count as its control node's
                 self.consumers[name].append(node)
         self.fx_graph = fx.Graph()
         self.root = nn.Module()
@@ -82,11 +112,11 @@ class _Builder:
         self.untaken: dict[str, tuple[fx.Node, int]] = {}  # outputs of multi-output nodes, made on first use
         self.initializers: dict[str, tuple[str, Dequantize | None]] = {}  # attribute name → (initializer, transform)
         self.dequantized: set[str] = set()  # initializers whose codes were dequantized for their one reader
-        self.host = host_shapes(model.graph)  # shape arithmetic that stays on the CPU wherever the model goes
+        self.host = host_shapes(graph)  # shape arithmetic that stays on the CPU wherever the model goes
 
     def build(self) -> LiftedModule:
-        """Placeholders, every node that is not a folded quantize, outputs; then the parameter map.
-        A model in QOperator format is refused first, naming its first such node."""
+        """Placeholders, every node that is not a folded quantize, outputs; then the graph's own
+        parameter map. A model in QOperator format is refused first, naming its first such node."""
         qoperator = next((node for node in self.graph.nodes.values() if node.operation_type in QOPERATOR_OPS), None)
         if qoperator is not None:
             raise LiftError(f"cannot lift node {qoperator.name!r} ({qoperator.domain or 'ai.onnx'}::{qoperator.operation_type}): "
@@ -102,7 +132,6 @@ class _Builder:
         self.fx_graph.output(outputs[0] if len(outputs) == 1 else tuple(outputs))
         module = LiftedModule(self.root, self.fx_graph)
         module.finetune_params = self._param_sources(module)
-        _freeze_unmapped_parameters(module)
         return module
 
     def _add(self, node: OnnxNode) -> None:
@@ -113,12 +142,7 @@ class _Builder:
         if opset is None:
             raise LiftError(f"cannot lift {where}: the model does not import domain {domain!r}")
         try:
-            module, mapping = find_converter(domain, node.operation_type, opset)(node, self.graph)
-            if node.name in self.host.nodes:
-                module, args, kwargs = self._host_op(module, mapping.inputs)
-            else:
-                args = [self._value(value, _codes_transform(module, node, value, self.graph)) for value in mapping.inputs]
-                args, kwargs = _split_optional(args, module)
+            module, args, kwargs, outputs = self._converted(node, domain, opset)
             name = self._module_name(node.name)
             self.root.add_module(name, module)
         except LiftError:
@@ -126,10 +150,34 @@ class _Builder:
         except Exception as error:
             raise LiftError(f"cannot lift {where}: {error}") from error
         call = self.fx_graph.call_module(name, tuple(args), kwargs)
-        if len(mapping.outputs) == 1:
-            self.values[mapping.outputs[0]] = call
+        if len(outputs) == 1:
+            self.values[outputs[0]] = call
         else:
-            self.untaken.update({output: (call, i) for i, output in enumerate(mapping.outputs) if output})
+            self.untaken.update({output: (call, i) for i, output in enumerate(outputs) if output})
+
+    def _converted(self, node: OnnxNode, domain: str, opset: int) -> tuple[nn.Module, list[Any], dict[str, Any], tuple[str, ...]]:
+        """The node's module, its fx arguments (positional, by name) and the ONNX names of its outputs."""
+        if is_control(node.proto):
+            condition = constant_condition(self.proto, node.input_values[0], self._tensors(), opset) if node.operation_type == "If" else None
+            module, inputs = control_module(node.proto, lambda attribute: self._body(node, attribute), condition)
+            return module, [self._value(value, None) for value in inputs], {}, node.output_values
+        module, mapping = find_converter(domain, node.operation_type, opset)(node, self.graph)
+        if node.name in self.host.nodes:
+            module, args, kwargs = self._host_op(module, mapping.inputs)
+        else:
+            args = [self._value(value, _codes_transform(module, node, value, self.graph)) for value in mapping.inputs]
+            args, kwargs = _split_optional(args, module)
+        return module, args, kwargs, mapping.outputs
+
+    def _body(self, node: OnnxNode, attribute: str) -> Body:
+        """The lifted body of a control node's graph attribute, with the outer values it takes."""
+        contained = self.shared.bodies[(node.name, attribute)]
+        own = len(next(a.g for a in node.proto.attribute if a.name == attribute).input)
+        return Body(_Builder(contained, self.shared).build(), tuple(v.name for v in contained.input[own:]))
+
+    def _tensors(self) -> dict[str, onnx.TensorProto]:
+        """The graph's initializers (its body's outer ones included) by name."""
+        return {t.name: t for t in self.proto.initializer}
 
     def _host_op(self, module: nn.Module, inputs: tuple[str, ...]) -> tuple[nn.Module, list[Any], dict[str, Any]]:
         """A host region's op (see host_shapes): Shape returning a CPU tensor, any other holding its
@@ -157,12 +205,12 @@ class _Builder:
 
     def _initializer(self, name: str, transform: Dequantize | None) -> fx.Node:
         """A parameter (weights and biases) or buffer holding an initializer's value, dequantized
-        when a lone DequantizeLinear reads integer or float8 codes."""
-        array = tensor_array(self.graph.initializers[name].proto)
-        value = transform.apply(array) if transform is not None else to_torch(array)
+        when a lone DequantizeLinear reads integer or float8 codes; the same tensor wherever
+        another graph of the model made it already."""
+        value = self._made(name, transform)
         attribute = self._attribute_name(name)
-        if name in self.trainable and value.is_floating_point():
-            self.store.register_parameter(attribute, nn.Parameter(value))
+        if isinstance(value, nn.Parameter):
+            self.store.register_parameter(attribute, value)
         else:
             self.store.register_buffer(attribute, value)
         self.initializers[attribute] = (name, transform)
@@ -170,6 +218,20 @@ class _Builder:
             self.dequantized.add(name)
         self.values[name] = self.fx_graph.get_attr(f"{INITIALIZERS}.{attribute}")
         return self.values[name]
+
+    def _made(self, name: str, transform: Dequantize | None) -> torch.Tensor:
+        """The tensor of an initializer, made once per model."""
+        if name in self.shared.made:
+            value, previous = self.shared.made[name]
+            if transform is not None or previous is not None:
+                raise LiftError(f"quantized initializer {name!r} has several consumers; only one DequantizeLinear may read it")
+            return value
+        array = tensor_array(self.graph.initializers[name].proto)
+        value = transform.apply(array) if transform is not None else to_torch(array)
+        if name in self.shared.trainable and value.is_floating_point():
+            value = nn.Parameter(value)
+        self.shared.made[name] = (value, transform)
+        return value
 
     def _param_sources(self, module: fx.GraphModule) -> dict[str, ParamSource]:
         """Each parameter's initializer and transform, with the quantizer and layers that read it."""
@@ -191,6 +253,38 @@ class _Builder:
     def _attribute_name(self, initializer: str) -> str:
         """The initializer name with `.` replaced by `/`, made unique in the container."""
         return _free_name(self.store, initializer.replace(".", "/"))
+
+
+def _merged_sources(root: LiftedModule) -> dict[str, ParamSource]:
+    """The parameter map of the whole model, bodies included, by qualified name: a parameter that
+    several graphs read (one initializer) is listed once, under its first name, with every
+    graph's modules reading it as consumers."""
+    local = {_joined(path, name): _prefixed(source, path) for path, owner in root.named_modules()
+             if isinstance(owner, LiftedModule) for name, source in owner.finetune_params.items()}
+    merged: dict[str, ParamSource] = {}
+    first: dict[int, str] = {}
+    for name, parameter in root.named_parameters(remove_duplicate=False):
+        if name not in local:
+            continue
+        key = first.setdefault(id(parameter), name)
+        if key == name:
+            merged[name] = local[name]
+        else:
+            earlier = merged[key]
+            merged[key] = dataclasses.replace(earlier, quantizer=earlier.quantizer or local[name].quantizer,
+                                              consumers=earlier.consumers + local[name].consumers)
+    return merged
+
+
+def _joined(path: str, name: str) -> str:
+    """A qualified name inside the module at `path` ("" is the root)."""
+    return f"{path}.{name}" if path else name
+
+
+def _prefixed(source: ParamSource, path: str) -> ParamSource:
+    """A body's parameter source with its module names qualified from the root."""
+    quantizer = None if source.quantizer is None else _joined(path, source.quantizer)
+    return dataclasses.replace(source, quantizer=quantizer, consumers=tuple(_joined(path, c) for c in source.consumers))
 
 
 def _free_name(owner: nn.Module, base: str) -> str:
@@ -238,7 +332,7 @@ def _freeze_unmapped_parameters(module: fx.GraphModule) -> None:
     buffers, so every trainable parameter is one that export writes back."""
     frozen = []
     for owner_name, owner in module.named_modules():
-        if owner_name == INITIALIZERS:
+        if owner_name.rsplit(".", 1)[-1] == INITIALIZERS:  # the model's container, or a body's
             continue
         for name, parameter in list(owner._parameters.items()):
             del owner._parameters[name]

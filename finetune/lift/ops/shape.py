@@ -1,6 +1,6 @@
 """Converters for ops steered by integer inputs (shape, pads, split sizes, slice bounds) that may be
 constant or computed: Reshape with allowzero, Pad with optional axes and every mode, Split-18 with
-num_outputs, Slice with constant bounds."""
+num_outputs, Slice with constant bounds; and Size."""
 
 from __future__ import annotations
 
@@ -139,3 +139,16 @@ def _slice(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
         if min(steps or (1,)) > 0:
             return converted(Slice(starts, ends, axes, steps), node_mapping(node, node.input_values[:1]))
     return converted(OnnxSlice(), node_mapping(node))
+
+
+class Size(nn.Module):
+    """ONNX Size: the number of elements of the input, as an int64 scalar on its device."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tensor(x.numel(), dtype=torch.int64, device=x.device)
+
+
+@register("Size", (1, 13, 19, 21, 23, 24, 25))
+def _size(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
+    """Size, which onnx2torch lacks (voice-activity models compare it to pick an LSTM's state)."""
+    return converted(Size(), node_mapping(node))

@@ -22,7 +22,7 @@ from lightning.fabric.utilities.seed import seed_everything
 from finetune.calibrate import CalibrationData
 from finetune.config import FastFinetune, to_dict
 from finetune.export import export_model
-from finetune.lift import FakeQuantize, LiftedModule, lift_model
+from finetune.lift import FakeQuantize, LiftedModule, check_liftable, lift_model
 from finetune.lift.params import fold_computed_weights
 from finetune.onnx import attach_custom_ops
 from finetune.onnx.io import load_model, save_model_atomic
@@ -77,6 +77,7 @@ def finetune_model(
     device = resolve_device(config.device)
     checkpoint = _checkpoint_path(output_dir, name, resume, config.processes)
     original = load_model(qdq_model)
+    check_liftable(original)  # every op that cannot be lifted, named at once, before any work
     if attach_ops:
         attach_custom_ops(original)  # a node whose body cannot be written fails here, not after the tuning
     float_proto = load_model(float_model) if float_model is not None else None

@@ -187,6 +187,21 @@ def test_multi_input_dicts_tuples_and_npz_agree(tmp_path: Path) -> None:
         _assert_feeds_equal(list(CalibrationData(source, model)), feeds)
 
 
+def test_a_scalar_input_stays_a_scalar(tmp_path: Path) -> None:
+    """A rank-0 input (a voice-activity model's sample rate) is fed as a 0-d array from an .npz
+    file or a dict; it was made 1-d, which the model refused."""
+    model = helper.make_model(helper.make_graph(
+        [helper.make_node("Cast", ["rate"], ["rate_float"], to=TensorProto.FLOAT), helper.make_node("Mul", ["x", "rate_float"], ["y"])],
+        "scalar_input", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 4]),
+                         helper.make_tensor_value_info("rate", TensorProto.INT64, [])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 4])]), opset_imports=[helper.make_opsetid("", 17)])
+    feed = {"x": np.ones((2, 4), np.float32), "rate": np.array(16000, np.int64)}
+    np.savez(tmp_path / "0.npz", **feed)
+    for source in ([feed], tmp_path):
+        (read,) = list(CalibrationData(source, model))
+        assert read["rate"].shape == () and int(read["rate"]) == 16000
+
+
 def test_extra_tuple_items_are_ignored_with_one_warning(
     batches: list[np.ndarray], caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -96,3 +96,17 @@ def test_a_model_onnxruntime_refuses_is_never_handed_back() -> None:
         require_loads(broken, model, "quantize")
     require_loads(broken, broken, "quantize")
     require_loads(model, model, "quantize")
+
+
+def test_a_branch_the_data_never_takes_keeps_its_activations_float_and_says_so() -> None:
+    """Calibrated on rows that all take the then branch, the else branch's activations have no
+    statistics: they stay float, listed in the summary, while its weights are quantized."""
+    model = if_reading_outer_names()
+    result = quantize_model(model, "XINT8", branch_inputs(8)[::2])
+    unreached = {w["tensor"] for w in result.summary["warnings"] if "If branch the data never took" in w["reason"]}
+    assert unreached == {"else_logits"}
+    layers = {node.name: node for node in all_nodes(result.model.graph)}
+    assert layers["else_matmul"].input[0] == "else_logits" and "else_scale" not in layers["else_matmul"].input
+    assert _scales(result.model, "then_relu")
+    for feed in branch_inputs(2):
+        assert np.isfinite(run(result.model, feed)).all()

@@ -100,14 +100,13 @@ def _stream(
     log_every: int,
 ) -> int:
     """Run every batch and update the observers (a subgraph's value comes out under the name
-    that carries it; an If branch not taken gives it empty, which is skipped); returns the
+    that carries it; an If branch not taken gives it empty, which observers skip); returns the
     number of batches."""
     batches = 0
     for feed in tqdm(data, desc="calibration", unit="batch", disable=not progress):
         outputs = session.run([carried.get(name, name) for name in computed], feed) if computed else []
         for name, value in zip(computed, outputs):
-            if value.size or name not in carried:
-                observers[name].update(value)
+            observers[name].update(value)
         for name in fed:
             observers[name].update(feed[name])
         del outputs  # release this batch's activations before the next run

@@ -302,7 +302,7 @@ def _as_array(value: Any, info: InputInfo, label: str) -> np.ndarray:
     if info.dtype is not None:
         array = _cast(array, info, label)
     _check_finite(array, info, label)
-    return np.ascontiguousarray(_fit_rank(array, info, label))
+    return np.require(_fit_rank(array, info, label), requirements="C")  # ascontiguousarray would make a scalar 1-d
 
 
 def _check_finite(array: np.ndarray, info: InputInfo, label: str) -> None:

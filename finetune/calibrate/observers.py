@@ -47,6 +47,11 @@ class Observer(ABC):
         self._max = hi if first else np.maximum(self._max, hi)
         self._update_rows(rows, lo, hi, finite)
 
+    @property
+    def observed(self) -> bool:
+        """Whether any batch reached the observer (a value inside an If branch the data never took gets none)."""
+        return self._param_shape is not None
+
     def clip_range(self) -> tuple[np.ndarray, np.ndarray]:
         """The calibrated range [lo, hi], shaped like the scale."""
         lo, hi = self._calibrated()

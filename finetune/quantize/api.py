@@ -20,7 +20,7 @@ from finetune.onnx.normalize import normalize_model
 from finetune.onnx.qdq import bf16_pairs_to_casts
 from finetune.onnx.session import require_loads
 
-from .calibrate import calibrate
+from .calibrate import calibrate, calibrated_uses
 from .checks import check_plan
 from .insert import insert_qdq
 from .npu import align_eltwise_formats, align_scales
@@ -72,6 +72,7 @@ def quantize_model(
     normalized = upgrade_opset(normalized, uses, changes, notices)
     check_plan(normalized, config, uses, changes, notices)
     qparams = calibrate(normalized, uses, data, providers, notices)
+    uses = calibrated_uses(uses, qparams)
     if alignments is not None:
         alignments += align_scales(normalized, config, uses, qparams, notices)
     quantized = attach_custom_ops(insert_qdq(normalized, uses, qparams, config.weight_storage))

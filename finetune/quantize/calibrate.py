@@ -22,6 +22,8 @@ from .plan import Use, with_producer_formats
 logger = logging.getLogger(__name__)
 
 QParams = dict[tuple[str, FormatSpec], tuple[np.ndarray, np.ndarray]]
+UNREACHED = ("stays float: no calibration sample computed it (it lies in an If branch the data never took); "
+             "calibrate on data that takes every branch to quantize it")
 
 
 def calibrate(model: onnx.ModelProto, uses: list[Use], data: Any, providers: list[str] | None,
@@ -48,11 +50,24 @@ def calibrate(model: onnx.ModelProto, uses: list[Use], data: Any, providers: lis
         warn(logger, notices, [Notice("tensor", tensor, f"{observer.non_finite} NaN or Inf values in the calibration pass "
                                       "were left out of its range (an overflow in the float model?)")
                                for (tensor, _), observer in activations.items() if observer.non_finite])
+        warn(logger, notices, [Notice("tensor", tensor, UNREACHED) for (tensor, _), observer in activations.items()
+                                if not observer.observed])
     elif data is not None:
         _check_unneeded_data(model, data)
-    qparams = {key: observer.scale_zero_point() for key, observer in observers.items()}
+    qparams = {key: observer.scale_zero_point() for key, observer in observers.items() if observer.observed}
     qparams.update(int32_bias_qparams(uses, qparams))
     return qparams
+
+
+def calibrated_uses(uses: list[Use], qparams: QParams) -> list[Use]:
+    """The uses whose formats have the scales they need: an INT/FP8 tensor calibration never saw,
+    and the int32 bias of its node, stay float (as the tensor's notice says)."""
+    return [use for use in uses if _ready(use, qparams) and (use.before is None or _ready(use.before, qparams))]
+
+
+def _ready(use: Use, qparams: QParams) -> bool:
+    """Whether a use needs no scale or has one."""
+    return not (_needs_calibration(use) or use.choice == "int32") or (use.tensor, use.spec) in qparams
 
 
 def _check_unneeded_data(model: onnx.ModelProto, data: Any) -> None:
@@ -115,6 +130,8 @@ def int32_bias_qparams(uses: list[Use], qparams: QParams) -> QParams:
         activation, weight = roles.get("activation"), roles.get("weight")
         if activation is None or weight is None:
             raise ValueError(f"node {node!r}: an int32 bias needs a quantized input and weight")
+        if (activation.tensor, activation.spec) not in qparams:
+            continue  # an input calibration never saw: the node's bias stays float with it (calibrated_uses)
         s_in, _ = qparams[(activation.tensor, activation.spec)]
         s_w, _ = qparams[(weight.tensor, weight.spec)]
         scale = (s_in * s_w).astype(np.float32)

@@ -19,7 +19,9 @@ from finetune.onnx.fold import fold_constants, foldable
 from .qdq import is_quantizer
 
 # Inputs that hold a layer's weight or bias: fine-tuning may change the initializer behind them.
-WEIGHT_INPUTS: dict[str, tuple[int, ...]] = {"Conv": (1, 2), "ConvTranspose": (1, 2), "Gemm": (1, 2), "MatMul": (0, 1)}
+WEIGHT_INPUTS: dict[str, tuple[int, ...]] = {
+    "Conv": (1, 2), "ConvTranspose": (1, 2), "Gemm": (1, 2), "MatMul": (0, 1), "LSTM": (1, 2, 3), "GRU": (1, 2, 3),
+}
 
 @dataclass(frozen=True, eq=False)
 class Dequantize:
@@ -64,7 +66,7 @@ def tensor_array(tensor: onnx.TensorProto) -> np.ndarray:
 
 
 def trainable_initializers(graph: onnx.GraphProto) -> set[str]:
-    """Initializers that feed a weight or bias input of Conv, ConvTranspose, Gemm or MatMul,
+    """Initializers that feed a weight or bias input of Conv, ConvTranspose, Gemm, MatMul, LSTM or GRU,
     directly or through quantize-dequantize nodes, and the 1-D bias a lone Add puts after a
     MatMul (a Linear layer as exporters write it)."""
     producers = {output: node for node in graph.node for output in node.output}
@@ -102,7 +104,7 @@ def _computed_weights(graph: onnx.GraphProto) -> set[str]:
 
 
 def _weight_sources(graph: onnx.GraphProto, producers: dict[str, onnx.NodeProto]) -> Iterator[str]:
-    """The value behind the quantizers of each weight or bias input of a Conv, ConvTranspose, Gemm
+    """The value behind the quantizers of each weight or bias input of a Conv, ConvTranspose, Gemm, LSTM, GRU
     or MatMul."""
     for node in graph.node:
         if node.domain in DEFAULT_DOMAINS:

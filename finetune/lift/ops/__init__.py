@@ -1,8 +1,8 @@
 """Converters for the ops onnx2torch lacks or lifts in a way we cannot use, one module per op
 family: layers take their weights as inputs (so a weight can be a parameter behind a fake-quant
 module), padding follows auto_pad and asymmetric pads, normalisations keep their inference
-semantics, and newer op versions (Cast-19+, Reduce*-18, Pad-18+, Resize-18/19, Split-18,
-Gelu-20, Conv-22, ...) work. Importing this package registers every converter."""
+semantics, recurrent layers (LSTM, GRU) step through time in plain torch ops, and newer op
+versions (Cast-19+, Reduce*-18, Pad-18+, Resize-18/19, Split-18, Gelu-20, Conv-22, ...) work. Importing this package registers every converter."""
 
 from . import qdq  # noqa: F401  (registers the quantize-dequantize converters)
 from .activation import Gelu
@@ -12,9 +12,10 @@ from .norm import BatchNorm, LayerNorm
 from .pool import GlobalMaxPool, Pool
 from .reduce import Reduce
 from .resize import Resize
+from .rnn import GRU, LSTM
 from .shape import Pad, Reshape, Split
 
 __all__ = [
-    "BatchNorm", "Cast", "CastLike", "Conv", "ConvTranspose", "Gelu", "GlobalMaxPool", "LayerNorm", "Pad", "Pool",
-    "Reduce", "Reshape", "Resize", "Split", "cast",
+    "GRU", "LSTM", "BatchNorm", "Cast", "CastLike", "Conv", "ConvTranspose", "Gelu", "GlobalMaxPool", "LayerNorm", "Pad",
+    "Pool", "Reduce", "Reshape", "Resize", "Split", "cast",
 ]

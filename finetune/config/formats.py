@@ -16,7 +16,8 @@ from finetune.formats.integer import INT_RANGES
 
 from .schema import INHERIT, ConfigError, Inherit, Section
 
-DEFAULT_OP_TYPES = ("Conv", "ConvTranspose", "Gemm", "MatMul")  # quantized (and fine-tuned) unless told otherwise
+# Quantized (and fine-tuned) unless told otherwise: the layers with weights.
+DEFAULT_OP_TYPES = ("Conv", "ConvTranspose", "Gemm", "MatMul", "LSTM", "GRU")
 ALL = "all"  # op_types value that quantizes every op type
 AUTO = "auto"  # axis value that lets the quantizer pick the axis per op
 DEFAULT_INT_BLOCK = 32

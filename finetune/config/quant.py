@@ -8,7 +8,7 @@ Schema (YAML keys are the dataclass field names; `preset:` is the one extra key,
     activation: {...}      # FormatChoice of op inputs, or null to leave them float
     weight: {...}          # FormatChoice of weights
     bias: auto             # auto | float | int32
-    op_types: [Conv, ConvTranspose, Gemm, MatMul]   # or `all`
+    op_types: [Conv, ConvTranspose, Gemm, MatMul, LSTM, GRU]   # or `all`
     op_type_overrides: {Add: {activation: {...}}}   # Override per op type (layer-wise)
     node_overrides: {"/layer1/conv": {weight: {...}}}  # Override per node
     tensor_overrides: {"input.1": {...}}            # FormatChoice (or null) per tensor

@@ -24,6 +24,9 @@ QUANTIZABLE_ELEMENT_TYPES = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16)
 UNTYPED = "stays float: its element type is unknown (onnx's shape inference could not infer it, as for outputs of custom-domain ops)"
 PER_CHANNEL_OPSET = 13
 FP8_OPSET = 19
+RECURRENT_OPS = ("LSTM", "GRU")
+RECURRENT_BIAS = 3  # B, the last input an LSTM or GRU quantizes
+BIAS_INPUTS = {("Conv", 2), ("ConvTranspose", 2), ("Gemm", 2), ("LSTM", RECURRENT_BIAS), ("GRU", RECURRENT_BIAS)}
 
 
 @dataclass(frozen=True)
@@ -47,7 +50,8 @@ class Use:
 def plan(model: onnx.ModelProto, config: QuantConfig, notices: list[Notice]) -> list[Use]:
     """Every quantized input of every selected node (inside If/Loop/Scan bodies too), in graph
     order, with its concrete format; an input the config quantizes but whose element type onnx
-    could not infer stays float, and is added to `notices` (WARNING)."""
+    could not infer stays float, and is added to `notices` (WARNING). An LSTM or GRU bias the
+    config makes int32 stays float: its sum also holds the unquantized recurrent products."""
     initializers = {t.name: t for graph in all_graphs(model.graph) for t in graph.initializer}
     types, ranks = tensor_types_and_ranks(model)
     producers = {output: node for node in all_nodes(model.graph) for output in node.output}
@@ -68,6 +72,10 @@ def plan(model: onnx.ModelProto, config: QuantConfig, notices: list[Notice]) -> 
             if types.get(tensor) not in QUANTIZABLE_ELEMENT_TYPES:
                 if not types.get(tensor):  # unknown (or UNDEFINED); a known integer or bool input is simply not quantized
                     untyped.append(Notice("tensor", tensor, UNTYPED))
+                continue
+            if choice == "int32" and node.op_type in RECURRENT_OPS:
+                logger.info("%s: bias %s stays float (an int32 bias needs one input scale; the recurrent state has none)",
+                            node.name, tensor)
                 continue
             if choice == "int32":
                 node_uses.append(Use(node.name, index, tensor, role, choice, IntSpec("int32")))
@@ -101,13 +109,14 @@ def _producer_format(
 def _input_roles(node: onnx.NodeProto, initializers: dict[str, onnx.TensorProto]) -> list[tuple[int, str]]:
     """(input index, role) of the inputs a quantized node's config applies to (the float ones
     among them are quantized): constant weights and biases of Conv/ConvTranspose/Gemm, constant
-    MatMul operands, activations otherwise."""
+    MatMul operands, activations otherwise. An LSTM or GRU quantizes X, W and R and its constant
+    bias B only: its sequence lengths, initial states and peepholes stay as they are."""
     roles = []
     for index, name in enumerate(node.input):
-        if not name:
+        if not name or (node.op_type in RECURRENT_OPS and index > RECURRENT_BIAS):
             continue
         constant = name in initializers
-        if node.op_type in ("Conv", "ConvTranspose", "Gemm") and index == 2:
+        if (node.op_type, index) in BIAS_INPUTS:
             if constant:
                 roles.append((index, "bias"))
         else:
@@ -128,6 +137,8 @@ def _axes(node: onnx.NodeProto, index: int, rank: int | None) -> tuple[int | Non
         return (0, 1) if attrs.get("transB", 0) else (1, 0)
     if node.op_type == "MatMul":
         return (-2, -1) if index == 0 else (-1, -2)
+    if node.op_type in RECURRENT_OPS:  # X [T, B, I] or [B, T, I]; W, R [D, gates * H, I or H]
+        return (1, 2) if index in (1, 2) else (None, -1)
     return (None, 1 if rank is None or rank > 1 else 0)
 
 

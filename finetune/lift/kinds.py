@@ -13,9 +13,11 @@ from onnx2torch.node_converters.matmul import OnnxMatMul
 from onnx2torch.node_converters.shape import OnnxShape
 from torch import nn
 
-from .ops import Conv, ConvTranspose, Gelu
+from .ops import GRU, LSTM, Conv, ConvTranspose, Gelu
 
-_LAYER_KINDS: dict[type, str] = {Conv: "Conv", ConvTranspose: "ConvTranspose", OnnxGemm: "Gemm", OnnxMatMul: "MatMul"}
+_LAYER_KINDS: dict[type, str] = {
+    Conv: "Conv", ConvTranspose: "ConvTranspose", OnnxGemm: "Gemm", OnnxMatMul: "MatMul", LSTM: "LSTM", GRU: "GRU",
+}
 _ACTIVATIONS = (
     nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.ELU, nn.SELU, nn.CELU, nn.Sigmoid, nn.Tanh, nn.Softplus, nn.Softsign,
     nn.Hardswish, nn.Hardtanh, OnnxHardSigmoid, OnnxClip, Gelu,
@@ -23,8 +25,8 @@ _ACTIVATIONS = (
 
 
 def layer_kind(module: nn.Module) -> str | None:
-    """The ONNX op type of a weight layer's module ("Conv", "ConvTranspose", "Gemm" or "MatMul"),
-    None for any other module."""
+    """The ONNX op type of a weight layer's module ("Conv", "ConvTranspose", "Gemm", "MatMul",
+    "LSTM" or "GRU"), None for any other module."""
     return _LAYER_KINDS.get(type(module))
 
 

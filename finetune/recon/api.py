@@ -267,7 +267,7 @@ def _float_weights(module: LiftedModule, reference: LiftedModule, units: list[Un
         if module.finetune_params[layer.weight].transform is None or layer.name not in layers:
             continue
         node = layers[layer.name]
-        index = 1 if layer.op_type != "MatMul" else 1 - layer.input_index
+        index = layer.weight_index
         name = parameter_behind(reference, node.args[index] if index < len(node.args) else None, constant)
         value = None if name is None else reference.get_parameter(name).detach()
         if value is not None and value.shape == module.get_parameter(layer.weight).shape:

@@ -1,6 +1,7 @@
 """Reconstruction units of a lifted module, in graph order. A layer unit is one weight layer (Conv,
-ConvTranspose, Gemm, MatMul with a constant weight, and the bias Add after such a MatMul) with
-the quantized input it reads, followed by its activation and optionally its output quantizer.
+ConvTranspose, Gemm, MatMul with a constant weight, and the bias Add after such a MatMul; LSTM and
+GRU with their input and recurrent weights) with the quantized input it reads, followed by its
+activation and optionally its output quantizer.
 A block unit is a run of such layers between two points where a single value is live (BRECQ's
 blocks: a residual block, a transformer layer), reconstructed together at the block's output."""
 
@@ -16,12 +17,15 @@ from finetune.lift.kinds import is_activation, is_add, is_shape, layer_kind
 from .report import Warnings
 
 BIAS_INDEX = 2  # Conv, ConvTranspose and Gemm take their bias as the third input
+RECURRENT = ("LSTM", "GRU")  # X, W, R, B: two weights (W and R, tuned as two layers) and the bias B of both
+RECURRENT_WEIGHTS, RECURRENT_BIAS = (1, 2), 3
 
 
 @dataclass(frozen=True)
 class Layer:
-    """One weight layer: its module (the ONNX node's name), which argument is its activation, and
-    the trainable parameters behind its weight (with the weight's quantizer module) and bias."""
+    """One weight layer: its module (the ONNX node's name), which argument is its activation and
+    which its weight, and the trainable parameters behind its weight (with the weight's quantizer
+    module) and bias. A recurrent layer is two: its input weight W with the bias, and R."""
 
     name: str
     op_type: str
@@ -29,6 +33,7 @@ class Layer:
     weight: str
     weight_quantizer: str | None
     bias: str | None
+    weight_index: int = 1
 
 
 @dataclass(frozen=True)
@@ -74,7 +79,10 @@ def find_units(
         found = _layer_unit(module, node, constant, op_types, include_output_quant, warnings)
         if found is not None:
             layers.append(found)
-    return layers if unit == "layer" else _blocks(module, layers, constant, warnings)
+    from .bodies import with_bodies  # bodies builds on this module's units, so it is imported here
+
+    units = layers if unit == "layer" else _blocks(module, layers, constant, warnings)
+    return with_bodies(module, units, constant, op_types, include_output_quant, warnings)  # the layers of If/Loop/Scan bodies
 
 
 def constant_nodes(graph: fx.Graph) -> set[fx.Node]:
@@ -98,39 +106,68 @@ def _layer_unit(
     op_type = layer_kind(module.get_submodule(node.target))
     if op_type is None or op_type not in op_types:
         return None
-    activations = [i for i, arg in enumerate(node.args) if isinstance(arg, fx.Node) and arg not in constant]
-    weight_index = _weight_index(op_type, activations)
-    if len(activations) != 1 or weight_index is None:
+    if op_type in RECURRENT and not _reads_one_value(node, constant, warnings):
         return None
-    weight = parameter_behind(module, node.args[weight_index], constant)
+    activations = [i for i, arg in enumerate(node.args) if isinstance(arg, fx.Node) and arg not in constant]
+    weight_indices = _weight_indices(op_type, activations)
+    if len(activations) != 1 or weight_indices is None:
+        return None
+    weights = [_layer_weight(module, node, index, constant, warnings) for index in weight_indices]
+    if None in weights:
+        return None
+    if op_type == "MatMul":
+        bias_add, bias = _bias_add(module, node, constant)
+    else:
+        bias_index = RECURRENT_BIAS if op_type in RECURRENT else BIAS_INDEX
+        bias_add, bias = None, parameter_behind(module, node.args[bias_index] if len(node.args) > bias_index else None, constant)
+    tail = ([bias_add] if bias_add is not None else []) + _output_tail(module, bias_add or node, include_output_quant)
+    last_float = next((n for n in reversed(tail) if not isinstance(module.get_submodule(n.target), FakeQuantize)), node)
+    layers = tuple(
+        Layer(node.target, op_type, activations[0], weight, module.finetune_params[weight].quantizer, bias if k == 0 else None, index)
+        for k, (index, weight) in enumerate(zip(weight_indices, weights))
+    )
+    return Unit(
+        name=node.target, op_type=op_type, layers=layers, input=node.args[activations[0]].name, source=node.target,
+        source_argument=activations[0], nodes=tuple(n.name for n in [node, *tail]), output=(tail[-1] if tail else node).name,
+        target_module=last_float.target,
+    )
+
+
+def _weight_indices(op_type: str, activations: list[int]) -> tuple[int, ...] | None:
+    """Which arguments hold the weights: the second of Conv/ConvTranspose/Gemm and the second and
+    third of LSTM/GRU (whose activation must be the first), the constant operand of MatMul."""
+    if op_type == "MatMul":
+        index = {(0,): 1, (1,): 0}.get(tuple(activations))
+        return None if index is None else (index,)
+    if activations != [0]:
+        return None
+    return RECURRENT_WEIGHTS if op_type in RECURRENT else (1,)
+
+
+def _reads_one_value(node: fx.Node, constant: set[fx.Node], warnings: Warnings) -> bool:
+    """Whether an LSTM or GRU reads no computed value after its bias (a unit trains on one input);
+    one given computed sequence lengths or initial states is left out, with a warning."""
+    later = list(node.args[RECURRENT_BIAS + 1 :]) + list(node.kwargs.values())
+    computed = [arg.name for arg in later if isinstance(arg, fx.Node) and arg not in constant]
+    if computed:
+        warnings.add(node.target, f"not tuned: besides its input it reads computed values ({', '.join(computed)}), and a "
+                     "unit trains on its input alone")
+    return not computed
+
+
+def _layer_weight(module: LiftedModule, node: fx.Node, index: int, constant: set[fx.Node], warnings: Warnings) -> str | None:
+    """The parameter behind the layer's weight argument `index`, or None (with a warning where it
+    is computed or shared)."""
+    weight = parameter_behind(module, node.args[index], constant)
     if weight is None:
-        if node.args[weight_index] in constant:
+        if node.args[index] in constant:
             warnings.add(node.target, "not tuned: ops other than quantize/dequantize compute its weight from the initializer "
                          "(a Transpose after a DequantizeLinear, say), so no initializer holds the weight to train")
         return None
     if len(module.finetune_params[weight].consumers) > 1:
         warnings.add(node.target, f"not tuned: its weight is shared with {module.finetune_params[weight].consumers}")
         return None
-    if op_type == "MatMul":
-        bias_add, bias = _bias_add(module, node, constant)
-    else:
-        bias_add, bias = None, parameter_behind(module, node.args[BIAS_INDEX] if len(node.args) > BIAS_INDEX else None, constant)
-    tail = ([bias_add] if bias_add is not None else []) + _output_tail(module, bias_add or node, include_output_quant)
-    last_float = next((n for n in reversed(tail) if not isinstance(module.get_submodule(n.target), FakeQuantize)), node)
-    layer = Layer(node.target, op_type, activations[0], weight, module.finetune_params[weight].quantizer, bias)
-    return Unit(
-        name=node.target, op_type=op_type, layers=(layer,), input=node.args[activations[0]].name, source=node.target,
-        source_argument=activations[0], nodes=tuple(n.name for n in [node, *tail]), output=(tail[-1] if tail else node).name,
-        target_module=last_float.target,
-    )
-
-
-def _weight_index(op_type: str, activations: list[int]) -> int | None:
-    """Which argument holds the weight: the second of Conv/ConvTranspose/Gemm (whose activation
-    must be the first), the constant operand of MatMul."""
-    if op_type == "MatMul":
-        return {(0,): 1, (1,): 0}.get(tuple(activations))
-    return 1 if activations == [0] else None
+    return weight
 
 
 def parameter_behind(module: LiftedModule, node: fx.Node | None, constant: set[fx.Node]) -> str | None:

@@ -106,7 +106,7 @@ def _auto_mp_overrides(args: argparse.Namespace) -> dict:
     if not args.auto_mp:
         return {}
     if "target" in given or "max_drop" in given:  # the goal given here replaces the config's
-        given = {"target": None, "max_drop": None, "keep_top": None, **given}
+        given = {"target": None, "max_drop": None, "keep_top": None, "lower": None, **given}
     return given
 
 

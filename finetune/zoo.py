@@ -254,3 +254,60 @@ def text_lines(count: int, seed: int = 0) -> np.ndarray:
         ImageDraw.Draw(image).text((left, int(rng.integers(0, 10))), " ".join(words), font=font, fill=ink)
         lines[i] = (np.asarray(image, dtype=np.float32) / 255 - 0.5) / 0.5
     return lines
+
+
+VAD_RATE, VAD_WINDOW, VAD_CONTEXT = 16000, 512, 64  # silero's 16 kHz windows, each after 64 samples of the last
+
+
+def silero_vad_onnx_path() -> Path:
+    """Silero's voice-activity detector v5 as `livekit-plugins-silero` ships it (2.3 MB): the whole
+    network (STFT as a Conv, encoder Convs, an LSTM) sits inside a top-level If on the sample rate,
+    with nested Ifs and weights stored as Constants in the branches. Inputs: `input` [n, 576]
+    (64 context samples, then a 512-sample window at 16 kHz), `state` [2, n, 128], `sr` int64 scalar."""
+    return package_file("livekit.plugins.silero", "resources", "silero_vad.onnx")
+
+
+def silero_vad_lstm_onnx_path() -> Path:
+    """Silero's voice-activity detector v6 as `faster-whisper` ships it (1.2 MB): Convs and an LSTM
+    at the top level. Inputs: `input` [n, 576], `h` and `c` [1, 1, 128]."""
+    return package_file("faster_whisper", "assets", "silero_vad_v6.onnx")
+
+
+def speech_like_audio(seconds: float, seed: int = 0) -> np.ndarray:
+    """Audio made here for voice-activity models (float32 at 16 kHz in [-1, 1]): voiced stretches of
+    a few hundred ms (harmonics of a gliding 90-250 Hz pitch shaped by two vowel formants, at syllable
+    rate) between pauses of low noise; different seeds give independent signals."""
+    rng = np.random.default_rng(seed)
+    audio = np.zeros(int(seconds * VAD_RATE), np.float32)
+    start = 0
+    while start < len(audio):
+        pause = int(rng.uniform(0.1, 0.5) * VAD_RATE)
+        voiced = int(rng.uniform(0.2, 0.8) * VAD_RATE)
+        audio[start : start + pause] = rng.normal(0, 0.003, len(audio[start : start + pause]))
+        begin = start + pause
+        stretch = audio[begin : begin + voiced]
+        stretch[:] = _voiced(voiced, rng)[: len(stretch)]
+        start = begin + voiced
+    return np.clip(audio, -1, 1)
+
+
+def _voiced(length: int, rng: np.random.Generator) -> np.ndarray:
+    """A vowel-like stretch: pitch harmonics weighted by two formant peaks, syllable-rate envelope."""
+    t = np.arange(length) / VAD_RATE
+    pitch = rng.uniform(90, 250) * (1 + 0.1 * np.sin(2 * np.pi * rng.uniform(1, 3) * t))
+    phase = 2 * np.pi * np.cumsum(pitch) / VAD_RATE
+    formants = rng.uniform(300, 900), rng.uniform(900, 2500)
+    signal = np.zeros(length)
+    for harmonic in range(1, 30):
+        frequency = harmonic * pitch.mean()
+        weight = sum(np.exp(-((frequency - f) / 150) ** 2) for f in formants) + 0.02
+        signal += weight * np.sin(harmonic * phase)
+    envelope = np.sin(np.pi * np.clip(t * rng.uniform(3, 6) % 1, 0, 1)) ** 2
+    return (0.3 * signal / max(np.abs(signal).max(), 1e-9) * envelope).astype(np.float32)
+
+
+def vad_windows(audio: np.ndarray) -> np.ndarray:
+    """The audio as silero's inputs: one row per 512-sample window, after the 64 samples before it."""
+    padded = np.concatenate([np.zeros(VAD_CONTEXT, np.float32), audio.astype(np.float32)])
+    count = len(audio) // VAD_WINDOW
+    return np.stack([padded[i * VAD_WINDOW : i * VAD_WINDOW + VAD_CONTEXT + VAD_WINDOW] for i in range(count)])

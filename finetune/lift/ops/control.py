@@ -96,7 +96,8 @@ def control_module(node: onnx.NodeProto, build: BuildBody, condition: np.ndarray
         if not (node.input[0] if node.input else "") and not (node.input[1] if len(node.input) > 1 else ""):
             raise NotImplementedError("a Loop with neither a trip count nor a condition never ends")
         carried = len(node.input) - 2
-        return Loop(body.module, carried, len(body.outer)), [*node.input, *body.outer]
+        graph = next(a.g for a in node.attribute if a.name == "body")
+        return Loop(body.module, carried, _empty_scans(graph, carried)), [*node.input, *body.outer]
     return _scan(node, body), [*node.input, *body.outer]
 
 
@@ -106,6 +107,17 @@ def _if(condition: str, then_branch: Body, else_branch: Body) -> tuple[nn.Module
     module = If(then_branch.module, else_branch.module, [reads.index(n) for n in then_branch.outer],
                 [reads.index(n) for n in else_branch.outer])
     return module, [condition, *reads]
+
+
+def _empty_scans(body: onnx.GraphProto, carried: int) -> list[torch.Tensor]:
+    """Each scan output of a Loop that runs no iteration: empty along the new axis, with the
+    per-iteration shape the body states (0 where unknown), as onnxruntime returns it."""
+    empty = []
+    for output in body.output[1 + carried :]:
+        tensor_type = output.type.tensor_type
+        dims = [d.dim_value if d.HasField("dim_value") else 0 for d in tensor_type.shape.dim]
+        empty.append(torch.from_numpy(np.zeros((0, *dims), helper.tensor_dtype_to_np_dtype(tensor_type.elem_type))))
+    return empty
 
 
 def _scan(node: onnx.NodeProto, body: Body) -> nn.Module:
@@ -146,27 +158,30 @@ class If(nn.Module):
 class Loop(nn.Module):
     """ONNX Loop: runs the body while the iteration count is below the trip count (if given) and
     the condition holds (if given); loop-carried values are threaded through and the scan outputs of
-    every iteration stacked along a new first axis."""
+    every iteration stacked along a new first axis (empty ones, `empty`, after no iteration)."""
 
-    def __init__(self, body: nn.Module, carried: int, outer: int):
+    def __init__(self, body: nn.Module, carried: int, empty: list[torch.Tensor]):
         super().__init__()
-        self.body, self.carried, self.outer = body, carried, outer
+        self.body, self.carried = body, carried
+        self.empty = empty  # a plain attribute: moving the model leaves it on the CPU, forward moves it
 
     def forward(self, trip_count: torch.Tensor | None, condition: torch.Tensor | None,
                 *values: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
         carried, outer = list(values[: self.carried]), values[self.carried :]
         trips = None if trip_count is None else int(trip_count)
         keep = True if condition is None else bool(condition)
-        scans: list[list[torch.Tensor]] = []
+        scans: list[list[torch.Tensor]] = [[] for _ in self.empty]
         iteration = 0
         while keep and (trips is None or iteration < trips):
             flag = torch.tensor(keep) if condition is None else condition.new_tensor(keep)
             results = _as_tuple(self.body(torch.tensor(iteration, dtype=torch.int64), flag, *carried, *outer))
             keep, carried = bool(results[0]), list(results[1 : 1 + self.carried])
-            for index, value in enumerate(results[1 + self.carried :]):
-                (scans.append([value]) if index == len(scans) else scans[index].append(value))
+            for collected, value in zip(scans, results[1 + self.carried :]):
+                collected.append(value)
             iteration += 1
-        return _single([*carried, *(torch.stack(values) for values in scans)])
+        device = values[0].device if values else None
+        stacked = [torch.stack(collected) if collected else empty.to(device) for collected, empty in zip(scans, self.empty)]
+        return _single([*carried, *stacked])
 
 
 class Scan(nn.Module):

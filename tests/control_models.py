@@ -136,4 +136,5 @@ def scan_model(seed: int = 0) -> onnx.ModelProto:
     nodes = [helper.make_node("Scan", ["s", "xs"], ["last", "states"], name="scan", body=body, num_scan_inputs=1,
                               scan_input_directions=[1], scan_output_axes=[1])]
     inputs = [_info("s", [1, HIDDEN]), _info("xs", ["T", 1, 3])]
-    return _model(nodes, inputs, [_info("last", [1, HIDDEN]), _info("states", [1, "T", HIDDEN])], [_weight(rng, "W", [3, HIDDEN])])
+    outputs = [_info("last", [1, HIDDEN]), _info("states", [1, "T", HIDDEN])]
+    return _model(nodes, inputs, outputs, [_weight(rng, "W", [3, HIDDEN])])

@@ -149,8 +149,9 @@ class LoopNet(nn.Module):
 def test_a_scripted_loop_exported_by_torchscript_lifts_like_onnxruntime(tmp_path: Path) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        torch.onnx.export(torch.jit.script(randomized(LoopNet())), (torch.randn(2, 8), torch.tensor(3)), str(tmp_path / "loop.onnx"),
-                          dynamo=False, opset_version=17, input_names=["x", "steps"])
+        scripted = torch.jit.script(randomized(LoopNet()))
+        torch.onnx.export(scripted, (torch.randn(2, 8), torch.tensor(3)), str(tmp_path / "loop.onnx"), dynamo=False,
+                          opset_version=17, input_names=["x", "steps"])
     model = onnx.load(str(tmp_path / "loop.onnx"))
     assert any(node.op_type == "Loop" for node in model.graph.node)
     module = lift_model(model)
@@ -225,7 +226,8 @@ def test_tuning_changes_the_weights_inside_the_branches_and_writes_them_back() -
     from) holding the four branch layers; the tuned weights land in their own initializers (main
     graph and else branch), nothing else changes, and onnxruntime runs the result as torch does."""
     model = if_reading_outer_names()
-    config = load_config({"preset": "XINT8", "fast_finetune": {"algorithm": "adaquant", "iterations": 20, "lr": 1e-3, "batch_size": 1}})
+    tuning = {"algorithm": "adaquant", "iterations": 20, "lr": 1e-3, "batch_size": 1}  # batch 1: the condition is per row
+    config = load_config({"preset": "XINT8", "fast_finetune": tuning})
     result = quantize_and_finetune(model, config, branch_inputs(8))
     (unit,) = result.report["units"]
     assert unit["status"] == "kept" and unit["loss_after"] < unit["loss_before"]

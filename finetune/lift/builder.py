@@ -158,7 +158,8 @@ class _Builder:
     def _converted(self, node: OnnxNode, domain: str, opset: int) -> tuple[nn.Module, list[Any], dict[str, Any], tuple[str, ...]]:
         """The node's module, its fx arguments (positional, by name) and the ONNX names of its outputs."""
         if is_control(node.proto):
-            condition = constant_condition(self.proto, node.input_values[0], self._tensors(), opset) if node.operation_type == "If" else None
+            is_if = node.operation_type == "If"
+            condition = constant_condition(self.proto, node.input_values[0], self._tensors(), opset) if is_if else None
             module, inputs = control_module(node.proto, lambda attribute: self._body(node, attribute), condition)
             return module, [self._value(value, None) for value in inputs], {}, node.output_values
         module, mapping = find_converter(domain, node.operation_type, opset)(node, self.graph)

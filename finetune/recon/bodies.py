@@ -31,7 +31,8 @@ def with_bodies(module: LiftedModule, layers: list[Unit], constant: set[fx.Node]
             continue
         inside = [u for u in units if set(u.nodes) & set(unit.nodes)]
         nodes = sorted({*unit.nodes, *(n for u in inside for n in u.nodes)}, key=position.__getitem__)
-        unit = dataclasses.replace(unit, layers=(*(layer for u in inside for layer in u.layers), *unit.layers), nodes=tuple(nodes))
+        layers = (*(layer for u in inside for layer in u.layers), *unit.layers)
+        unit = dataclasses.replace(unit, layers=layers, nodes=tuple(nodes))
         kept = [u for u in units if u not in inside]
         at = next((i for i, u in enumerate(kept) if position[u.nodes[0]] > position[node.name]), len(kept))
         units = [*kept[:at], unit, *kept[at:]]

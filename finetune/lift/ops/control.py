@@ -127,7 +127,8 @@ def _scan(node: onnx.NodeProto, body: Body) -> nn.Module:
     states = len(node.input) - scans
     outputs = len(node.output) - states
     return Scan(body.module, states, list(attributes.get("scan_input_axes", [0] * scans)),
-                list(attributes.get("scan_input_directions", [0] * scans)), list(attributes.get("scan_output_axes", [0] * outputs)),
+                list(attributes.get("scan_input_directions", [0] * scans)),
+                list(attributes.get("scan_output_axes", [0] * outputs)),
                 list(attributes.get("scan_output_directions", [0] * outputs)), len(body.outer))
 
 

@@ -8,12 +8,15 @@ import numpy as np
 import onnx
 import pytest
 
+from finetune.calibrate import make_observer
+from finetune.formats import IntSpec
 from finetune.onnx.fold import fold_constants
 from finetune.onnx.graphs import all_graphs, all_nodes, node_reads
 from finetune.onnx.normalize import normalize_model
 from finetune.onnx.session import inference_session, require_loads
 from finetune.quantize import quantize_model, quantizer_presets
 from finetune.zoo import silero_vad_onnx_path, speech_like_audio, vad_windows
+from tests.control_models import loop_model, scan_model
 from tests.subgraph_models import branch_inputs, if_reading_outer_names, then_branch_alone
 
 BRANCH_LAYERS = {"then_matmul1": "W1", "then_matmul2": "W2", "else_gemm": "W3", "else_matmul": "else_scale"}
@@ -146,3 +149,35 @@ def test_a_real_voice_activity_model_whose_network_is_inside_an_if_is_quantized(
     if preset == "BF16":  # measured: at most 0.051 apart over the stream, 0.004 on average
         gaps = np.abs(probabilities - _stream_probabilities(str(path), windows))
         assert gaps.max() < 0.1 and gaps.mean() < 0.02
+
+
+INT8_MINMAX = {"format": "int", "dtype": "int8", "symmetric": True, "granularity": "tensor", "calibration": "minmax"}
+
+
+def test_a_loop_body_value_is_calibrated_over_every_iteration() -> None:
+    """The MatMul input inside a Loop body (the carried state h) gets the min-max scale of all the
+    values it takes over the iterations of every sample: x, then each state but the last."""
+    model = loop_model()
+    feeds = [{"x": np.random.default_rng(seed).standard_normal((2, 8)).astype(np.float32), "steps": np.array(6)} for seed in range(3)]
+    quantized = quantize_model(model, {"activation": INT8_MINMAX, "weight": INT8_MINMAX}, feeds).model
+    observer = make_observer("minmax", IntSpec("int8"))
+    session = inference_session(model)
+    for feed in feeds:
+        states = session.run(None, feed)[1]
+        observer.update(np.concatenate([feed["x"][None], states[:-1]]))
+    assert _scales(quantized, "h_in") == [float(observer.scale_zero_point()[0])]
+    for feed in feeds:
+        assert np.isfinite(run(quantized, feed)).all()
+
+
+def test_a_scan_body_value_is_calibrated_and_the_model_runs() -> None:
+    model = scan_model()
+    feeds = [{"s": np.zeros((1, 8), np.float32), "xs": np.random.default_rng(seed).standard_normal((5, 1, 3)).astype(np.float32)}
+             for seed in range(3)]
+    quantized = quantize_model(model, {"activation": INT8_MINMAX, "weight": INT8_MINMAX}, feeds).model
+    observer = make_observer("minmax", IntSpec("int8"))
+    for feed in feeds:
+        observer.update(feed["xs"])
+    assert _scales(quantized, "x_t") == [float(observer.scale_zero_point()[0])]
+    for feed in feeds:
+        assert np.isfinite(inference_session(quantized).run(None, feed)[0]).all()

@@ -64,6 +64,7 @@ def _split_sources(model: onnx.ModelProto, names: list[str]) -> tuple[dict[str, 
     initializers = {tensor.name: tensor for graph in all_graphs(model.graph) for tensor in graph.initializer}
     inputs = {value.name for value in model.graph.input} - set(initializers)
     produced = {output for node in all_nodes(model.graph) for output in node.output if output}
+    produced |= {value.name for graph in all_graphs(model.graph) if graph is not model.graph for value in graph.input}  # body inputs
     unknown = [name for name in names if name not in initializers and name not in inputs and name not in produced]
     if unknown:
         raise ValueError(f"observed tensors {unknown} are not inputs, initializers or node outputs of the model")

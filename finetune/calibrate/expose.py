@@ -56,11 +56,17 @@ def _check_supported(node: onnx.NodeProto) -> None:
 
 
 def _output_info(body: onnx.GraphProto, carried: str | None, elem_type: int, taken: set[str]) -> onnx.ValueInfoProto:
-    """The new output of one body: the carried value, or (an If branch without it) an empty tensor."""
+    """The new output of one body: the carried value, or (an If branch without it) an empty tensor.
+    A body input goes out through an Identity: onnxruntime's Scan returned garbage for a scan
+    output that names a body input directly."""
     if carried is None:
         carried = _unique(f"empty{_EXPOSED}", taken)
         empty = numpy_helper.from_array(np.zeros([0], helper.tensor_dtype_to_np_dtype(elem_type)))
         body.node.append(helper.make_node("Constant", [], [carried], name=carried, value=empty))
+    elif carried in {value.name for value in body.input}:
+        copy = _unique(f"{carried}{_EXPOSED}", taken)
+        body.node.append(helper.make_node("Identity", [carried], [copy], name=copy))
+        carried = copy
     return helper.make_tensor_value_info(carried, elem_type, None)
 
 

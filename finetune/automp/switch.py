@@ -17,9 +17,8 @@ from torch import fx, nn
 
 from finetune.formats import IntSpec, bits_per_element
 from finetune.lift import FakeQuantize, LiftedModule, lift_model
+from finetune.onnx.domains import BIAS_INPUT
 
-BIAS_INPUT = 2  # Conv, ConvTranspose and Gemm take their bias as input 2
-BIASED_OPS = ("Conv", "ConvTranspose", "Gemm")
 IDENTITY = nn.Identity()
 
 
@@ -175,7 +174,7 @@ def _is_quantizer(model: nn.Module, value: object) -> bool:
 def _role(op_type: str, index: int, source: fx.Node) -> str:
     if source.op != "get_attr":
         return "activation"
-    return "bias" if op_type in BIASED_OPS and index == BIAS_INPUT else "weight"
+    return "bias" if BIAS_INPUT.get(op_type) == index else "weight"
 
 
 def _constant(model: nn.Module, node: fx.Node) -> torch.Tensor:

@@ -13,7 +13,7 @@ import onnx
 from finetune.config import FormatChoice, QuantConfig
 from finetune.formats import FormatSpec, IntSpec
 from finetune.notices import Notice, warn
-from finetune.onnx.domains import DEFAULT_DOMAINS
+from finetune.onnx.domains import BIAS_INPUT, DEFAULT_DOMAINS, RECURRENT_OPS
 from finetune.onnx.graphs import all_graphs, all_nodes
 from finetune.onnx.normalize import default_opset, normalize_model
 from finetune.onnx.qdq import STANDARD_QDQ_OPSET, uses_standard_ops
@@ -24,9 +24,6 @@ QUANTIZABLE_ELEMENT_TYPES = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16)
 UNTYPED = "stays float: its element type is unknown (onnx's shape inference could not infer it, as for outputs of custom-domain ops)"
 PER_CHANNEL_OPSET = 13
 FP8_OPSET = 19
-RECURRENT_OPS = ("LSTM", "GRU")
-RECURRENT_BIAS = 3  # B, the last input an LSTM or GRU quantizes
-BIAS_INPUTS = {("Conv", 2), ("ConvTranspose", 2), ("Gemm", 2), ("LSTM", RECURRENT_BIAS), ("GRU", RECURRENT_BIAS)}
 
 
 @dataclass(frozen=True)
@@ -113,10 +110,10 @@ def _input_roles(node: onnx.NodeProto, initializers: dict[str, onnx.TensorProto]
     bias B only: its sequence lengths, initial states and peepholes stay as they are."""
     roles = []
     for index, name in enumerate(node.input):
-        if not name or (node.op_type in RECURRENT_OPS and index > RECURRENT_BIAS):
+        if not name or (node.op_type in RECURRENT_OPS and index > BIAS_INPUT[node.op_type]):
             continue
         constant = name in initializers
-        if (node.op_type, index) in BIAS_INPUTS:
+        if BIAS_INPUT.get(node.op_type) == index:
             if constant:
                 roles.append((index, "bias"))
         else:

@@ -13,12 +13,11 @@ from torch import fx, nn
 
 from finetune.lift import FakeQuantize, LiftedModule
 from finetune.lift.kinds import is_activation, is_add, is_shape, layer_kind
+from finetune.onnx.domains import BIAS_INPUT, RECURRENT_OPS
 
 from .report import Warnings
 
-BIAS_INDEX = 2  # Conv, ConvTranspose and Gemm take their bias as the third input
-RECURRENT = ("LSTM", "GRU")  # X, W, R, B: two weights (W and R, tuned as two layers) and the bias B of both
-RECURRENT_WEIGHTS, RECURRENT_BIAS = (1, 2), 3
+RECURRENT_WEIGHTS = (1, 2)  # W and R of an LSTM or GRU, tuned as two layers sharing the bias B
 
 
 @dataclass(frozen=True)
@@ -106,7 +105,7 @@ def _layer_unit(
     op_type = layer_kind(module.get_submodule(node.target))
     if op_type is None or op_type not in op_types:
         return None
-    if op_type in RECURRENT and not _reads_one_value(node, constant, warnings):
+    if op_type in RECURRENT_OPS and not _reads_one_value(node, op_type, constant, warnings):
         return None
     activations = [i for i, arg in enumerate(node.args) if isinstance(arg, fx.Node) and arg not in constant]
     weight_indices = _weight_indices(op_type, activations)
@@ -118,7 +117,7 @@ def _layer_unit(
     if op_type == "MatMul":
         bias_add, bias = _bias_add(module, node, constant)
     else:
-        bias_index = RECURRENT_BIAS if op_type in RECURRENT else BIAS_INDEX
+        bias_index = BIAS_INPUT[op_type]
         bias_add, bias = None, parameter_behind(module, node.args[bias_index] if len(node.args) > bias_index else None, constant)
     tail = ([bias_add] if bias_add is not None else []) + _output_tail(module, bias_add or node, include_output_quant)
     last_float = next((n for n in reversed(tail) if not isinstance(module.get_submodule(n.target), FakeQuantize)), node)
@@ -141,13 +140,13 @@ def _weight_indices(op_type: str, activations: list[int]) -> tuple[int, ...] | N
         return None if index is None else (index,)
     if activations != [0]:
         return None
-    return RECURRENT_WEIGHTS if op_type in RECURRENT else (1,)
+    return RECURRENT_WEIGHTS if op_type in RECURRENT_OPS else (1,)
 
 
-def _reads_one_value(node: fx.Node, constant: set[fx.Node], warnings: Warnings) -> bool:
+def _reads_one_value(node: fx.Node, op_type: str, constant: set[fx.Node], warnings: Warnings) -> bool:
     """Whether an LSTM or GRU reads no computed value after its bias (a unit trains on one input);
     one given computed sequence lengths or initial states is left out, with a warning."""
-    later = list(node.args[RECURRENT_BIAS + 1 :]) + list(node.kwargs.values())
+    later = list(node.args[BIAS_INPUT[op_type] + 1 :]) + list(node.kwargs.values())
     computed = [arg.name for arg in later if isinstance(arg, fx.Node) and arg not in constant]
     if computed:
         warnings.add(node.target, f"not tuned: besides its input it reads computed values ({', '.join(computed)}), and a "

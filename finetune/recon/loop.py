@@ -184,8 +184,11 @@ class Tuner:
             with contextlib.ExitStack() as installed:
                 for rounding, _ in roundings:
                     installed.enter_context(rounding)
-                if unit.op_type == "block":
-                    installed.enter_context(dropped_quantization(train, config, k, self.fabric.global_rank, device))
+                if unit.op_type == "block" and not installed.enter_context(
+                        dropped_quantization(train, config, k, device, batches, self.fabric)):
+                    self.warnings.add(unit.name, "its rows could not be located in some activation (does it mix the rows "
+                                      "of a batch?), so each process draws its own QDrop bytes inside it: the processes "
+                                      "do not train on the one-process mixture")
                 read_every = steps_per_read(device)
                 annealing = Annealing(config.iterations) if roundings else None
                 losses: list[torch.Tensor] = []

@@ -1,21 +1,25 @@
 """QDrop (Wei et al., 2022) for the unit optimisation: training inputs mixed per element from the
 quantized and the float inputs, and inside a block each activation quantizer passing its float
-value for some elements; both seeded by the unit index, so reruns repeat."""
+value for some elements; both seeded by the unit index, so reruns repeat. A data-parallel process
+draws the bytes one process draws for the whole batch and keeps those of its own rows, so N
+processes train on the one-process mixture."""
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import numpy as np
 import torch
+from lightning.fabric import Fabric
 from torch import fx
 
 from finetune.config import FastFinetune
 from finetune.lift import FakeQuantize
 
 from .cache import CachedValue, SpilledArray
-from .parallel import Rows
+from .parallel import Rows, sum_across
 from .units import constant_nodes
 
 CPU = torch.device("cpu")
@@ -47,12 +51,14 @@ class Batches:
         self.masks = KeepMasks(qdrop_threshold(config.drop_ratio), device, self.generator, [config.seed, k])
         self.mixing = self.masks.threshold < 256
         self.staged = _stage(self._values(), device, device_budget)
+        self.held = np.arange(0)  # positions in the last global batch of the rows this process holds
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The next (input, target) batch on the device: the rows of the global batch this process holds."""
         picked = np.sort(self.rows.trainable[self.generator.permutation(len(self.rows.trainable))[: self.size]])
         local = self.rows.local[picked]
         held = local >= 0
+        self.held = np.flatnonzero(held)
         x, *float_x, target = self._gather(local[held])
         if self.mixing:
             keep = self.masks.draw((self.size, *x.shape[1:]))
@@ -60,6 +66,13 @@ class Batches:
                 keep = keep[torch.from_numpy(np.flatnonzero(held)).to(keep.device, non_blocking=True)]
             x = torch.where(keep, x, float_x[0])
         return x, target
+
+    def sample(self, count: int) -> torch.Tensor:
+        """`count` quantized input rows on the device for probing a unit's layout: this process's first
+        trainable rows, zeros where it holds fewer."""
+        local = self.rows.local[self.rows.trainable]
+        x = self._gather(local[local >= 0][:count])[0]
+        return torch.cat([x, x.new_zeros((count - len(x), *x.shape[1:]))])
 
     def _gather(self, rows: np.ndarray) -> list[torch.Tensor]:
         """The given local rows of the inputs, the float inputs (when mixing) and the targets, on the device."""
@@ -109,29 +122,133 @@ class KeepMasks:
 
 
 @contextlib.contextmanager
-def dropped_quantization(train: fx.GraphModule, config: FastFinetune, k: int, rank: int = 0,
-                         device: torch.device = CPU) -> Iterator[None]:
+def dropped_quantization(train: fx.GraphModule, config: FastFinetune, k: int, device: torch.device = CPU,
+                         batches: Batches | None = None, fabric: Fabric | None = None) -> Iterator[bool]:
     """QDrop inside a block while it trains: each activation quantizer keeps its quantized value
     per element with probability drop_ratio (in steps of 1/256) and passes the float value
     otherwise (seeded by the unit index, so reruns repeat). Weight quantizers, which read
-    constants, are left alone. Process `rank` of a data-parallel run draws its own bytes for
-    its own rows (so blocks with drop_ratio < 1 train on other bytes than in one process). On an
-    accelerator the bytes come from a generator there (see KeepMasks)."""
+    constants, are left alone. On an accelerator the bytes come from a generator there (see
+    KeepMasks). In a data-parallel run (`fabric` of several processes, training on `batches`) each
+    process draws the whole batch's bytes and keeps its rows' (see BatchMasks); it yields False
+    where it cannot locate the rows in some activation and each process then draws its own bytes."""
     constant = constant_nodes(train.graph)
     quantizers = [train.get_submodule(n.target) for n in train.graph.nodes
                   if n.op == "call_module" and n not in constant and isinstance(train.get_submodule(n.target), FakeQuantize)]
+    if config.drop_ratio >= 1 or not quantizers:
+        yield True
+        return
+    parallel = fabric is not None and fabric.world_size > 1 and batches is not None
+    axes = row_axes(train, quantizers, batches.sample(2), fabric) if parallel else None
+    rank = fabric.global_rank if parallel and axes is None else 0
     entropy = [config.seed, k, 1, *([rank] if rank else [])]
-    masks = KeepMasks(qdrop_threshold(config.drop_ratio), device, np.random.default_rng(entropy), entropy)
+    masks = BatchMasks(KeepMasks(qdrop_threshold(config.drop_ratio), device, np.random.default_rng(entropy), entropy),
+                       batches, axes)
 
     def mix(_module: torch.nn.Module, args: tuple[torch.Tensor, ...], quantized: torch.Tensor) -> torch.Tensor:
         return torch.where(masks.draw(tuple(quantized.shape)), quantized, args[0])
 
-    hooks = [quantizer.register_forward_hook(mix) for quantizer in quantizers] if config.drop_ratio < 1 else []
+    hooks = [quantizer.register_forward_hook(mix) for quantizer in quantizers]
     try:
-        yield
+        yield not parallel or axes is not None
     finally:
         for hook in hooks:
             hook.remove()
+
+
+@dataclass(frozen=True)
+class RowAxis:
+    """Where a batch's rows lie in an activation: along `axis`, laid out as (outer, rows, inner)
+    flattened, so `inner` consecutive entries per row, repeated `outer` times (a value reshaped
+    from (rows, tokens, d) to (rows * tokens, d) has inner = tokens; from (tokens, rows, d), outer = tokens)."""
+
+    axis: int
+    outer: int
+    inner: int
+
+    def whole(self, shape: tuple[int, ...], rows: int) -> tuple[int, ...]:
+        """The shape of this activation over a batch of `rows` rows."""
+        return (*shape[: self.axis], self.outer * rows * self.inner, *shape[self.axis + 1:])
+
+    def index(self, positions: np.ndarray, rows: int) -> np.ndarray:
+        """The entries along the axis, in order, of the rows at these positions of a batch of `rows`."""
+        outer = np.arange(self.outer)[:, None, None] * rows * self.inner
+        inner = positions[None, :, None] * self.inner + np.arange(self.inner)[None, None, :]
+        return (outer + inner).reshape(-1)
+
+
+class BatchMasks:
+    """In-block QDrop masks of one process: for the batch it trains on (`batches` None, or `axes`
+    None) or, in a data-parallel run, the global batch's masks drawn as one process draws them, cut
+    to the rows this process holds in each activation (`axes`: the row axis of each quantizer call
+    of a forward, in call order; None for an activation whose shape does not follow the rows)."""
+
+    def __init__(self, masks: KeepMasks, batches: Batches | None, axes: list[RowAxis | None] | None) -> None:
+        self.masks, self.batches, self.axes, self.calls = masks, batches, axes, 0
+
+    def draw(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """The keep mask of the next quantizer call, for an activation of `shape`."""
+        if not self.axes or self.batches is None:
+            return self.masks.draw(shape)
+        axis = self.axes[self.calls % len(self.axes)]
+        self.calls += 1
+        if axis is None:
+            return self.masks.draw(shape)
+        keep = self.masks.draw(axis.whole(shape, self.batches.size))
+        index = torch.from_numpy(axis.index(self.batches.held, self.batches.size)).to(keep.device, non_blocking=True)
+        return keep.index_select(axis.axis, index)
+
+
+class _NoRowAxis(Exception):
+    """An activation in which a batch's rows cannot be located."""
+
+
+def row_axes(train: fx.GraphModule, quantizers: list[torch.nn.Module], rows: torch.Tensor,
+             fabric: Fabric) -> list[RowAxis | None] | None:
+    """The row axis of each activation quantizer call of one forward, found by running `train` on the
+    first row of `rows` and on both: the one axis that doubles, with the first row's entries first.
+    None, in every process alike, where some process finds no such axis (e.g. a unit that mixes rows)."""
+    one, two = _quantizer_inputs(train, quantizers, rows[:1]), _quantizer_inputs(train, quantizers, rows[:2])
+    try:
+        if len(one) != len(two):
+            raise _NoRowAxis
+        axes = [_row_axis(a, b) for a, b in zip(one, two)]
+    except _NoRowAxis:
+        axes = None
+    return None if sum_across(fabric, [axes is None])[0] else axes
+
+
+def _quantizer_inputs(train: fx.GraphModule, quantizers: list[torch.nn.Module], x: torch.Tensor) -> list[torch.Tensor]:
+    """What the quantizers receive, call by call, in one forward of `x`."""
+    seen: list[torch.Tensor] = []
+    hooks = [q.register_forward_hook(lambda _m, args, _out: seen.append(args[0].detach())) for q in quantizers]
+    try:
+        with torch.no_grad():
+            train(x)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return seen
+
+
+def _row_axis(one: torch.Tensor, two: torch.Tensor) -> RowAxis | None:
+    """The row axis of an activation seen over one row and over two rows starting with it (None:
+    its shape does not follow the rows): the one axis that doubles, split as the first row's
+    entries are found in it."""
+    if one.dim() != two.dim():
+        raise _NoRowAxis
+    differ = [d for d in range(one.dim()) if one.shape[d] != two.shape[d]]
+    if len(differ) > 1:
+        raise _NoRowAxis
+    if not differ:
+        return None
+    axis, size = differ[0], one.shape[differ[0]]
+    if two.shape[axis] != 2 * size:
+        raise _NoRowAxis
+    for outer in (n for n in range(1, size + 1) if size % n == 0):
+        first = two.unflatten(axis, (outer, 2, size // outer)).select(axis + 1, 0)
+        if torch.allclose(first, one.unflatten(axis, (outer, size // outer)), rtol=1e-4, atol=1e-6):
+            return RowAxis(axis, outer, size // outer)
+    raise _NoRowAxis
 
 
 def qdrop_threshold(drop_ratio: float) -> int:

@@ -232,6 +232,13 @@ class CachedValue:
         parts = [self.chunks[c][rows[chunk_of == c] - self.offsets[c]] for c in np.unique(chunk_of)]
         return torch.from_numpy(np.concatenate(parts) if len(parts) > 1 else parts[0])
 
+    def rows_along(self, axis: int) -> CachedValue:
+        """A view of this value whose rows are its slices along `axis` (a recurrent layer's batch),
+        moved first without copying in-memory chunks; the original keeps and releases the memory."""
+        view = CachedValue(self.cache, self.name)
+        view.chunks = [np.moveaxis(np.asarray(chunk), axis, 0) for chunk in self.chunks]
+        return view
+
     def clear(self) -> None:
         """Drop every chunk."""
         for chunk in self.chunks:

@@ -18,7 +18,7 @@ from typing import Any, Self
 import torch
 import torch.nn.functional as F
 from lightning.fabric import Fabric
-from torch import fx
+from torch import fx, nn
 
 from finetune.config import FastFinetune
 from finetune.lift import LiftedModule
@@ -125,6 +125,9 @@ class Tuner:
         A loss that is not finite before tuning is an error: the unit's weights or values hold NaN or Inf."""
         begin = time.perf_counter()
         unit = self.units[k]
+        if unit.row_axes != (0, 0):  # a recurrent layer: its rows are sequences, along its batch axes
+            (input_axis, output_axis), train = unit.row_axes, RowsFirst(train, *unit.row_axes)
+            inputs, float_inputs, targets = inputs.rows_along(input_axis), float_inputs.rows_along(input_axis), targets.rows_along(output_axis)
         self.should_stop, self.stop_tail = False, 0
         self.fabric.call("on_unit_start", tuner=self, index=k, unit=unit)
         original = {name: module.get_parameter(name).detach().clone() for name in parameters_of(unit)}
@@ -292,6 +295,19 @@ class Tuner:
         self.results.append(result)
         self.fabric.call("on_unit_end", tuner=self, index=k, unit=unit, result=result, module=module)
         return result
+
+
+class RowsFirst(nn.Module):
+    """A unit's module fed and read with its rows first: the rows go to the axes where the layer
+    holds its batch on the way in, and the output's come back first."""
+
+    def __init__(self, train: nn.Module, input_axis: int, output_axis: int) -> None:
+        super().__init__()
+        self.train_module, self.input_axis, self.output_axis = train, input_axis, output_axis
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        first, *rest = self.train_module(x.movedim(0, self.input_axis))
+        return (first.movedim(self.output_axis, 0), *rest)
 
 
 def steps_per_read(device: torch.device) -> int:

@@ -52,6 +52,7 @@ class Unit:
     nodes: tuple[str, ...]
     output: str
     target_module: str
+    row_axes: tuple[int, int] = (0, 0)  # where the input and the target hold a training row (a recurrent layer's batch)
 
 
 def parameters_of(unit: Unit) -> list[str]:
@@ -128,8 +129,17 @@ def _layer_unit(
     return Unit(
         name=node.target, op_type=op_type, layers=layers, input=node.args[activations[0]].name, source=node.target,
         source_argument=activations[0], nodes=tuple(n.name for n in [node, *tail]), output=(tail[-1] if tail else node).name,
-        target_module=last_float.target,
+        target_module=last_float.target, row_axes=_row_axes(module.get_submodule(node.target)) if op_type in RECURRENT_OPS else (0, 0),
     )
+
+
+def _row_axes(layer: nn.Module) -> tuple[int, int]:
+    """The batch axes of a recurrent layer's input and output, where its training rows lie (whole
+    sequences; time steps are not independent rows): X [T, B, I], Y [T, D, B, H] or a final state
+    [D, B, H]; everything batch-first with layout 1."""
+    if layer.layout:
+        return (0, 0)
+    return (1, 2 if layer.returns == (0,) else 1)
 
 
 def _weight_indices(op_type: str, activations: list[int]) -> tuple[int, ...] | None:
@@ -265,6 +275,9 @@ def _blocks(module: LiftedModule, layers: list[Unit], constant: set[fx.Node], wa
         outside = {i.name for n in members for i in n.all_input_nodes if i not in constant} - {n.name for n in [entry, *members]}
         if outside:
             _stay_single(group, f"a block of {len(group)} layer(s) here would also read {sorted(outside)}", warnings)
+            units.extend(group)
+        elif any(layer.row_axes != (0, 0) for layer in group):
+            _stay_single(group, "a block here would hold a recurrent layer, whose training rows are whole sequences", warnings)
             units.extend(group)
         else:
             units.append(_block_unit(module, entry, members, group))

@@ -71,4 +71,6 @@ def test_spilled_values_read_back_do_not_stay_resident(tmp_path: Path, monkeypat
                 assert float(rows.sum()) == rows.numel()
         grown = _resident_kib() - before
         assert cache.on_disk == 4 * chunk.nbytes
-    assert grown < 64 * 1024, f"resident memory grew by {grown} KiB while reading back 256 MiB of spills"
+    # Half the spilled size: freed 16 MiB batches the C library keeps for reuse count too (after a tuning
+    # run in the same process exactly 64 MiB of them stayed), while a plain memory map kept all 256 MiB.
+    assert grown < 128 * 1024, f"resident memory grew by {grown} KiB while reading back 256 MiB of spills"

@@ -21,6 +21,7 @@ from finetune.lift import LiftError, lift_model
 from finetune.pipeline import quantize_and_finetune
 from finetune.quantize import quantize_model, quantizer_presets
 from finetune.recon.report import Warnings
+from finetune.recon.sides import SideInput
 from finetune.recon.units import find_units
 
 from .lift_helpers import onnx_model, randomized, run_ort, run_torch, tensor
@@ -269,13 +270,15 @@ def test_tuned_w_and_r_are_written_back(crnn: dict) -> None:
     assert np.abs(actual - expected).max() <= 0.1
 
 
-def test_lstm_reading_a_computed_state_is_not_a_unit() -> None:
-    """An LSTM whose initial state is a graph input (a streaming voice-activity model) is left out
-    of tuning with a warning: a unit trains on its one input."""
-    model, _ = rnn_node_model("LSTM", initial=True)
-    warned = Warnings()
-    assert find_units(lift_model(model), ("LSTM",), warnings=warned) == []
-    assert [entry["unit"] for entry in warned] == ["rnn"] and "h0" in warned[0]["reason"]
+@pytest.mark.parametrize("layout", [0, 1])
+def test_lstm_reading_computed_states_and_lengths_is_a_unit_with_side_inputs(layout: int) -> None:
+    """An LSTM whose sequence lengths and initial states are graph inputs (a streaming voice-activity
+    model) is a unit reading them as side inputs, each with its batch axis; measured on Y, its first output."""
+    model, _ = rnn_node_model("LSTM", layout=layout, initial=True, lengths=[7, 5, 3])
+    (unit,) = find_units(lift_model(model), ("LSTM",))
+    state_axis = 0 if layout else 1
+    assert unit.side_inputs == (SideInput("lengths", 0), SideInput("h0", state_axis), SideInput("c0", state_axis))
+    assert unit.target_output == 0 and unit.row_axes == ((0, 0) if layout else (1, 2))
 
 
 def test_lstm_tuning_trains_on_whole_sequences_and_lowers_its_loss(crnn: dict) -> None:

@@ -20,6 +20,7 @@ from finetune.quantize import quantize_model
 from finetune.recon import ActivationCache, finetune_model
 from finetune.recon.parallel import Rows, chunk_table
 from finetune.recon.qdrop import Batches, _row_axis
+from finetune.recon.sides import UnitInputs
 from finetune.recon.stream import cache_inputs
 from finetune.zoo import digits_split, export_onnx
 
@@ -41,10 +42,10 @@ def test_the_processes_draw_the_one_process_batch_and_bytes_between_them() -> No
     shares = [_process_batches(batches, config, rank, 2) for rank in range(2)]
     empty_steps = 0
     for _ in range(40):
-        x, numbers = one.next()
+        (x,), numbers = one.next()
         parts = [share.next() for share in shares]
-        empty_steps += any(len(part[0]) == 0 for part in parts)
-        together, their_numbers = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+        empty_steps += any(len(part[0][0]) == 0 for part in parts)
+        together, their_numbers = torch.cat([p[0][0] for p in parts]), torch.cat([p[1] for p in parts])
         assert torch.equal(together[torch.argsort(their_numbers[:, 0])], x[torch.argsort(numbers[:, 0])])
         assert 0 < (x < 50).sum() < x.numel()  # mixed: some quantized, some float values
     assert empty_steps > 0
@@ -59,7 +60,7 @@ def _process_batches(batches: list[np.ndarray], config: FastFinetune, rank: int,
                                for values in (batches, [b + 100 for b in batches], numbers))
     tables = [chunk_table(*(cache_inputs([{"x": b} for b in values], ["x"], ActivationCache(2**30), r, world)[0]
                             for values in (batches, numbers)), r, world) for r in range(world)]
-    return Batches(inputs, floats, targets, config, 0, Rows.from_table(sorted(sum(tables, [])), rank, world))
+    return Batches(UnitInputs((inputs,), (True,)), floats, targets, config, 0, Rows.from_table(sorted(sum(tables, [])), rank, world))
 
 
 LAYOUTS = {  # activations of a batch x (rows, 5 tokens, 4) as a block lays them out

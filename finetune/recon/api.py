@@ -249,7 +249,7 @@ def _run(module: LiftedModule, reference: LiftedModule, units: list[Unit], origi
             if k < tuner.resumed_units:
                 tuner.restore(k, module, finished_weights)
             else:
-                tuner.tune(k, module, plan.train[k], unit_inputs, float_inputs, targets, starts)
+                tuner.tune(k, module, plan.train[k], unit_inputs, float_inputs, targets, starts, stream.side_inputs(unit))
             cache.release(float_inputs.name)
             cache.release(targets.name)
             stream.after(k)

@@ -2,10 +2,12 @@
 layers is tuned as one block-like unit at its output: a branch's layers run only on the batches
 that take the branch, so their inputs cannot be captured a layer at a time the way the main
 graph's are. The unit reaches back from the node to the nearest value all its inputs come from
-(the value its condition is computed from, say), since a unit trains on one input; layer units of
-the main graph inside that span join it. A unit trains on batches of cached rows, so a condition
-computed from the data sees a training batch as a whole: with such a condition, give batches of
-the size the model runs at (batch_size 1 for a model run one row at a time)."""
+(the value its condition is computed from, say), and layer units of the main graph inside that
+span join it; where there is none (a model input for the data, another for the sample rate or
+the trip count), the node alone is the unit, with side inputs (see sides). A unit trains on
+batches of cached rows, so a condition computed from the data sees a training batch as a whole:
+with such a condition, give batches of the size the model runs at (batch_size 1 for a model run
+one row at a time)."""
 
 from __future__ import annotations
 
@@ -14,9 +16,13 @@ import dataclasses
 from torch import fx, nn
 
 from finetune.lift import LiftedModule
+from finetune.lift.ops.control import If, Loop
 
 from .report import Warnings
+from .sides import SideInput, measured_output
 from .units import Layer, Unit, find_units
+
+CONTROL_ARGUMENTS = {If: 1, Loop: 2}  # the leading arguments that steer the node: If's condition, Loop's trip count and condition
 
 
 def with_bodies(module: LiftedModule, layers: list[Unit], constant: set[fx.Node], op_types: tuple[str, ...],
@@ -49,19 +55,38 @@ def _body_unit(module: LiftedModule, node: fx.Node, constant: set[fx.Node], op_t
               for layer in _body_layers(module, path, body, op_types, include_output_quant, warnings)]
     if not layers:
         return None
-    if any(user.op == "call_function" for user in node.users):  # several outputs, taken apart by getitem
-        warnings.add(node.target, "not tuned: the layers in its bodies end in several outputs, and a unit is measured on one")
-        return None
+    items, output, item = measured_output(node)  # several outputs, taken apart by getitem: the first is measured
     entry, members = _entry(module, node, constant)
+    if entry is None:
+        return _unit_with_sides(module, node, layers, constant, warnings)
     reader = next((m for m in members if m.op == "call_module" and entry in m.args), None)
     if reader is None:
-        warnings.add(node.target, "not tuned: the values it reads come from several model inputs or values, and a unit "
-                     "trains on one input")
+        warnings.add(node.target, "not tuned: no op of it reads the value all its inputs come from as an argument")
         return None
     return Unit(
         name=node.target, op_type="block", layers=tuple(layers), input=entry.name, source=reader.target,
-        source_argument=reader.args.index(entry), nodes=tuple(m.name for m in members), output=node.name,
-        target_module=node.target,
+        source_argument=reader.args.index(entry), nodes=tuple(m.name for m in [*members, *items]), output=output.name,
+        target_module=node.target, target_output=item,
+    )
+
+
+def _unit_with_sides(module: LiftedModule, node: fx.Node, layers: list[Layer], constant: set[fx.Node],
+                     warnings: Warnings) -> Unit | None:
+    """The unit of a control-flow node whose inputs come from several values (model inputs, a
+    condition computed from another): its main input is the first computed value it reads after its
+    control inputs (an If's condition, a Loop's trip count and condition), the others side inputs."""
+    control = CONTROL_ARGUMENTS.get(type(module.get_submodule(node.target)), 0)
+    computed = list(dict.fromkeys(a for a in node.args if isinstance(a, fx.Node) and a not in constant))
+    main = next((a for i, a in enumerate(node.args) if i >= control and a in computed), None)
+    if main is None or node.kwargs:
+        warnings.add(node.target, "not tuned: it reads no computed value besides its control inputs, so it has no "
+                     "input whose rows to train on")
+        return None
+    items, output, item = measured_output(node)
+    return Unit(
+        name=node.target, op_type="block", layers=tuple(layers), input=main.name, source=node.target,
+        source_argument=node.args.index(main), nodes=tuple(n.name for n in [node, *items]), output=output.name,
+        target_module=node.target, target_output=item, side_inputs=tuple(SideInput(a.name) for a in computed if a is not main),
     )
 
 
@@ -100,13 +125,14 @@ def _qualified(layer: Layer, path: str) -> Layer:
 def _entry(module: LiftedModule, node: fx.Node, constant: set[fx.Node]) -> tuple[fx.Node | None, list[fx.Node]]:
     """The latest value that everything the node computes from passes through (the node's one
     input, or the value its condition and its other inputs are computed from), and the nodes from
-    there to the node, in graph order; (None, []) when there is none."""
+    there to the node, in graph order; (None, []) when there is none (another model input is read
+    on the way: then the unit has side inputs)."""
     ancestors = _ancestors(node, constant)
     order = [n for n in module.graph.nodes if n in ancestors]
     for entry in reversed(order[:-1]):
         members = ancestors - _ancestors(entry, constant)
         outside = {i for m in members for i in m.all_input_nodes if i not in constant and i not in members}
-        if outside == {entry}:
+        if outside == {entry} and all(m.op != "placeholder" for m in members):
             return entry, [n for n in order if n in members]
     return None, []
 

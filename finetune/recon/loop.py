@@ -28,6 +28,7 @@ from .cache import CachedValue
 from .parallel import Rows, sum_across, sum_gradients
 from .qdrop import Batches, dropped_quantization
 from .report import Warnings
+from .sides import UnitInputs, unit_data
 from .units import Unit, parameters_of
 
 logger = logging.getLogger(__name__)
@@ -119,15 +120,15 @@ class Tuner:
                     k + 1, len(self.units), result.name, result.loss_before, result.loss_after, result.status)
 
     def tune(self, k: int, module: LiftedModule, train: fx.GraphModule, inputs: CachedValue, float_inputs: CachedValue,
-             targets: CachedValue, starts: dict[str, torch.Tensor] | None = None) -> UnitResult:
+             targets: CachedValue, starts: dict[str, torch.Tensor] | None = None, sides: Sequence[CachedValue] = ()) -> UnitResult:
         """Optimise unit k's weights (from `starts`, by parameter name, where given) to reproduce its
-        float targets; keep them only if the loss over all cached samples went down and is finite.
-        A loss that is not finite before tuning is an error: the unit's weights or values hold NaN or Inf."""
+        float targets from its quantized inputs and side inputs (`sides`, in the unit's order); keep
+        them only if the loss over all cached samples went down and is finite. A loss that is not
+        finite before tuning is an error: the unit's weights or values hold NaN or Inf."""
         begin = time.perf_counter()
         unit = self.units[k]
-        if unit.row_axes != (0, 0):  # a recurrent layer: its rows are sequences, along its batch axes
-            (input_axis, output_axis), train = unit.row_axes, RowsFirst(train, *unit.row_axes)
-            inputs, float_inputs, targets = inputs.rows_along(input_axis), float_inputs.rows_along(input_axis), targets.rows_along(output_axis)
+        data = unit_data(train, unit.row_axes, inputs, float_inputs, targets, list(zip(unit.side_inputs, sides)), self.fabric)
+        train, inputs, float_inputs, targets = data.train, data.inputs, data.float_inputs, data.targets
         self.should_stop, self.stop_tail = False, 0
         self.fabric.call("on_unit_start", tuner=self, index=k, unit=unit)
         original = {name: module.get_parameter(name).detach().clone() for name in parameters_of(unit)}
@@ -136,7 +137,7 @@ class Tuner:
             raise ValueError(f"unit {k + 1}/{len(self.units)} {unit.name}: its reconstruction loss before tuning is {before}, "
                              "so its weights, its quantized inputs or its float targets hold NaN or Inf; check the model's "
                              "weights and the calibration data")
-        skip = self._skip_reason(unit)
+        skip = data.problem or self._skip_reason(unit)
         if skip:
             self.warnings.add(unit.name, f"not tuned: {skip}")
             return self._finish(k, module, before, before, f"skipped: {skip}", 0, begin)
@@ -162,7 +163,7 @@ class Tuner:
             return "no weight of it is quantized (nothing to round)"
         return None
 
-    def _optimise(self, k: int, unit: Unit, module: LiftedModule, train: fx.GraphModule, inputs: CachedValue,
+    def _optimise(self, k: int, unit: Unit, module: LiftedModule, train: nn.Module, inputs: UnitInputs,
                   float_inputs: CachedValue, targets: CachedValue, power: float) -> int:
         """The optimisation loop; returns the iterations run. AdaQuant's learning rate decays along
         a cosine, so the weights settle across the quantizer's steps (on the digits transformer at
@@ -175,10 +176,10 @@ class Tuner:
         optimizer = self.fabric.setup_optimizers(adam(trainable, lr=config.lr))
         schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, config.iterations) if not roundings else None
         device = self.fabric.device
-        batches = Batches(inputs, float_inputs, targets, config, k, Rows.of(self.fabric, inputs, targets), device,
-                          config.device_cache_bytes)
+        rows = Rows.of(self.fabric, inputs.main, targets, inputs.rowed[1:])
+        batches = Batches(inputs, float_inputs, targets, config, k, rows, device, config.device_cache_bytes)
         if batches.left_out:
-            self.warnings.add(unit.name, f"{batches.left_out} of the {inputs.rows} rows of its inputs (slices along their "
+            self.warnings.add(unit.name, f"{batches.left_out} of the {inputs.main.rows} rows of its inputs (slices along their "
                               "leading axis) are left out of its training batches: they come from calibration batches whose "
                               "values differ in shape from the first batch's beyond that axis (a value laid out sequence-first, "
                               "(tokens, batch, ...), in a last partial batch); they still count in its loss before and after "
@@ -258,7 +259,7 @@ class Tuner:
             for hook in self._step_hooks:
                 hook(tuner=self, index=k, step=first + offset, loss=loss)
 
-    def _step(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: tuple[torch.Tensor, torch.Tensor],
+    def _step(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: tuple[tuple[torch.Tensor, ...], torch.Tensor],
               power: float, roundings: Roundings, annealing: Annealing | None, step: int, batch_size: int) -> torch.Tensor:
         """One Adam step on MSE relative to the target power (plus AdaRound's regulariser, averaged
         over every rounded weight element of the unit). Over several processes each holds some rows
@@ -268,9 +269,9 @@ class Tuner:
         optimizer.zero_grad(set_to_none=True)
         world = self.fabric.world_size
         if world == 1:
-            mse = F.mse_loss(model(x)[0], target)
+            mse = F.mse_loss(model(*x)[0], target)
         else:
-            mse = (model(x)[0] - target).square().sum() / (batch_size * math.prod(target.shape[1:]))
+            mse = (model(*x)[0] - target).square().sum() / (batch_size * math.prod(target.shape[1:]))
         objective = mse / power
         exponent = annealing.exponent(step) if annealing is not None else None
         if exponent is not None:
@@ -297,33 +298,20 @@ class Tuner:
         return result
 
 
-class RowsFirst(nn.Module):
-    """A unit's module fed and read with its rows first: the rows go to the axes where the layer
-    holds its batch on the way in, and the output's come back first."""
-
-    def __init__(self, train: nn.Module, input_axis: int, output_axis: int) -> None:
-        super().__init__()
-        self.train_module, self.input_axis, self.output_axis = train, input_axis, output_axis
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        first, *rest = self.train_module(x.movedim(0, self.input_axis))
-        return (first.movedim(self.output_axis, 0), *rest)
-
-
 def steps_per_read(device: torch.device) -> int:
     """Steps between the host's readings of the losses on `device` (see READ_EVERY)."""
     return 1 if device.type == "cpu" else READ_EVERY
 
 
-def evaluate(train: fx.GraphModule, inputs: CachedValue, targets: CachedValue, fabric: Fabric) -> tuple[float, float]:
+def evaluate(train: nn.Module, inputs: UnitInputs, targets: CachedValue, fabric: Fabric) -> tuple[float, float]:
     """(MSE of the unit's output against its float target, mean square of the target) over every
     cached sample of every process, computed in float64 sums so the result does not depend on
     chunking, and read by the host once."""
     sums = torch.zeros(2, dtype=torch.float64, device=fabric.device)
     count = 0
     with torch.no_grad():
-        for chunk in range(len(inputs.chunks)):
-            output = train(inputs.tensor(chunk, fabric.device))[0]
+        for chunk in range(len(targets.chunks)):
+            output = train(*inputs.chunk(chunk, fabric.device))[0]
             target = targets.tensor(chunk, fabric.device)
             sums += torch.stack([(output - target).double().square().sum(), target.double().square().sum()])
             count += target.numel()

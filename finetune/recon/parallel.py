@@ -65,10 +65,10 @@ class Rows:
     total: int
 
     @classmethod
-    def of(cls, fabric: Fabric, inputs: CachedValue, targets: CachedValue) -> Rows:
-        """The rows of a unit's cached inputs and targets (this process's share of them)."""
+    def of(cls, fabric: Fabric, inputs: CachedValue, targets: CachedValue, sides: Sequence[CachedValue] = ()) -> Rows:
+        """The rows of a unit's cached inputs, targets and side inputs viewed rows first (this process's share of them)."""
         rank, world = fabric.global_rank, fabric.world_size
-        return cls.from_table(_gather_chunks(fabric, chunk_table(inputs, targets, rank, world)), rank, world)
+        return cls.from_table(_gather_chunks(fabric, chunk_table(inputs, targets, rank, world, sides)), rank, world)
 
     @classmethod
     def from_table(cls, table: list[tuple[int, int, int]], rank: int, world: int) -> Rows:
@@ -85,9 +85,10 @@ class Rows:
         return cls(trainable, local, int(offsets[-1]))
 
 
-def chunk_table(inputs: CachedValue, targets: CachedValue, rank: int, world: int) -> list[tuple[int, int, int]]:
+def chunk_table(inputs: CachedValue, targets: CachedValue, rank: int, world: int,
+                sides: Sequence[CachedValue] = ()) -> list[tuple[int, int, int]]:
     """(calibration batch index, rows, shape key) of each batch process `rank` of `world` holds."""
-    return [(rank + world * i, len(inputs.chunks[i]), _shape_key(inputs.chunks[i], targets.chunks[i]))
+    return [(rank + world * i, len(inputs.chunks[i]), _shape_key(inputs.chunks[i], targets.chunks[i], *(s.chunks[i] for s in sides)))
             for i in range(len(inputs.chunks))]
 
 

@@ -5,6 +5,7 @@ segment that reads them; every other value crosses segments as an input or outpu
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from torch import fx
@@ -48,8 +49,18 @@ def cut(module: LiftedModule, units: list[Unit]) -> Plan:
     readers = _readers(steps, constant)
     last_use = {name: max(uses) for name, uses in readers.items()}
     segments = [segment(module, members[s], _outputs(members[s], readers, s), constant) for s in range(len(members))]
-    train = tuple(segment(module, members[2 * k + 1], [nodes[u.output]], constant).module for k, u in enumerate(units))
+    train = tuple(_train_module(module, members[2 * k + 1], nodes, u, constant) for k, u in enumerate(units))
     return Plan(tuple(segments[0::2]), tuple(segments[1::2]), train, last_use)
+
+
+def _train_module(module: LiftedModule, members: list[fx.Node], nodes: dict[str, fx.Node], unit: Unit,
+                  constant: set[fx.Node]) -> fx.GraphModule:
+    """Unit `unit`'s module from its input, then its side inputs (in the unit's order), to its output."""
+    reads = [nodes[unit.input], *(nodes[side.name] for side in unit.side_inputs)]
+    train = segment(module, members, [nodes[unit.output]], constant, reads)
+    if train.inputs != tuple(node.name for node in reads):
+        raise ValueError(f"unit {unit.name} reads {list(train.inputs)}, not its input and side inputs {[n.name for n in reads]}")
+    return train.module
 
 
 def cut_before(module: LiftedModule, wanted: list[list[fx.Node]]) -> tuple[tuple[Segment, ...], dict[str, int]]:
@@ -118,11 +129,14 @@ def _outputs(members: list[fx.Node], readers: dict[str, list[int]], step: int) -
     return [n for n in members if any(s > step for s in readers.get(n.name, ()))]
 
 
-def segment(module: LiftedModule, members: list[fx.Node], outputs: list[fx.Node], constant: set[fx.Node]) -> Segment:
-    """A GraphModule computing `outputs` from the values `members` read from outside."""
+def segment(module: LiftedModule, members: list[fx.Node], outputs: list[fx.Node], constant: set[fx.Node],
+            leading: Sequence[fx.Node] = ()) -> Segment:
+    """A GraphModule computing `outputs` from the values `members` read from outside (the `leading`
+    ones first, in their order)."""
     graph = fx.Graph()
     inside = set(members)
-    external = dict.fromkeys(i for n in members for i in n.all_input_nodes if i not in constant and i not in inside)
+    read = dict.fromkeys(i for n in members for i in n.all_input_nodes if i not in constant and i not in inside)
+    external = {**dict.fromkeys(n for n in leading if n in read), **read}
     env: dict[fx.Node, fx.Node] = {node: graph.placeholder(node.name) for node in external}
 
     def value(node: fx.Node) -> fx.Node:

@@ -13,13 +13,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from lightning.fabric import Fabric
-from torch import fx
 
 from finetune.config import FastFinetune
 from finetune.lift import FakeQuantize
 
 from .cache import CachedValue, SpilledArray
 from .parallel import Rows, sum_across
+from .sides import RowsFirst, UnitInputs
 from .units import constant_nodes
 
 CPU = torch.device("cpu")
@@ -40,7 +40,7 @@ class Batches:
     and each batch is gathered there; the mixing bytes come from a generator on the device (see
     KeepMasks), so a step copies only the batch's row numbers to the device and nothing back."""
 
-    def __init__(self, inputs: CachedValue, float_inputs: CachedValue, targets: CachedValue, config: FastFinetune, k: int,
+    def __init__(self, inputs: UnitInputs, float_inputs: CachedValue, targets: CachedValue, config: FastFinetune, k: int,
                  rows: Rows, device: torch.device = CPU, device_budget: int = 0) -> None:
         self.inputs, self.float_inputs, self.targets = inputs, float_inputs, targets
         self.rows = rows
@@ -52,27 +52,36 @@ class Batches:
         self.mixing = self.masks.threshold < 256
         self.staged = _stage(self._values(), device, device_budget)
         self.held = np.arange(0)  # positions in the last global batch of the rows this process holds
+        self.fixed = [None if gathered else value.tensor(0, device) for value, gathered in zip(inputs.values, inputs.gathered)]
 
-    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The next (input, target) batch on the device: the rows of the global batch this process holds."""
+    def next(self) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+        """The next (inputs, target) batch on the device: the rows of the global batch this process
+        holds, the main input mixed, then the side inputs."""
         picked = np.sort(self.rows.trainable[self.generator.permutation(len(self.rows.trainable))[: self.size]])
         local = self.rows.local[picked]
         held = local >= 0
         self.held = np.flatnonzero(held)
-        x, *float_x, target = self._gather(local[held])
+        values = self._gather(local[held])
+        rowed = len(self.inputs.rowed)
+        (x, *sides), float_x, target = values[:rowed], values[rowed:-1], values[-1]
         if self.mixing:
             keep = self.masks.draw((self.size, *x.shape[1:]))
             if not held.all():
                 keep = keep[torch.from_numpy(np.flatnonzero(held)).to(keep.device, non_blocking=True)]
             x = torch.where(keep, x, float_x[0])
-        return x, target
+        return self._assemble([x, *sides]), target
 
-    def sample(self, count: int) -> torch.Tensor:
-        """`count` quantized input rows on the device for probing a unit's layout: this process's first
-        trainable rows, zeros where it holds fewer."""
+    def sample(self, count: int) -> tuple[torch.Tensor, ...]:
+        """The unit's inputs over `count` rows on the device for probing its layout: this process's
+        first trainable rows, zeros where it holds fewer."""
         local = self.rows.local[self.rows.trainable]
-        x = self._gather(local[local >= 0][:count])[0]
-        return torch.cat([x, x.new_zeros((count - len(x), *x.shape[1:]))])
+        rowed = self._gather(local[local >= 0][:count])[: len(self.inputs.rowed)]
+        return self._assemble([torch.cat([x, x.new_zeros((count - len(x), *x.shape[1:]))]) for x in rowed])
+
+    def _assemble(self, rowed: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """The unit's inputs in its order: the given rows of those a batch takes rows of, the others as they are."""
+        taken = iter(rowed)
+        return tuple(next(taken) if fixed is None else fixed for fixed in self.fixed)
 
     def _gather(self, rows: np.ndarray) -> list[torch.Tensor]:
         """The given local rows of the inputs, the float inputs (when mixing) and the targets, on the device."""
@@ -84,8 +93,8 @@ class Batches:
         return [value.gather(rows).pin_memory().to(self.device, non_blocking=True) for value in self._values()]
 
     def _values(self) -> list[CachedValue]:
-        """The cached values a batch reads: the inputs, the float inputs when mixing, the targets."""
-        return [self.inputs, *([self.float_inputs] if self.mixing else []), self.targets]
+        """The cached values a batch reads: the inputs taken by rows, the float inputs when mixing, the targets."""
+        return [*self.inputs.rowed, *([self.float_inputs] if self.mixing else []), self.targets]
 
 
 def _stage(values: list[CachedValue], device: torch.device, budget: int) -> list[torch.Tensor] | None:
@@ -122,7 +131,7 @@ class KeepMasks:
 
 
 @contextlib.contextmanager
-def dropped_quantization(train: fx.GraphModule, config: FastFinetune, k: int, device: torch.device = CPU,
+def dropped_quantization(train: torch.nn.Module, config: FastFinetune, k: int, device: torch.device = CPU,
                          batches: Batches | None = None, fabric: Fabric | None = None) -> Iterator[bool]:
     """QDrop inside a block while it trains: each activation quantizer keeps its quantized value
     per element with probability drop_ratio (in steps of 1/256) and passes the float value
@@ -131,14 +140,15 @@ def dropped_quantization(train: fx.GraphModule, config: FastFinetune, k: int, de
     KeepMasks). In a data-parallel run (`fabric` of several processes, training on `batches`) each
     process draws the whole batch's bytes and keeps its rows' (see BatchMasks); it yields False
     where it cannot locate the rows in some activation and each process then draws its own bytes."""
-    constant = constant_nodes(train.graph)
-    quantizers = [train.get_submodule(n.target) for n in train.graph.nodes
-                  if n.op == "call_module" and n not in constant and isinstance(train.get_submodule(n.target), FakeQuantize)]
+    graph_module = train.train_module if isinstance(train, RowsFirst) else train
+    constant = constant_nodes(graph_module.graph)
+    quantizers = [graph_module.get_submodule(n.target) for n in graph_module.graph.nodes
+                  if n.op == "call_module" and n not in constant and isinstance(graph_module.get_submodule(n.target), FakeQuantize)]
     if config.drop_ratio >= 1 or not quantizers:
         yield True
         return
     parallel = fabric is not None and fabric.world_size > 1 and batches is not None
-    axes = row_axes(train, quantizers, batches.sample(2), fabric) if parallel else None
+    axes = row_axes(train, quantizers, batches.sample(1), batches.sample(2), fabric) if parallel else None
     rank = fabric.global_rank if parallel and axes is None else 0
     entropy = [config.seed, k, 1, *([rank] if rank else [])]
     masks = BatchMasks(KeepMasks(qdrop_threshold(config.drop_ratio), device, np.random.default_rng(entropy), entropy),
@@ -202,12 +212,13 @@ class _NoRowAxis(Exception):
     """An activation in which a batch's rows cannot be located."""
 
 
-def row_axes(train: fx.GraphModule, quantizers: list[torch.nn.Module], rows: torch.Tensor,
-             fabric: Fabric) -> list[RowAxis | None] | None:
-    """The row axis of each activation quantizer call of one forward, found by running `train` on the
-    first row of `rows` and on both: the one axis that doubles, with the first row's entries first.
-    None, in every process alike, where some process finds no such axis (e.g. a unit that mixes rows)."""
-    one, two = _quantizer_inputs(train, quantizers, rows[:1]), _quantizer_inputs(train, quantizers, rows[:2])
+def row_axes(train: torch.nn.Module, quantizers: list[torch.nn.Module], first: tuple[torch.Tensor, ...],
+             both: tuple[torch.Tensor, ...], fabric: Fabric) -> list[RowAxis | None] | None:
+    """The row axis of each activation quantizer call of one forward, found by running `train` on
+    the inputs of one row (`first`) and of two starting with it (`both`): the one axis that doubles,
+    with the first row's entries first. None, in every process alike, where some process finds no
+    such axis (e.g. a unit that mixes rows)."""
+    one, two = _quantizer_inputs(train, quantizers, first), _quantizer_inputs(train, quantizers, both)
     try:
         if len(one) != len(two):
             raise _NoRowAxis
@@ -217,13 +228,13 @@ def row_axes(train: fx.GraphModule, quantizers: list[torch.nn.Module], rows: tor
     return None if sum_across(fabric, [axes is None])[0] else axes
 
 
-def _quantizer_inputs(train: fx.GraphModule, quantizers: list[torch.nn.Module], x: torch.Tensor) -> list[torch.Tensor]:
-    """What the quantizers receive, call by call, in one forward of `x`."""
+def _quantizer_inputs(train: torch.nn.Module, quantizers: list[torch.nn.Module], x: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+    """What the quantizers receive, call by call, in one forward of the inputs `x`."""
     seen: list[torch.Tensor] = []
     hooks = [q.register_forward_hook(lambda _m, args, _out: seen.append(args[0].detach())) for q in quantizers]
     try:
         with torch.no_grad():
-            train(x)
+            train(*x)
     finally:
         for hook in hooks:
             hook.remove()

@@ -107,6 +107,10 @@ class QuantizedStream(_Stream):
         self._run(self.plan.gaps[k], 2 * k)
         return self.env[unit.input]
 
+    def side_inputs(self, unit: Unit) -> list[CachedValue]:
+        """The quantized values of the unit's side inputs (after `before`), in the unit's order."""
+        return [self.env[side.name] for side in unit.side_inputs]
+
     def after(self, k: int) -> None:
         """Push the (tuned) unit k through, freeing values nothing later reads."""
         self._run(self.plan.units[k], 2 * k + 1)
@@ -156,7 +160,12 @@ class FloatStream(_Stream):
     def _hooks(self, unit: Unit) -> list[RemovableHandle]:
         """Hooks caching the float input (unless it is a model input) and the float target of a unit."""
         targets = self.cache.value(float_target_key(unit))
-        hooks = [_submodule(self.reference, unit.target_module).register_forward_hook(lambda _m, _a, out: targets.append(out))]
+        item = unit.target_output
+
+        def record_target(_module: nn.Module, _args: Any, out: Any) -> None:
+            targets.append(out if item is None else out[item])
+
+        hooks = [_submodule(self.reference, unit.target_module).register_forward_hook(record_target)]
         if unit.source:
             hooks.append(record_unit_input(_submodule(self.reference, unit.source), unit, self.cache.value(float_input_key(unit)).append))
         return hooks

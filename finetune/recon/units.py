@@ -16,6 +16,7 @@ from finetune.lift.kinds import is_activation, is_add, is_shape, layer_kind
 from finetune.onnx.domains import BIAS_INPUT, RECURRENT_OPS
 
 from .report import Warnings
+from .sides import SideInput, measured_output, recurrent_sides
 
 RECURRENT_WEIGHTS = (1, 2)  # W and R of an LSTM or GRU, tuned as two layers sharing the bias B
 
@@ -53,6 +54,8 @@ class Unit:
     output: str
     target_module: str
     row_axes: tuple[int, int] = (0, 0)  # where the input and the target hold a training row (a recurrent layer's batch)
+    side_inputs: tuple[SideInput, ...] = ()  # computed values it reads besides `input` (see sides)
+    target_output: int | None = None  # which output of `target_module` is the float target, when it returns several
 
 
 def parameters_of(unit: Unit) -> list[str]:
@@ -106,9 +109,11 @@ def _layer_unit(
     op_type = layer_kind(module.get_submodule(node.target))
     if op_type is None or op_type not in op_types:
         return None
-    if op_type in RECURRENT_OPS and not _reads_one_value(node, op_type, constant, warnings):
+    sides = _recurrent_sides(node, module.get_submodule(node.target), constant, warnings) if op_type in RECURRENT_OPS else []
+    if sides is None:
         return None
-    activations = [i for i, arg in enumerate(node.args) if isinstance(arg, fx.Node) and arg not in constant]
+    last = BIAS_INPUT[op_type] + 1 if op_type in RECURRENT_OPS else len(node.args)  # the later ones are side inputs
+    activations = [i for i, arg in enumerate(node.args[:last]) if isinstance(arg, fx.Node) and arg not in constant]
     weight_indices = _weight_indices(op_type, activations)
     if len(activations) != 1 or weight_indices is None:
         return None
@@ -120,26 +125,38 @@ def _layer_unit(
     else:
         bias_index = BIAS_INPUT[op_type]
         bias_add, bias = None, parameter_behind(module, node.args[bias_index] if len(node.args) > bias_index else None, constant)
-    tail = ([bias_add] if bias_add is not None else []) + _output_tail(module, bias_add or node, include_output_quant)
-    last_float = next((n for n in reversed(tail) if not isinstance(module.get_submodule(n.target), FakeQuantize)), node)
+    tail, output, last_float, item = _unit_end(module, bias_add or node, include_output_quant)
     layers = tuple(
         Layer(node.target, op_type, activations[0], weight, module.finetune_params[weight].quantizer, bias if k == 0 else None, index)
         for k, (index, weight) in enumerate(zip(weight_indices, weights))
     )
     return Unit(
         name=node.target, op_type=op_type, layers=layers, input=node.args[activations[0]].name, source=node.target,
-        source_argument=activations[0], nodes=tuple(n.name for n in [node, *tail]), output=(tail[-1] if tail else node).name,
-        target_module=last_float.target, row_axes=_row_axes(module.get_submodule(node.target)) if op_type in RECURRENT_OPS else (0, 0),
+        source_argument=activations[0], nodes=tuple(n.name for n in dict.fromkeys([node, bias_add or node, *tail])), output=output.name,
+        target_module=last_float.target, side_inputs=tuple(sides), target_output=item,
+        row_axes=_row_axes(module.get_submodule(node.target), item or 0) if op_type in RECURRENT_OPS else (0, 0),
     )
 
 
-def _row_axes(layer: nn.Module) -> tuple[int, int]:
-    """The batch axes of a recurrent layer's input and output, where its training rows lie (whole
-    sequences; time steps are not independent rows): X [T, B, I], Y [T, D, B, H] or a final state
-    [D, B, H]; everything batch-first with layout 1."""
+def _unit_end(module: LiftedModule, layer: fx.Node, include_output_quant: bool) -> tuple[list[fx.Node], fx.Node, fx.Node, int | None]:
+    """(the nodes after the layer node that join its unit, the unit's output, the last float op,
+    which output of that op is the target). A layer with several outputs (an LSTM's Y and final
+    states) takes in the getitems reading them and is measured on the first it returns."""
+    items, output, item = measured_output(layer)
+    if items:
+        return items, output, layer, item
+    tail = _output_tail(module, layer, include_output_quant)
+    last_float = next((n for n in reversed(tail) if not isinstance(module.get_submodule(n.target), FakeQuantize)), layer)
+    return tail, (tail[-1] if tail else layer), last_float, None
+
+
+def _row_axes(layer: nn.Module, output: int) -> tuple[int, int]:
+    """The batch axes of a recurrent layer's input and of its output number `output`, where its
+    training rows lie (whole sequences; time steps are not independent rows): X [T, B, I], Y
+    [T, D, B, H] or a final state [D, B, H]; everything batch-first with layout 1."""
     if layer.layout:
         return (0, 0)
-    return (1, 2 if layer.returns == (0,) else 1)
+    return (1, 2 if layer.returns[output] == 0 else 1)
 
 
 def _weight_indices(op_type: str, activations: list[int]) -> tuple[int, ...] | None:
@@ -153,15 +170,15 @@ def _weight_indices(op_type: str, activations: list[int]) -> tuple[int, ...] | N
     return RECURRENT_WEIGHTS if op_type in RECURRENT_OPS else (1,)
 
 
-def _reads_one_value(node: fx.Node, op_type: str, constant: set[fx.Node], warnings: Warnings) -> bool:
-    """Whether an LSTM or GRU reads no computed value after its bias (a unit trains on one input);
-    one given computed sequence lengths or initial states is left out, with a warning."""
-    later = list(node.args[BIAS_INPUT[op_type] + 1 :]) + list(node.kwargs.values())
-    computed = [arg.name for arg in later if isinstance(arg, fx.Node) and arg not in constant]
-    if computed:
-        warnings.add(node.target, f"not tuned: besides its input it reads computed values ({', '.join(computed)}), and a "
-                     "unit trains on its input alone")
-    return not computed
+def _recurrent_sides(node: fx.Node, layer: nn.Module, constant: set[fx.Node], warnings: Warnings) -> list[SideInput] | None:
+    """The side inputs of an LSTM or GRU (computed sequence lengths or initial states, each with its
+    batch axis), or None, with a warning, where it reads a computed value without a batch (peepholes)."""
+    sides, unbatched = recurrent_sides(node, BIAS_INPUT[layer_kind(layer)] + 1, layer.layout, constant)
+    if unbatched:
+        warnings.add(node.target, f"not tuned: besides its input it reads computed values without a batch axis "
+                     f"({', '.join(unbatched)}), and a training batch cannot take its rows of them")
+        return None
+    return sides
 
 
 def _layer_weight(module: LiftedModule, node: fx.Node, index: int, constant: set[fx.Node], warnings: Warnings) -> str | None:
@@ -276,7 +293,7 @@ def _blocks(module: LiftedModule, layers: list[Unit], constant: set[fx.Node], wa
         if outside:
             _stay_single(group, f"a block of {len(group)} layer(s) here would also read {sorted(outside)}", warnings)
             units.extend(group)
-        elif any(layer.row_axes != (0, 0) for layer in group):
+        elif any(layer.row_axes != (0, 0) or layer.side_inputs for layer in group):
             _stay_single(group, "a block here would hold a recurrent layer, whose training rows are whole sequences", warnings)
             units.extend(group)
         else:

@@ -1,0 +1,154 @@
+"""Units with side inputs (issue 32): besides the main input whose rows are the training rows, a unit
+may read other computed values (an LSTM's initial states, an If's condition and state, a Loop's trip
+count). Silero's VAD v6 (an LSTM fed its states as graph inputs), v5 (its network inside an If on
+the sample rate, fed input and state) and a Loop reading a trip count are found as units and tuned;
+the tuned models run in onnxruntime as their liftings compute."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+
+from finetune.config import FastFinetune
+from finetune.lift import lift_model
+from finetune.quantize import quantize_model
+from finetune.recon import ActivationCache, find_units, finetune_model
+from finetune.recon.sides import SideInput, side_axis
+from finetune.zoo import silero_vad_lstm_onnx_path, silero_vad_onnx_path, speech_like_audio, vad_windows
+from tests.control_models import loop_model
+from tests.lift_helpers import run_ort, run_torch
+
+from .recon_helpers import one_thread  # noqa: F401  (autouse fixture)
+from .test_recon_parallel import _assert_same_tuning
+
+OPS = ("Conv", "Gemm", "MatMul", "LSTM")
+RATE = np.array(16000)
+
+
+@pytest.fixture(scope="module")
+def windows() -> dict[str, np.ndarray]:
+    """Speech-like audio windows: 16 to calibrate on (seed 1), 6 held out (seed 2)."""
+    return {"calibration": vad_windows(speech_like_audio(2.0, seed=1))[::4], "held_out": vad_windows(speech_like_audio(1.0, seed=2))[:6]}
+
+
+def v6_feeds(rows: np.ndarray) -> list[dict[str, np.ndarray]]:
+    """One window a batch, with zero LSTM states, as silero v6 streams."""
+    state = np.zeros((1, 1, 128), np.float32)
+    return [{"input": row[None], "h": state, "c": state} for row in rows]
+
+
+def v5_feeds(rows: np.ndarray) -> list[dict[str, np.ndarray]]:
+    """One window a batch at 16 kHz, with a zero state, as silero v5 streams."""
+    return [{"input": row[None], "state": np.zeros((2, 1, 128), np.float32), "sr": RATE} for row in rows]
+
+
+def loop_feeds(count: int) -> list[dict[str, np.ndarray]]:
+    """Batches of two rows with the same trip count (3)."""
+    rng = np.random.default_rng(0)
+    return [{"x": rng.standard_normal((2, 8)).astype(np.float32), "steps": np.array(3, np.int64)} for _ in range(count)]
+
+
+@pytest.fixture(scope="module")
+def v6(windows: dict[str, np.ndarray]) -> onnx.ModelProto:
+    return quantize_model(silero_vad_lstm_onnx_path(), "MX6", v6_feeds(windows["calibration"])).model
+
+
+def test_silero_v6_lstm_is_a_unit_reading_its_initial_states(v6: onnx.ModelProto) -> None:
+    """The LSTM reads h and c (graph inputs, [1, batch, 128]) besides its input: side inputs along
+    axis 1, and it is measured on Y (its first output; Y_h and Y_c are the model's outputs)."""
+    (lstm,) = [unit for unit in find_units(lift_model(v6), OPS) if unit.op_type == "LSTM"]
+    assert lstm.side_inputs == (SideInput("h", 1), SideInput("c", 1))
+    assert lstm.target_output == 0 and lstm.row_axes == (1, 2) and len(lstm.layers) == 2
+
+
+def test_silero_v5_if_is_a_unit_with_its_state_and_condition_as_side_inputs(windows: dict[str, np.ndarray]) -> None:
+    """The If holding the network reads input and state, and its condition comes from sr: its main
+    input is the window (its first argument after the condition), its side inputs the condition and
+    the state (whose batch axis is found from the values when tuning)."""
+    model = quantize_model(silero_vad_onnx_path(), "MX6", v5_feeds(windows["calibration"])).model
+    lifted = lift_model(model)
+    (unit,) = find_units(lifted, OPS)
+    placeholders = {n.name: n.target for n in lifted.graph.nodes if n.op == "placeholder"}
+    assert unit.op_type == "block" and placeholders[unit.input] == "input" and unit.source_argument == 1
+    assert [placeholders.get(side.name, side.name) for side in unit.side_inputs] == ["equal_0", "state"]
+    assert unit.target_output == 0 and len(unit.layers) >= 10
+
+
+def test_the_loop_is_a_unit_with_its_trip_count_as_side_input() -> None:
+    model = quantize_model(loop_model(stop_after=4), "XINT8", loop_feeds(4)).model
+    (unit,) = find_units(lift_model(model), OPS)
+    assert (unit.input, unit.side_inputs, unit.target_output) == ("x", (SideInput("steps"),), 0)
+
+
+@pytest.mark.parametrize(("side", "chunks", "expected"), [
+    (SideInput("h", 1), [np.zeros((1, 3, 4)), np.zeros((1, 2, 4))], 1),  # the op's axis, checked
+    (SideInput("h", 1), [np.zeros((1, 4, 4)), np.zeros((1, 2, 4))], "along its batch axis 1"),
+    (SideInput("state"), [np.ones((2, 3, 4)), np.zeros((2, 2, 4))], 1),  # the one axis as long as the rows
+    (SideInput("steps"), [np.array(3), np.array(3)], None),  # the same everywhere: passed as it is
+    (SideInput("steps"), [np.array(3), np.array(4)], "no axis is"),
+    (SideInput("state"), [np.ones((3, 3)), np.zeros((2, 2))], "several axes (0, 1) are"),
+])
+def test_a_side_input_holds_the_rows_along_one_axis_or_is_the_same_in_every_batch(side: SideInput, chunks: list[np.ndarray],
+                                                                                   expected: int | str | None) -> None:
+    """Main input rows 3 and 2 in two calibration batches."""
+    with ActivationCache(2**20) as cache:
+        value = cache.value("side")
+        for chunk in chunks:
+            value.chunks.append(chunk)
+        found = side_axis(side, value, [3, 2])
+    assert found == expected if not isinstance(expected, str) else expected in found
+
+
+def assert_runs_as_lifted(model: onnx.ModelProto, feeds: list[dict[str, np.ndarray]], atol: float) -> None:
+    """onnxruntime runs the model, finite and equal to its lifting up to float summation order."""
+    names = [value.name for value in model.graph.input]
+    for feed in feeds:
+        inputs = [feed[name] for name in names]
+        for expected, got in zip(run_ort(model, inputs), run_torch(lift_model(model), inputs)):
+            assert np.isfinite(expected).all()
+            np.testing.assert_allclose(got, expected, atol=atol, rtol=0)
+
+
+def test_a_short_tuning_of_silero_v6_keeps_or_reverts_its_units(v6: onnx.ModelProto, windows: dict[str, np.ndarray]) -> None:
+    """AdaQuant at MX6 tunes the LSTM among the Convs (each unit kept or reverted, none left out);
+    the tuned model runs in onnxruntime, its lifting computing the same."""
+    tuned, report = finetune_model(v6, v6_feeds(windows["calibration"]), FastFinetune(algorithm="adaquant", iterations=30,
+                                                                                    op_types=OPS))
+    statuses = {unit["name"]: unit["status"] for unit in report["units"]}
+    assert statuses["/decoder/rnn/LSTM"] in ("kept", "reverted") and set(statuses.values()) <= {"kept", "reverted"}
+    assert sum(status == "kept" for status in statuses.values()) >= 3 and not report["warnings"]
+    assert_runs_as_lifted(tuned, v6_feeds(windows["held_out"]), 1e-5)
+
+
+def test_a_short_tuning_of_silero_v5_tunes_the_network_inside_its_if(windows: dict[str, np.ndarray]) -> None:
+    """The If unit trains on batches of windows with their rows of the state and the condition as
+    it is, and lowers its loss; the tuned model runs in onnxruntime as lifted."""
+    feeds = v5_feeds(windows["calibration"])
+    model = quantize_model(silero_vad_onnx_path(), "MX6", feeds).model
+    tuned, report = finetune_model(model, feeds, FastFinetune(algorithm="adaquant", iterations=30, op_types=OPS))
+    (unit,) = report["units"]
+    assert unit["name"] == "If_0" and unit["status"] == "kept" and unit["loss_after"] < unit["loss_before"]
+    assert_runs_as_lifted(tuned, v5_feeds(windows["held_out"]), 1e-5)
+
+
+@pytest.mark.parametrize(("preset", "algorithm"), [("XINT8", "adaround"), ("MX6", "adaquant")])
+def test_the_loop_model_tunes(preset: str, algorithm: str) -> None:
+    """The Loop's body weights train on rows of x with the trip count as it is, and are written back."""
+    model = quantize_model(loop_model(stop_after=4), preset, loop_feeds(8)).model
+    tuned, report = finetune_model(model, loop_feeds(8), FastFinetune(algorithm=algorithm, iterations=50, batch_size=4))
+    (unit,) = report["units"]
+    assert unit["status"] == "kept" and unit["loss_after"] < unit["loss_before"]
+    assert_runs_as_lifted(tuned, loop_feeds(2), 1e-6)
+
+
+def test_two_gloo_processes_tune_side_inputs_like_one(v6: onnx.ModelProto, windows: dict[str, np.ndarray]) -> None:
+    """Over two processes the LSTM's rows of h and c are gathered with its input's: the one-process
+    statuses, losses and weights (up to float summation order)."""
+    settings = {"algorithm": "adaquant", "iterations": 20, "seed": 1, "batch_size": 8, "op_types": OPS}
+    feeds = v6_feeds(windows["calibration"])
+    one, one_report = finetune_model(v6, feeds, FastFinetune(**settings))
+    two, two_report = finetune_model(v6, feeds, FastFinetune(**settings, devices=2, strategy="ddp_spawn"))
+    assert "/decoder/rnn/LSTM" in [u["name"] for u in one_report["units"]]
+    assert [u["status"] for u in two_report["units"]] == [u["status"] for u in one_report["units"]]
+    _assert_same_tuning(one, one_report, two, two_report)

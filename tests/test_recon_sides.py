@@ -2,9 +2,16 @@
 may read other computed values (an LSTM's initial states, an If's condition and state, a Loop's trip
 count). Silero's VAD v6 (an LSTM fed its states as graph inputs), v5 (its network inside an If on
 the sample rate, fed input and state) and a Loop reading a trip count are found as units and tuned;
-the tuned models run in onnxruntime as their liftings compute."""
+the tuned models run in onnxruntime as their liftings compute; scripts/conformance.py reports the
+metric of a tuned model beside the quantized one's."""
 
 from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -24,6 +31,7 @@ from .test_recon_parallel import _assert_same_tuning
 
 OPS = ("Conv", "Gemm", "MatMul", "LSTM")
 RATE = np.array(16000)
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 
 
 @pytest.fixture(scope="module")
@@ -152,3 +160,15 @@ def test_two_gloo_processes_tune_side_inputs_like_one(v6: onnx.ModelProto, windo
     assert "/decoder/rnn/LSTM" in [u["name"] for u in one_report["units"]]
     assert [u["status"] for u in two_report["units"]] == [u["status"] for u in one_report["units"]]
     _assert_same_tuning(one, one_report, two, two_report)
+
+
+def test_the_conformance_script_reports_the_tuned_metric_beside_the_quantized_one() -> None:
+    """`--iterations N` tunes each quantized model (AdaQuant for MX6) and reports its metric under
+    `tuned`, beside the quantized model's, with each unit's status (silero v6: its LSTM too)."""
+    command = [sys.executable, str(SCRIPTS / "conformance.py"), "--models", "silero_v6", "--presets", "MX6", "--iterations", "5"]
+    result = subprocess.run(command, capture_output=True, text=True, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    (row,) = [row for row in json.loads(result.stdout)["rows"] if row["preset"] == "MX6"]
+    tuned = row["tuned"]
+    assert tuned["algorithm"] == "adaquant" and tuned["iterations"] == 5 and "/decoder/rnn/LSTM" in [u["name"] for u in tuned["units"]]
+    for key in ("mean_probability_gap", "decision_agreement"):
+        assert 0 <= row[key] <= 1 and 0 <= tuned[key] <= 1

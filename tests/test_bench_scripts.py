@@ -68,8 +68,9 @@ def test_demo_quantizes_tunes_and_scores_both_cases(tmp_path: Path) -> None:
     cases = json.loads(result.stdout)["cases"]
     assert [c["case"] for c in cases] == ["transformer_mx4", "cnn_int4w_int8a"]
     for case in cases:
-        # the quantized CNN may score what float does on some CPUs (its training runs on their float kernels)
-        assert case["float"] >= case["quantized"] > 80 and case["recovered"] > 80
+        # no order between the three: the trained CNN depends on the CPU's float kernels, and its quantized
+        # form scored below float on one CPU, the same on another, above on a third
+        assert case["float"] > 80 and case["quantized"] > 80 and case["recovered"] > 80
         assert case["iterations_per_unit"] == 20 and case["kept"] >= 1
         for suffix in ("float.onnx", "quantized.onnx", "tuned.onnx", "config.yaml", "finetune.json", "finetune.png"):
             assert (tmp_path / f"{case['case']}.{suffix}").stat().st_size > 0

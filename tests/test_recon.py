@@ -213,17 +213,16 @@ def test_adaround_codes_are_floor_or_ceil(digits: dict) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("algorithm", ["adaround", "adaquant"])
 def test_finetune_recovers_held_out_accuracy(digits: dict, algorithm: str) -> None:
-    """INT4 weights with INT8 activations cost the digits CNN held-out digits (1 to 6 of 449: the
-    trained CNN, and so the count, depends on the CPU's float kernels); both algorithms with their
-    default learning rates lose none more and bring the logits at least twice as close to the float
-    model's (measured: 4x for AdaRound, 5x for AdaQuant; held-out accuracy moves by whole digits,
-    so the logits are the check that holds on any CPU)."""
+    """INT4 weights with INT8 activations move the digits CNN's logits away from the float model's;
+    both algorithms with their default learning rates bring them at least twice as close (measured:
+    4x for AdaRound, 5x for AdaQuant) and keep held-out accuracy within a digit of float. Accuracy
+    itself is no check that holds on any CPU: the trained CNN depends on the CPU's float kernels, and
+    its quantized form scored 6 digits below float on one, 1 below on another, 2 above on a third."""
     quantized = quantize_model(digits["path"], W4A8, digits["calibration"]).model
     tuned, report = finetune_model(quantized, digits["calibration"], FastFinetune(algorithm=algorithm, iterations=400))
     float_logits = run(digits["path"], digits["x"])
     float_accuracy, before, after = accuracy(digits["path"], digits), accuracy(quantized, digits), accuracy(tuned, digits)
-    assert before < float_accuracy
-    assert after >= before
+    assert after >= float_accuracy - 1 / len(digits["y"]) - 1e-9
     error = {name: float(((run(m, digits["x"]) - float_logits) ** 2).mean()) for name, m in [("q", quantized), ("t", tuned)]}
     assert error["t"] <= 0.5 * error["q"]
     assert report["kept"] >= 4 and all(u["loss_after"] <= u["loss_before"] for u in report["units"])

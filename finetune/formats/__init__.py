@@ -25,6 +25,12 @@ from .mx import (
 
 FormatSpec = IntSpec | FloatSpec | BFPSpec | MXSpec
 
+# The block formats by the names presets and users know them by (a spec matches on every attribute but its axis).
+NAMED_BLOCK_FORMATS: dict[str, BFPSpec | MXSpec] = {
+    "BFP16": BFP16, "MX4": MX4, "MX6": MX6, "MX9": MX9, "MXINT8": MXINT8, "MXFP8_E4M3": MXFP8_E4M3,
+    "MXFP8_E5M2": MXFP8_E5M2, "MXFP6_E3M2": MXFP6_E3M2, "MXFP6_E2M3": MXFP6_E2M3, "MXFP4": MXFP4,
+}
+
 __all__ = [
     "BF16",
     "BFP16",
@@ -42,6 +48,7 @@ __all__ = [
     "MXFP8_E5M2",
     "MXINT8",
     "MX_ELEMENTS",
+    "NAMED_BLOCK_FORMATS",
     "BFPSpec",
     "FloatSpec",
     "FormatSpec",

@@ -10,23 +10,7 @@ from typing import Any
 
 import onnx
 
-from finetune.formats import (
-    BFP16,
-    MX4,
-    MX6,
-    MX9,
-    MXFP4,
-    MXFP6_E2M3,
-    MXFP6_E3M2,
-    MXFP8_E4M3,
-    MXFP8_E5M2,
-    MXINT8,
-    BFPSpec,
-    FloatSpec,
-    FormatSpec,
-    IntSpec,
-    MXSpec,
-)
+from finetune.formats import NAMED_BLOCK_FORMATS, BFPSpec, FloatSpec, FormatSpec, IntSpec, MXSpec
 from finetune.notices import Notice, describe
 
 from .plan import Use, with_producer_formats
@@ -39,13 +23,6 @@ def format_label(spec: FormatSpec) -> str:
     if isinstance(spec, MXSpec):
         return f"mx_{spec.element_dtype}"
     return f"{spec.bfp_method}{spec.bit_width}"
-
-
-# The block formats by the names the presets and users know them by (matched on every attribute but the axis).
-NAMED_BLOCK_FORMATS: dict[str, BFPSpec | MXSpec] = {
-    "BFP16": BFP16, "MX4": MX4, "MX6": MX6, "MX9": MX9, "MXINT8": MXINT8, "MXFP8_E4M3": MXFP8_E4M3,
-    "MXFP8_E5M2": MXFP8_E5M2, "MXFP6_E3M2": MXFP6_E3M2, "MXFP6_E2M3": MXFP6_E2M3, "MXFP4": MXFP4,
-}
 
 
 def display_name(spec: FormatSpec) -> str:

@@ -18,7 +18,7 @@ import onnxruntime as ort
 from onnx import numpy_helper
 from tqdm.auto import tqdm  # installed with lightning, a dependency of finetune
 
-from finetune.onnx.graphs import all_graphs, all_nodes
+from finetune.onnx.graphs import all_graphs, all_nodes, element_types
 from finetune.onnx.io import load_model
 from finetune.onnx.session import inference_session
 
@@ -49,7 +49,8 @@ def collect_statistics(
         observers[name].update(value)
     if not fed and not computed:
         return observers
-    carried = expose_inner_values(augmented.graph, set(computed), _element_types(augmented))
+    typed = {name: elem_type for name, elem_type in element_types(augmented.graph).items() if elem_type}
+    carried = expose_inner_values(augmented.graph, set(computed), typed)
     _expose(augmented, [carried.get(name, name) for name in computed])
     session = inference_session(augmented, providers)
     batches = _stream(session, data, observers, fed, computed, carried, progress, log_every)
@@ -81,13 +82,6 @@ def _expose(model: onnx.ModelProto, names: list[str]) -> None:
     for name in names:
         if name not in present:
             model.graph.output.append(known.get(name, onnx.ValueInfoProto(name=name)))
-
-
-def _element_types(model: onnx.ModelProto) -> dict[str, int]:
-    """The element type of every value the model declares, subgraphs included."""
-    return {info.name: info.type.tensor_type.elem_type
-            for graph in all_graphs(model.graph) for info in [*graph.input, *graph.output, *graph.value_info]
-            if info.type.tensor_type.elem_type}
 
 
 def _stream(

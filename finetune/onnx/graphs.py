@@ -9,6 +9,8 @@ from collections.abc import Iterable, Iterator, Mapping
 
 import onnx
 
+from .domains import DEFAULT_DOMAINS
+
 _SUBGRAPH_TYPES = (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
 
 
@@ -38,6 +40,23 @@ def all_nodes(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:
     """Every node of the graph and of its subgraphs, at any depth."""
     for each in all_graphs(graph):
         yield from each.node
+
+
+def element_types(graph: onnx.GraphProto) -> dict[str, int]:
+    """Element types known without inference, in the graph and its subgraphs: inputs, outputs,
+    value_info, initializers and Constant nodes' tensors (0 where a value_info leaves it open)."""
+    types: dict[str, int] = {}
+    for each in all_graphs(graph):
+        for info in [*each.input, *each.output, *each.value_info]:
+            if info.type.HasField("tensor_type"):
+                types[info.name] = info.type.tensor_type.elem_type
+        types.update({tensor.name: tensor.data_type for tensor in each.initializer})
+        for node in each.node:
+            if node.op_type == "Constant" and node.domain in DEFAULT_DOMAINS:
+                for attribute in node.attribute:
+                    if attribute.type == onnx.AttributeProto.TENSOR:
+                        types[node.output[0]] = attribute.t.data_type
+    return types
 
 
 def outer_reads(graph: onnx.GraphProto) -> set[str]:

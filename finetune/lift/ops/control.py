@@ -20,7 +20,7 @@ from onnx.reference import ReferenceEvaluator
 from torch import nn
 
 from finetune.onnx.domains import DEFAULT_DOMAINS
-from finetune.onnx.graphs import outer_reads, subgraphs
+from finetune.onnx.graphs import has_subgraphs, outer_reads
 
 CONTROL_OPS = frozenset({"If", "Loop", "Scan"})
 BODY_ATTRIBUTES = {"If": ("then_branch", "else_branch"), "Loop": ("body",), "Scan": ("body",)}
@@ -231,7 +231,7 @@ def constant_condition(graph: onnx.GraphProto, name: str, tensors: Mapping[str, 
         if not value or value in tensors:
             continue
         node = producers.get(value)
-        if node is None or node.domain not in DEFAULT_DOMAINS or any(True for _ in subgraphs(node)):
+        if node is None or node.domain not in DEFAULT_DOMAINS or has_subgraphs(node):
             return None
         needed.add(node.name)
         if node.op_type != "Shape":

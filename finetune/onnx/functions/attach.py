@@ -6,13 +6,14 @@ onnxruntime runs it. The numerics are those of FORMATS.md, bit for bit.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Collection, Mapping
 
 import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from ..domains import CASTLIKE_OPSET, DEFAULT_DOMAINS, DOMAIN_VERSION, DOMAINS, MIN_OPSET, OVERLOAD_IR_VERSION
+from ..domains import CASTLIKE_OPSET, DOMAIN_VERSION, DOMAINS, MIN_OPSET, OVERLOAD_IR_VERSION
+from ..graphs import all_graphs, all_nodes, element_types
 from ..normalize import default_opset
 from .arithmetic import Body
 from .blocks import BlockBody
@@ -74,45 +75,17 @@ def _io_type(node: onnx.NodeProto, opset: int, types: Mapping[str, int]) -> int 
 # ---------------------------------------------------------------- model traversal
 
 
-def _graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
-    """The graph and, recursively, every subgraph of its If/Loop/Scan nodes."""
-    yield graph
-    for node in graph.node:
-        for attribute in node.attribute:
-            if attribute.type == onnx.AttributeProto.GRAPH:
-                yield from _graphs(attribute.g)
-            elif attribute.type == onnx.AttributeProto.GRAPHS:
-                for subgraph in attribute.graphs:
-                    yield from _graphs(subgraph)
-
-
 def _forget_zero_dims(model: onnx.ModelProto) -> None:
     """Make every 0 dimension of value_info and graph outputs unknown: AMD Quark writes 0 for the
     batch of most tensors, onnxruntime takes such shapes as real and folds a body's Shape of x into
     them, and then the body reshapes real data to the wrong size. Graph inputs keep theirs, which
     onnxruntime checks against the data fed."""
-    for graph in _graphs(model.graph):
+    for graph in all_graphs(model.graph):
         for info in [*graph.output, *graph.value_info]:
             if info.type.HasField("tensor_type") and info.type.tensor_type.HasField("shape"):
                 for dim in info.type.tensor_type.shape.dim:
                     if dim.HasField("dim_value") and dim.dim_value == 0:
                         dim.Clear()
-
-
-def _value_types(model: onnx.ModelProto) -> dict[str, int]:
-    """Element types known without inference: graph inputs/outputs, value_info, initializers, Constants."""
-    types: dict[str, int] = {}
-    for graph in _graphs(model.graph):
-        for info in [*graph.input, *graph.output, *graph.value_info]:
-            if info.type.HasField("tensor_type"):
-                types[info.name] = info.type.tensor_type.elem_type
-        types.update({tensor.name: tensor.data_type for tensor in graph.initializer})
-        for node in graph.node:
-            if node.op_type == "Constant" and node.domain in DEFAULT_DOMAINS:
-                for attribute in node.attribute:
-                    if attribute.type == onnx.AttributeProto.TENSOR:
-                        types[node.output[0]] = attribute.t.data_type
-    return types
 
 
 def _default_opset(model: onnx.ModelProto) -> int:
@@ -141,11 +114,11 @@ def attach_custom_ops(model: onnx.ModelProto, domains: Collection[str] = DOMAINS
     untouched."""
     result = onnx.ModelProto()
     result.CopyFrom(model)
-    custom = [node for graph in _graphs(result.graph) for node in graph.node if node.domain in domains]
+    custom = [node for node in all_nodes(result.graph) if node.domain in domains]
     if not custom:
         return result
     opset = _default_opset(result)
-    types = _value_types(result)
+    types = element_types(result.graph)
     functions: dict[tuple[str, str, str], onnx.FunctionProto] = {}
     for node in custom:
         spec = node_spec(node, types)

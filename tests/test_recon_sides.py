@@ -8,20 +8,24 @@ metric of a tuned model beside the quantized one's."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import onnx
 import pytest
+import torch
 
 from finetune.config import FastFinetune
 from finetune.lift import lift_model
+from finetune.onnx.session import inference_session
 from finetune.quantize import quantize_model
 from finetune.recon import ActivationCache, find_units, finetune_model
-from finetune.recon.sides import SideInput, side_axis
+from finetune.recon.sides import SideInput, join_rows, output_scales, side_axis
 from finetune.zoo import silero_vad_lstm_onnx_path, silero_vad_onnx_path, speech_like_audio, vad_windows
 from tests.control_models import loop_model
 from tests.lift_helpers import run_ort, run_torch
@@ -64,10 +68,12 @@ def v6(windows: dict[str, np.ndarray]) -> onnx.ModelProto:
 
 def test_silero_v6_lstm_is_a_unit_reading_its_initial_states(v6: onnx.ModelProto) -> None:
     """The LSTM reads h and c (graph inputs, [1, batch, 128]) besides its input: side inputs along
-    axis 1, and it is measured on Y (its first output; Y_h and Y_c are the model's outputs)."""
+    axis 1, and it is measured on each output the model reads: Y (rows along axis 2), and Y_h and
+    Y_c, the states the model hands to its next call (axis 1)."""
     (lstm,) = [unit for unit in find_units(lift_model(v6), OPS) if unit.op_type == "LSTM"]
     assert lstm.side_inputs == (SideInput("h", 1), SideInput("c", 1))
-    assert lstm.target_output == 0 and lstm.row_axes == (1, 2) and len(lstm.layers) == 2
+    assert lstm.target_outputs == (0, 1, 2) and lstm.input_axis == 1 and lstm.output_axes == (2, 1, 1)
+    assert len(lstm.outputs) == 3 and len(lstm.layers) == 2
 
 
 def test_silero_v5_if_is_a_unit_with_its_state_and_condition_as_side_inputs(windows: dict[str, np.ndarray]) -> None:
@@ -80,13 +86,13 @@ def test_silero_v5_if_is_a_unit_with_its_state_and_condition_as_side_inputs(wind
     placeholders = {n.name: n.target for n in lifted.graph.nodes if n.op == "placeholder"}
     assert unit.op_type == "block" and placeholders[unit.input] == "input" and unit.source_argument == 1
     assert [placeholders.get(side.name, side.name) for side in unit.side_inputs] == ["equal_0", "state"]
-    assert unit.target_output == 0 and len(unit.layers) >= 10
+    assert unit.target_outputs == (0, 1) and unit.output_axes == (0, None) and len(unit.layers) >= 10
 
 
 def test_the_loop_is_a_unit_with_its_trip_count_as_side_input() -> None:
     model = quantize_model(loop_model(stop_after=4), "XINT8", loop_feeds(4)).model
     (unit,) = find_units(lift_model(model), OPS)
-    assert (unit.input, unit.side_inputs, unit.target_output) == ("x", (SideInput("steps"),), 0)
+    assert (unit.input, unit.side_inputs, unit.target_outputs, unit.output_axes) == ("x", (SideInput("steps"),), (0, 1), (0, None))
 
 
 @pytest.mark.parametrize(("side", "chunks", "expected"), [
@@ -106,6 +112,29 @@ def test_a_side_input_holds_the_rows_along_one_axis_or_is_the_same_in_every_batc
             value.chunks.append(chunk)
         found = side_axis(side, value, [3, 2])
     assert found == expected if not isinstance(expected, str) else expected in found
+
+
+def test_several_outputs_are_joined_so_each_counts_alike_in_the_loss() -> None:
+    """An If's probability (1 value a row, mean square 0.04) and state (256 values a row, mean square
+    9): each gets a power-of-two scale making its squared error, relative to its mean square, count
+    within a factor of two of the other's in the joined loss; joined, the outputs are their scaled
+    rows side by side, exactly, in the unit's module and in the targets alike."""
+    fabric = SimpleNamespace(world_size=1)
+    rng = np.random.default_rng(0)
+    with ActivationCache(2**20) as cache:
+        probability, state = cache.value("probability"), cache.value("state")
+        for rows in (3, 2):
+            probability.append(torch.from_numpy(0.2 * rng.choice([-1, 1], (rows, 1)).astype(np.float32)))
+            state.append(torch.from_numpy(3 * rng.choice([-1, 1], (2, rows, 128)).astype(np.float32)))
+        scales = output_scales([probability, state.rows_along(1)], fabric)
+        assert all(math.log2(scale).is_integer() for scale in scales)
+        weights = [scale**2 * width * power / (257 / 2) for scale, width, power in zip(scales, (1, 256), (0.04, 9.0))]
+        assert all(0.5 <= weight <= 2 for weight in weights), weights
+        first = [value.tensor(0, torch.device("cpu")) for value in (probability, state)]
+        joined = join_rows(first, (0, 1), scales)
+    assert joined.shape == (3, 257)
+    assert torch.equal(joined[:, :1], first[0] * scales[0])
+    assert torch.equal(joined[:, 1:], first[1].movedim(1, 0).reshape(3, 256) * scales[1])
 
 
 def assert_runs_as_lifted(model: onnx.ModelProto, feeds: list[dict[str, np.ndarray]], atol: float) -> None:
@@ -142,9 +171,11 @@ def test_a_short_tuning_of_silero_v5_tunes_the_network_inside_its_if(windows: di
 
 @pytest.mark.parametrize(("preset", "algorithm"), [("XINT8", "adaround"), ("MX6", "adaquant")])
 def test_the_loop_model_tunes(preset: str, algorithm: str) -> None:
-    """The Loop's body weights train on rows of x with the trip count as it is, and are written back."""
+    """The Loop's body weights train on rows of x with the trip count as it is, measured on the last h and
+    every h stacked (50 AdaRound iterations did not lower that loss: reverted), and are written back."""
     model = quantize_model(loop_model(stop_after=4), preset, loop_feeds(8)).model
-    tuned, report = finetune_model(model, loop_feeds(8), FastFinetune(algorithm=algorithm, iterations=50, batch_size=4))
+    tuned, report = finetune_model(model, loop_feeds(8), FastFinetune(algorithm=algorithm, iterations=100, batch_size=4,
+                                                                       validation_share=0))
     (unit,) = report["units"]
     assert unit["status"] == "kept" and unit["loss_after"] < unit["loss_before"]
     assert_runs_as_lifted(tuned, loop_feeds(2), 1e-6)
@@ -172,3 +203,41 @@ def test_the_conformance_script_reports_the_tuned_metric_beside_the_quantized_on
     assert tuned["algorithm"] == "adaquant" and tuned["iterations"] == 5 and "/decoder/rnn/LSTM" in [u["name"] for u in tuned["units"]]
     for key in ("mean_probability_gap", "decision_agreement"):
         assert 0 <= row[key] <= 1 and 0 <= tuned[key] <= 1
+
+
+def v5_stream(model: onnx.ModelProto | Path, rows: np.ndarray) -> np.ndarray:
+    """Silero v5's speech probability per window over a stream, each window reading the state the
+    model itself returned for the one before."""
+    session = inference_session(model)
+    state, probabilities = np.zeros((2, 1, 128), np.float32), []
+    for row in rows:
+        probability, state = session.run(None, {"input": row[None], "state": state, "sr": RATE})
+        probabilities.append(float(probability.reshape(-1)[0]))
+    return np.array(probabilities)
+
+
+def streamed_v5_feeds(rows: np.ndarray) -> list[dict[str, np.ndarray]]:
+    """The float model's feeds over a stream: each window with the state carried to it."""
+    session, state, feeds = inference_session(silero_vad_onnx_path()), np.zeros((2, 1, 128), np.float32), []
+    for row in rows:
+        feeds.append({"input": row[None], "state": state, "sr": RATE})
+        _, state = session.run(None, feeds[-1])
+    return feeds
+
+
+def test_silero_v5_tuned_on_its_probability_and_its_state_stays_as_close_to_float_over_a_stream() -> None:
+    """The If returns the speech probability and the state the next window reads, and the unit is
+    measured on both. Measured on the probability alone, AdaQuant at MX6 (300 iterations) let the
+    state drift: over a stream the probability's mean distance from float went from 0.077 to 0.578
+    (0.067 measured on both); here, 60 iterations on all 16 windows (none held out, which would keep
+    the untuned weights where tuning did worse on them): 0.099 to 0.102 on the probability, 0.061 on both."""
+    calibration = vad_windows(speech_like_audio(2.0, seed=1))[::4]
+    held_out = vad_windows(speech_like_audio(3.0, seed=2))
+    feeds = streamed_v5_feeds(calibration)
+    model = quantize_model(silero_vad_onnx_path(), "MX6", feeds).model
+    tuned, report = finetune_model(model, feeds, FastFinetune(algorithm="adaquant", iterations=60, op_types=OPS,
+                                                              validation_share=0))
+    assert [unit["status"] for unit in report["units"]] == ["kept"]
+    reference = v5_stream(silero_vad_onnx_path(), held_out)
+    quantized_gap, tuned_gap = (np.abs(v5_stream(m, held_out) - reference).mean() for m in (model, tuned))
+    assert tuned_gap < quantized_gap

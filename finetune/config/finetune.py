@@ -48,7 +48,11 @@ class FastFinetune(Section):
     float32 matrix products in full float32 (`allow_tf32: true` lets CUDA use TF32), and one
     device (`devices: N` runs each unit's optimisation data-parallel over N processes per machine
     on `nodes` machines, each holding a share of the calibration batches, launched by the Lightning
-    Fabric `strategy`; an auto_mixed_precision search splits its sensitivity over them too)."""
+    Fabric `strategy`; an auto_mixed_precision search splits its sensitivity over them too).
+    `validation_share` (default 0.2) of the calibration batches, drawn with the seed, are held out
+    of training: units are kept or reverted on their loss there, and the tuned model's output error
+    against the float model there is checked against the untuned model's, whose weights are written
+    back when tuning made it worse (0: every batch trains, and the checks read the training rows)."""
 
     algorithm: Literal["adaround", "adaquant"] = "adaround"
     iterations: int = field(default=1000, metadata={"min": 1})
@@ -57,6 +61,7 @@ class FastFinetune(Section):
     data_size: int | None = field(default=None, metadata={"min": 1})
     early_stop: EarlyStop = field(default_factory=EarlyStop)
     seed: int = 0
+    validation_share: float = field(default=0.2, metadata={"min": 0, "max": 0.5})
     device: str = field(default="cpu", metadata={"pattern": DEVICE_PATTERN, "pattern_help": DEVICE_HELP})
     op_types: tuple[str, ...] = DEFAULT_OP_TYPES
     update_bias: bool = False

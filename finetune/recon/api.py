@@ -32,6 +32,7 @@ from .adaround import check_int_weights
 from .cache import ActivationCache
 from .callbacks import Checkpoint, builtin_callbacks, digest, run_fingerprint
 from .device import host_memory_kept, resolve_device
+from .heldout import hold_out
 from .loop import Tuner, UnitResult
 from .parallel import make_fabric, sum_across
 from .partition import cut
@@ -231,12 +232,13 @@ def _run(module: LiftedModule, reference: LiftedModule, units: list[Unit], origi
                      f"every training batch holds all {samples} (lower batch_size, or give more data)", "config")
     module.to(device)
     reference.to(device)
+    held_out, guard = hold_out(module, reference, units, inputs, config, fabric, warnings)
     starts = _float_weights(module, reference, units, warnings) if reference is not module else {}
     plan = cut(module, units)
     placeholders = [n.name for n in module.graph.nodes if n.op == "placeholder"]
     floats = FloatStream(reference, units, inputs, cache, device, quantizers_off=reference is module)
     stream = QuantizedStream(plan, placeholders, inputs, cache, device)
-    tuner = Tuner(config, fabric, units, job.callbacks)
+    tuner = Tuner(config, fabric, units, job.callbacks, held_out)
     checkpoint = job.resumption.checkpoint
     finished_weights = {}
     if checkpoint is not None:
@@ -250,10 +252,14 @@ def _run(module: LiftedModule, reference: LiftedModule, units: list[Unit], origi
                 tuner.restore(k, module, finished_weights)
             else:
                 tuner.tune(k, module, plan.train[k], unit_inputs, float_inputs, targets, starts, stream.side_inputs(unit))
-            cache.release(float_inputs.name)
-            cache.release(targets.name)
+            for value in (float_inputs, *targets):
+                cache.release(value.name)
             stream.after(k)
-    return tuner, {"float_pass_seconds": floats.seconds, "quantized_stream_seconds": stream.seconds, "samples": samples}
+    checked = guard.check(warnings) if guard is not None else None
+    if guard is not None:
+        guard.release(cache)
+    return tuner, {"float_pass_seconds": floats.seconds, "quantized_stream_seconds": stream.seconds, "samples": samples,
+                   "held_out": checked}
 
 
 def _float_weights(module: LiftedModule, reference: LiftedModule, units: list[Unit],
@@ -362,4 +368,5 @@ def _report(config: FastFinetune, device: torch.device, self_reference: bool, tu
         "quantized_stream_seconds": timing["quantized_stream_seconds"],
         "cache": cache_stats,
         "processes": tuner.fabric.world_size,
+        "held_out": timing["held_out"],
     }

@@ -12,6 +12,7 @@ one row at a time)."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from torch import fx, nn
 
@@ -19,7 +20,7 @@ from finetune.lift import LiftedModule
 from finetune.lift.ops.control import If, Loop
 
 from .report import Warnings
-from .sides import SideInput, measured_output
+from .sides import SideInput, measured_outputs
 from .units import Layer, Unit, find_units
 
 CONTROL_ARGUMENTS = {If: 1, Loop: 2}  # the leading arguments that steer the node: If's condition, Loop's trip count and condition
@@ -55,7 +56,7 @@ def _body_unit(module: LiftedModule, node: fx.Node, constant: set[fx.Node], op_t
               for layer in _body_layers(module, path, body, op_types, include_output_quant, warnings)]
     if not layers:
         return None
-    items, output, item = measured_output(node)  # several outputs, taken apart by getitem: the first is measured
+    items, outputs, indices = measured_outputs(node)  # several outputs, taken apart by getitem: each is measured
     entry, members = _entry(module, node, constant)
     if entry is None:
         return _unit_with_sides(module, node, layers, constant, warnings)
@@ -65,8 +66,8 @@ def _body_unit(module: LiftedModule, node: fx.Node, constant: set[fx.Node], op_t
         return None
     return Unit(
         name=node.target, op_type="block", layers=tuple(layers), input=entry.name, source=reader.target,
-        source_argument=reader.args.index(entry), nodes=tuple(m.name for m in [*members, *items]), output=output.name,
-        target_module=node.target, target_output=item,
+        source_argument=reader.args.index(entry), nodes=tuple(m.name for m in [*members, *items]), **_outputs(outputs, indices),
+        target_module=node.target,
     )
 
 
@@ -82,12 +83,19 @@ def _unit_with_sides(module: LiftedModule, node: fx.Node, layers: list[Layer], c
         warnings.add(node.target, "not tuned: it reads no computed value besides its control inputs, so it has no "
                      "input whose rows to train on")
         return None
-    items, output, item = measured_output(node)
+    items, outputs, indices = measured_outputs(node)
     return Unit(
         name=node.target, op_type="block", layers=tuple(layers), input=main.name, source=node.target,
-        source_argument=node.args.index(main), nodes=tuple(n.name for n in [node, *items]), output=output.name,
-        target_module=node.target, target_output=item, side_inputs=tuple(SideInput(a.name) for a in computed if a is not main),
+        source_argument=node.args.index(main), nodes=tuple(n.name for n in [node, *items]), **_outputs(outputs, indices),
+        target_module=node.target, side_inputs=tuple(SideInput(a.name) for a in computed if a is not main),
     )
+
+
+def _outputs(outputs: list[fx.Node], indices: tuple[int, ...]) -> dict[str, Any]:
+    """A control-flow unit's outputs, which of its node's they are, and where their rows lie: the
+    first along its leading axis, as a unit's output is; the others' found from the values."""
+    return {"outputs": tuple(n.name for n in outputs), "target_outputs": indices,
+            "output_axes": (0, *(None for _ in outputs[1:]))}
 
 
 def _bodies(module: nn.Module, path: str) -> list[tuple[str, LiftedModule]]:

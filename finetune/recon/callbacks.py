@@ -129,8 +129,10 @@ class MetricLog:
             self._log({"unit": index, "loss": loss})
 
     def on_unit_end(self, index: int, result: UnitResult) -> None:
-        """Log the unit's loss before and after."""
-        self._log({"unit": index, "loss_before": result.loss_before, "loss_after": result.loss_after})
+        """Log the unit's loss before and after (on the held-out batches too, where some are)."""
+        held = {"held_out_before": result.held_out_before, "held_out_after": result.held_out_after}
+        self._log({"unit": index, "loss_before": result.loss_before, "loss_after": result.loss_after,
+                   **(held if result.held_out_before is not None else {})})
 
     def on_run_end(self) -> None:
         """Flush the logs."""

@@ -25,10 +25,11 @@ from finetune.lift import LiftedModule
 
 from .adaround import REG_WEIGHT, Annealing, SoftRounding
 from .cache import CachedValue
+from .heldout import local_chunks
 from .parallel import Rows, sum_across, sum_gradients
 from .qdrop import Batches, dropped_quantization
 from .report import Warnings
-from .sides import UnitInputs, unit_data
+from .sides import UnitData, UnitInputs, unit_data
 from .units import Unit, parameters_of
 
 logger = logging.getLogger(__name__)
@@ -52,7 +53,9 @@ class UnitResult:
     status: str  # kept | reverted | reverted: <reason> | skipped: <reason>
     iterations: int
     seconds: float
-    rejected_loss: float | None = None  # the tuned loss of a unit reverted for getting worse
+    rejected_loss: float | None = None  # the tuned loss (held-out, where batches are) of a unit reverted for getting worse
+    held_out_before: float | None = None  # the loss on the held-out batches (None: none held out)
+    held_out_after: float | None = None
 
 
 class HostAdam(torch.optim.Adam):
@@ -85,9 +88,11 @@ class Tuner:
     block around the tune calls (on_run_start on entry, on_run_end on exit). A resumed run restores
     the units an earlier run finished instead of tuning them."""
 
-    def __init__(self, config: FastFinetune, fabric: Fabric, units: list[Unit], callbacks: Sequence[Any]) -> None:
+    def __init__(self, config: FastFinetune, fabric: Fabric, units: list[Unit], callbacks: Sequence[Any],
+                 held_out: frozenset[int] = frozenset()) -> None:
         self.config = config
         self.units = units
+        self.held_out = held_out  # calibration batches (numbered over every process) kept out of training
         self.results: list[UnitResult] = []
         self.warnings = Warnings()  # what the tuning undid or left out, unit by unit
         self.resumed_units = 0  # the first units, finished by an earlier run
@@ -120,23 +125,34 @@ class Tuner:
                     k + 1, len(self.units), result.name, result.loss_before, result.loss_after, result.status)
 
     def tune(self, k: int, module: LiftedModule, train: fx.GraphModule, inputs: CachedValue, float_inputs: CachedValue,
-             targets: CachedValue, starts: dict[str, torch.Tensor] | None = None, sides: Sequence[CachedValue] = ()) -> UnitResult:
+             targets: Sequence[CachedValue], starts: dict[str, torch.Tensor] | None = None,
+             sides: Sequence[CachedValue] = ()) -> UnitResult:
         """Optimise unit k's weights (from `starts`, by parameter name, where given) to reproduce its
-        float targets from its quantized inputs and side inputs (`sides`, in the unit's order); keep
-        them only if the loss over all cached samples went down and is finite. A loss that is not
-        finite before tuning is an error: the unit's weights or values hold NaN or Inf."""
+        float targets (one per output) from its quantized inputs and side inputs (`sides`, in the
+        unit's order); keep them only if the loss over all cached samples went down and is finite. A
+        loss that is not finite before tuning is an error: the unit's weights or values hold NaN or Inf."""
+        unit = self.units[k]
+        data = unit_data(train, unit.input_axis, unit.output_axes, inputs, float_inputs, targets,
+                         list(zip(unit.side_inputs, sides)), self.fabric)
+        try:
+            return self._tune(k, module, data, starts)
+        finally:
+            data.release()
+
+    def _tune(self, k: int, module: LiftedModule, data: UnitData, starts: dict[str, torch.Tensor] | None) -> UnitResult:
+        """tune, on the unit's values viewed rows first."""
         begin = time.perf_counter()
         unit = self.units[k]
-        data = unit_data(train, unit.row_axes, inputs, float_inputs, targets, list(zip(unit.side_inputs, sides)), self.fabric)
         train, inputs, float_inputs, targets = data.train, data.inputs, data.float_inputs, data.targets
         self.should_stop, self.stop_tail = False, 0
         self.fabric.call("on_unit_start", tuner=self, index=k, unit=unit)
         original = {name: module.get_parameter(name).detach().clone() for name in parameters_of(unit)}
-        before, power = evaluate(train, inputs, targets, self.fabric)
-        if not math.isfinite(before):
-            raise ValueError(f"unit {k + 1}/{len(self.units)} {unit.name}: its reconstruction loss before tuning is {before}, "
-                             "so its weights, its quantized inputs or its float targets hold NaN or Inf; check the model's "
-                             "weights and the calibration data")
+        held = local_chunks(self.held_out, len(targets.chunks), self.fabric.global_rank, self.fabric.world_size)
+        before = evaluate(train, inputs, targets, self.fabric, held)
+        if not before.finite:
+            raise ValueError(f"unit {k + 1}/{len(self.units)} {unit.name}: its reconstruction loss before tuning is "
+                             f"{before.training}, so its weights, its quantized inputs or its float targets hold NaN or Inf; "
+                             "check the model's weights and the calibration data")
         skip = data.problem or self._skip_reason(unit)
         if skip:
             self.warnings.add(unit.name, f"not tuned: {skip}")
@@ -144,17 +160,16 @@ class Tuner:
         for name, start in (starts or {}).items():
             if name in original:
                 module.get_parameter(name).data.copy_(start)
-        iterations = self._optimise(k, unit, module, train, inputs, float_inputs, targets, power)
-        after, _ = evaluate(train, inputs, targets, self.fabric)
-        diverged = not math.isfinite(after)
-        if diverged or after > before:
+        iterations = self._optimise(k, unit, module, train, inputs, float_inputs, targets, before.power)
+        after = evaluate(train, inputs, targets, self.fabric, held)
+        if not after.finite or after.judged > before.judged:
             for name, value in original.items():
                 module.get_parameter(name).data.copy_(value)
-            if diverged:
-                status = f"reverted: the tuned loss is {after}"
+            if not after.finite:
+                status = f"reverted: the tuned loss is {after.training}"
                 self.warnings.add(unit.name, f"{status}; the weights before tuning are kept (a lower lr may help)")
                 return self._finish(k, module, before, before, status, iterations, begin)
-            return self._finish(k, module, before, before, "reverted", iterations, begin, after)
+            return self._finish(k, module, before, before, "reverted", iterations, begin, after.judged)
         return self._finish(k, module, before, after, "kept", iterations, begin)
 
     def _skip_reason(self, unit: Unit) -> str | None:
@@ -176,7 +191,7 @@ class Tuner:
         optimizer = self.fabric.setup_optimizers(adam(trainable, lr=config.lr))
         schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, config.iterations) if not roundings else None
         device = self.fabric.device
-        rows = Rows.of(self.fabric, inputs.main, targets, inputs.rowed[1:])
+        rows = Rows.of(self.fabric, inputs.main, targets, inputs.rowed[1:], self.held_out)
         batches = Batches(inputs, float_inputs, targets, config, k, rows, device, config.device_cache_bytes)
         if batches.left_out:
             self.warnings.add(unit.name, f"{batches.left_out} of the {inputs.main.rows} rows of its inputs (slices along their "
@@ -284,15 +299,17 @@ class Tuner:
         optimizer.step()
         return mse.detach()
 
-    def _finish(self, k: int, module: LiftedModule, before: float, after: float, status: str, iterations: int,
+    def _finish(self, k: int, module: LiftedModule, before: Loss, after: Loss, status: str, iterations: int,
                 begin: float, tried: float | None = None) -> UnitResult:
         """The unit's result, logged and told to the callbacks with the model that holds its weights."""
         unit = self.units[k]
         seconds = time.perf_counter() - begin
         worse = f" (tuned {tried:.4g} was worse)" if tried is not None else ""
-        logger.info("unit %d/%d %s: loss %.4g -> %.4g, %s%s, %d iterations, %.2f s",
-                    k + 1, len(self.units), unit.name, before, after, status, worse, iterations, seconds)
-        result = UnitResult(unit.name, unit.op_type, before, after, status, iterations, seconds, tried)
+        held = f", held out {before.held_out:.4g} -> {after.held_out:.4g}" if before.held_out is not None else ""
+        logger.info("unit %d/%d %s: loss %.4g -> %.4g%s, %s%s, %d iterations, %.2f s",
+                    k + 1, len(self.units), unit.name, before.training, after.training, held, status, worse, iterations, seconds)
+        result = UnitResult(unit.name, unit.op_type, before.training, after.training, status, iterations, seconds, tried,
+                            before.held_out, after.held_out)
         self.results.append(result)
         self.fabric.call("on_unit_end", tuner=self, index=k, unit=unit, result=result, module=module)
         return result
@@ -303,17 +320,39 @@ def steps_per_read(device: torch.device) -> int:
     return 1 if device.type == "cpu" else READ_EVERY
 
 
-def evaluate(train: nn.Module, inputs: UnitInputs, targets: CachedValue, fabric: Fabric) -> tuple[float, float]:
-    """(MSE of the unit's output against its float target, mean square of the target) over every
-    cached sample of every process, computed in float64 sums so the result does not depend on
+@dataclass(frozen=True)
+class Loss:
+    """A unit's MSE against its float targets on its training batches and on the held-out ones
+    (None: none held out), and the targets' mean square over all."""
+
+    training: float
+    held_out: float | None
+    power: float
+
+    @property
+    def judged(self) -> float:
+        """The loss a unit is kept or reverted on: the held-out one where batches are held out."""
+        return self.training if self.held_out is None else self.held_out
+
+    @property
+    def finite(self) -> bool:
+        """Whether every loss is finite."""
+        return math.isfinite(self.training) and (self.held_out is None or math.isfinite(self.held_out))
+
+
+def evaluate(train: nn.Module, inputs: UnitInputs, targets: CachedValue, fabric: Fabric, held: frozenset[int] = frozenset()) -> Loss:
+    """The unit's losses over every cached sample of every process, the chunks in `held` (this
+    process's held-out chunks) apart, computed in float64 sums so the result does not depend on
     chunking, and read by the host once."""
-    sums = torch.zeros(2, dtype=torch.float64, device=fabric.device)
-    count = 0
+    sums = torch.zeros(2, 2, dtype=torch.float64, device=fabric.device)
+    counts = [0, 0]
     with torch.no_grad():
         for chunk in range(len(targets.chunks)):
             output = train(*inputs.chunk(chunk, fabric.device))[0]
             target = targets.tensor(chunk, fabric.device)
-            sums += torch.stack([(output - target).double().square().sum(), target.double().square().sum()])
-            count += target.numel()
-    squared_error, power, count = sum_across(fabric, [*sums.tolist(), count])
-    return squared_error / count, max(power / count, 1e-30)
+            part = int(chunk in held)
+            sums[part] += torch.stack([(output - target).double().square().sum(), target.double().square().sum()])
+            counts[part] += target.numel()
+    error, power, held_error, held_power, count, held_count = sum_across(fabric, [*sums.reshape(-1).tolist(), *counts])
+    return Loss(error / max(count, 1), held_error / held_count if held_count else None,
+                max((power + held_power) / (count + held_count), 1e-30))

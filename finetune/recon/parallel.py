@@ -56,33 +56,38 @@ def sum_gradients(fabric: Fabric, parameters: Sequence[torch.Tensor]) -> None:
 @dataclass(frozen=True)
 class Rows:
     """A unit's rows over all processes: `trainable` lists, ascending, the global numbers of the
-    rows training batches draw from (the batches whose values share the first batch's shape beyond
-    the leading axis); `local` maps a global row number to its row in this process's cache (-1:
-    another process holds it); `total` counts every row."""
+    rows training batches draw from (those of the batches not held out whose values share the first
+    such batch's shape beyond the leading axis); `local` maps a global row number to its row in this
+    process's cache (-1: another process holds it); `total` counts every row, `held_out` those of
+    the held-out batches."""
 
     trainable: np.ndarray
     local: np.ndarray
     total: int
+    held_out: int = 0
 
     @classmethod
-    def of(cls, fabric: Fabric, inputs: CachedValue, targets: CachedValue, sides: Sequence[CachedValue] = ()) -> Rows:
-        """The rows of a unit's cached inputs, targets and side inputs viewed rows first (this process's share of them)."""
+    def of(cls, fabric: Fabric, inputs: CachedValue, targets: CachedValue, sides: Sequence[CachedValue] = (),
+           held_out: frozenset[int] = frozenset()) -> Rows:
+        """The rows of a unit's cached inputs, targets and side inputs viewed rows first (this process's
+        share of them), the rows of the `held_out` batches (numbered over every process) not trainable."""
         rank, world = fabric.global_rank, fabric.world_size
-        return cls.from_table(_gather_chunks(fabric, chunk_table(inputs, targets, rank, world, sides)), rank, world)
+        return cls.from_table(_gather_chunks(fabric, chunk_table(inputs, targets, rank, world, sides)), rank, world, held_out)
 
     @classmethod
-    def from_table(cls, table: list[tuple[int, int, int]], rank: int, world: int) -> Rows:
+    def from_table(cls, table: list[tuple[int, int, int]], rank: int, world: int, held_out: frozenset[int] = frozenset()) -> Rows:
         """The rows described by every process's chunk_table, in batch order, as process `rank` sees them."""
         offsets = np.concatenate([[0], np.cumsum([rows for _, rows, _ in table])]).astype(np.int64)
-        first = table[0][2]
-        trainable = np.concatenate([np.arange(offsets[c], offsets[c + 1]) for c, (_, _, key) in enumerate(table) if key == first])
+        first = next(key for c, _, key in table if c not in held_out)
+        trainable = np.concatenate([np.arange(offsets[k], offsets[k + 1]) for k, (c, _, key) in enumerate(table)
+                                    if key == first and c not in held_out])
         local = np.full(int(offsets[-1]), -1, dtype=np.int64)
         start = 0
         for c, rows, _ in table:
             if c % world == rank:
                 local[offsets[c]: offsets[c + 1]] = np.arange(start, start + rows)
                 start += rows
-        return cls(trainable, local, int(offsets[-1]))
+        return cls(trainable, local, int(offsets[-1]), sum(rows for c, rows, _ in table if c in held_out))
 
 
 def chunk_table(inputs: CachedValue, targets: CachedValue, rank: int, world: int,

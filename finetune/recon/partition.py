@@ -55,9 +55,9 @@ def cut(module: LiftedModule, units: list[Unit]) -> Plan:
 
 def _train_module(module: LiftedModule, members: list[fx.Node], nodes: dict[str, fx.Node], unit: Unit,
                   constant: set[fx.Node]) -> fx.GraphModule:
-    """Unit `unit`'s module from its input, then its side inputs (in the unit's order), to its output."""
+    """Unit `unit`'s module from its input, then its side inputs (in the unit's order), to its outputs."""
     reads = [nodes[unit.input], *(nodes[side.name] for side in unit.side_inputs)]
-    train = segment(module, members, [nodes[unit.output]], constant, reads)
+    train = segment(module, members, [nodes[name] for name in unit.outputs], constant, reads)
     if train.inputs != tuple(node.name for node in reads):
         raise ValueError(f"unit {unit.name} reads {list(train.inputs)}, not its input and side inputs {[n.name for n in reads]}")
     return train.module

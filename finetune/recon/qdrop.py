@@ -44,7 +44,7 @@ class Batches:
                  rows: Rows, device: torch.device = CPU, device_budget: int = 0) -> None:
         self.inputs, self.float_inputs, self.targets = inputs, float_inputs, targets
         self.rows = rows
-        self.left_out = rows.total - len(rows.trainable)
+        self.left_out = rows.total - rows.held_out - len(rows.trainable)
         self.size = min(config.batch_size, len(rows.trainable))
         self.device = device
         self.generator = np.random.default_rng([config.seed, k])

@@ -36,7 +36,8 @@ def write_report(report: dict[str, Any], output_dir: Path, name: str) -> tuple[P
 
 
 def plot_losses(units: list[dict[str, Any]], path: Path) -> None:
-    """Bars of the loss before and after per unit (log scale); reverted or skipped units hatched."""
+    """Bars of the training loss before and after per unit (log scale; reverted or skipped units
+    hatched), and markers of the loss on the held-out batches where some were held out."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -50,11 +51,17 @@ def plot_losses(units: list[dict[str, Any]], path: Path) -> None:
         if unit["status"] != "kept":
             bar.set_hatch("//")
             bar.set_alpha(0.5)
+    held = [(p, u) for p, u in zip(positions, units) if u.get("held_out_before") is not None]
+    if held:  # the loss on the held-out batches, which decides keep or revert, as markers over the bars
+        axes.scatter([p - 0.2 for p, _ in held], [u["held_out_before"] for _, u in held], marker="_", s=120, color="black",
+                     label="held out, before", zorder=3)
+        axes.scatter([p + 0.2 for p, _ in held], [u["held_out_after"] for _, u in held], marker="x", s=30, color="black",
+                     label="held out, after", zorder=3)
     axes.set_yscale("log")
     axes.set_xticks(list(positions), [f"{i + 1}" for i in positions], fontsize=7)
     axes.set_xlabel("unit (graph order; hatched: reverted or skipped)")
     axes.set_ylabel("reconstruction MSE")
-    axes.set_title("per-unit reconstruction loss before and after fine-tuning")
+    axes.set_title("per-unit reconstruction loss before and after fine-tuning (bars: training batches)")
     axes.legend()
     figure.tight_layout()
     write_atomic(path, lambda tmp: figure.savefig(tmp, format="png", metadata={"Software": None}))
@@ -71,6 +78,11 @@ def format_report(report: dict[str, Any]) -> str:
     resumed = f", {report['resumed_units']} restored from the checkpoint" if report["resumed_units"] else ""
     warned = f"; {len(report['warnings'])} warning(s), listed in the report" if report["warnings"] else ""
     processes = f" x {report['processes']} processes" if report.get("processes", 1) > 1 else ""
+    held = report.get("held_out")
+    if held:
+        undone = "; worse, so the untuned weights are kept" if held["restored_untuned_weights"] else ""
+        warned = (f"; model output error on {held['batches']} held-out batch(es) {held['output_error_untuned']:.4g} -> "
+                  f"{held['output_error_tuned']:.4g}{undone}{warned}")
     return (f"fast finetune ({report['algorithm']}, {report['device']}{processes}, float reference: {report['float_reference']}): "
             f"{len(units)} units, {report['kept']} kept, {report['reverted']} reverted{resumed}; summed reconstruction loss "
             f"{before:.4g} -> {after:.4g}; {timing}{report['total_seconds']:.1f} s{warned}")

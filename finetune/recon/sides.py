@@ -3,10 +3,14 @@ whose rows are the training rows), such as an LSTM's initial states, an If's con
 trip count. A training batch takes the same rows of each side input along that input's own batch
 axis (an initial state [D, B, H]: axis 1), and a side input without one that is the same in every
 calibration batch (a sample rate, a trip count) is passed as it is; side inputs take the quantized
-model's values, unmixed. Also where a unit's outputs lie when its node has several."""
+model's values, unmixed. Also the outputs of a unit whose node returns several, each measured: an
+If's probability and the state it hands to the next call, an LSTM's Y and final states (measured
+on the probability alone, silero v5 tuned at MX6 carried a state that drifted over a stream, and
+its mean distance from the float model went from 0.077 to 0.542)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -47,12 +51,13 @@ def recurrent_sides(node: fx.Node, first_side: int, layout: int, constant: set[f
     return sides, unbatched
 
 
-def measured_output(node: fx.Node) -> tuple[list[fx.Node], fx.Node, int | None]:
-    """(the getitems taking apart the outputs of a node with several, the value a unit ending at the
-    node is measured on, which of its outputs that is): the first output read, or the node itself."""
+def measured_outputs(node: fx.Node) -> tuple[list[fx.Node], list[fx.Node], tuple[int, ...]]:
+    """(the getitems taking apart the outputs of a node with several, the values a unit ending at
+    the node is measured on, which of its outputs those are): each output read, in the node's
+    order, or the node itself (and no numbers)."""
     items = [user for user in node.users if user.op == "call_function" and len(user.args) == 2 and user.args[0] is node]
     items.sort(key=lambda item: item.args[1])
-    return (items, items[0], items[0].args[1]) if items else ([], node, None)
+    return (items, items, tuple(item.args[1] for item in items)) if items else ([], [node], ())
 
 
 # --- while tuning -----------------------------------------------------------------------------------
@@ -84,47 +89,109 @@ class UnitInputs:
 
 class RowsFirst(nn.Module):
     """A unit's module fed and read with its rows first: each input's rows go to the axis where the
-    unit holds its batch (None: an input passed as it is) on the way in, and the output's come back first."""
+    unit holds its batch (None: an input passed as it is) on the way in; on the way out its
+    output's rows come first or, with `scales`, its several outputs are joined into one (join_rows)."""
 
-    def __init__(self, train: nn.Module, input_axes: Sequence[int | None], output_axis: int) -> None:
+    def __init__(self, train: nn.Module, input_axes: Sequence[int | None], output_axes: Sequence[int],
+                 scales: Sequence[float] | None = None) -> None:
         super().__init__()
-        self.train_module, self.input_axes, self.output_axis = train, tuple(input_axes), output_axis
+        self.train_module, self.input_axes, self.output_axes = train, tuple(input_axes), tuple(output_axes)
+        self.scales = None if scales is None else tuple(scales)
 
-    def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor]:
         moved = (x if axis is None else x.movedim(0, axis) for x, axis in zip(inputs, self.input_axes))
-        first, *rest = self.train_module(*moved)
-        return (first.movedim(self.output_axis, 0), *rest)
+        outputs = self.train_module(*moved)
+        if self.scales is None:
+            return (outputs[0].movedim(self.output_axes[0], 0),)
+        return (join_rows(outputs, self.output_axes, self.scales),)
+
+
+def join_rows(values: Sequence[torch.Tensor], axes: Sequence[int], scales: Sequence[float]) -> torch.Tensor:
+    """Several outputs as one [rows, n] tensor: each output's rows (along its axis) flattened,
+    times its scale, side by side; a unit's loss on it weighs each output by its scale squared."""
+    moved = [value.movedim(axis, 0) for value, axis in zip(values, axes)]
+    return torch.cat([value.reshape(value.shape[0], -1) * scale for value, scale in zip(moved, scales)], dim=1)
+
+
+def output_scales(targets: Sequence[CachedValue], fabric: Fabric) -> tuple[float, ...]:
+    """A power of two per output such that, joined, each output's squared error relative to its
+    mean square counts about alike in the loss (to a factor of two; an LSTM's Y is T times its final
+    state's size, an If's state 256 times its probability's). Powers of two keep the scaling exact
+    and make every process of a data-parallel run, whose float sums differ in the last bits, pick the same."""
+    sums = [float(sum(np.square(np.asarray(chunk, np.float64)).sum() for chunk in value.chunks)) for value in targets]
+    counts = [sum(math.prod(np.shape(chunk)) for chunk in value.chunks) for value in targets]
+    rows = sum(np.shape(chunk)[0] for chunk in targets[0].chunks)
+    totals = sum_across(fabric, [*sums, *counts, rows])
+    half = len(targets)
+    powers = [total / max(count, 1) for total, count in zip(totals[:half], totals[half:2 * half])]
+    floor = max(max(powers) * 1e-12, 1e-30)
+    widths = [count / max(totals[-1], 1) for count in totals[half:2 * half]]  # elements per row
+    return tuple(2.0 ** round(0.5 * math.log2(sum(widths) / (half * width * max(power, floor))))
+                 for width, power in zip(widths, powers))
 
 
 @dataclass(frozen=True)
 class UnitData:
     """What a unit is measured and trained on, rows first: its module, its inputs, its float main
-    input and its float targets; `problem` says why it cannot be trained (None: it can)."""
+    input and its float targets (its outputs' joined, made for the unit: `release` frees them);
+    `problem` says why it cannot be trained (None: it can)."""
 
     train: nn.Module
     inputs: UnitInputs
     float_inputs: CachedValue
     targets: CachedValue
     problem: str | None
+    joined: bool = False
+
+    def release(self) -> None:
+        """Free the joined targets made for the unit, if any."""
+        if self.joined:
+            self.targets.clear()
 
 
-def unit_data(train: nn.Module, row_axes: tuple[int, int], inputs: CachedValue, float_inputs: CachedValue,
-              targets: CachedValue, sides: Sequence[tuple[SideInput, CachedValue]], fabric: Fabric) -> UnitData:
-    """A unit's values viewed rows first (the main input's and target's rows along `row_axes`, each
-    side input's along its own axis), with its module wrapped to move them back; a side input
-    that has no such axis and differs between calibration batches is a problem (then side inputs
-    are all passed as they are, so the loss can still be measured)."""
-    rows = [np.shape(chunk)[row_axes[0]] for chunk in inputs.chunks]
+def unit_data(train: nn.Module, input_axis: int, output_axes: Sequence[int | None], inputs: CachedValue,
+              float_inputs: CachedValue, targets: Sequence[CachedValue], sides: Sequence[tuple[SideInput, CachedValue]],
+              fabric: Fabric) -> UnitData:
+    """A unit's values viewed rows first (the main input's rows along `input_axis`, each target's
+    along its output's axis, found from the values where None, each side input's along its own
+    axis), with its module wrapped to move them back; several targets are joined in one. A side
+    input that has no such axis and differs between calibration batches, or an output without
+    one, is a problem (then side inputs are all passed as they are and only the first output is
+    measured, so the loss can still be measured)."""
+    rows = [np.shape(chunk)[input_axis] for chunk in inputs.chunks]
     found = [side_axis(side, value, rows) for side, value in sides]
     disagreement = _disagreement(fabric, found, sides)  # first: every process takes part in its all-reduce
-    problem = next((axis for axis in found if isinstance(axis, str)), None) or disagreement
-    axes = (row_axes[0], *([None] * len(sides) if problem else found))
-    if any(axis not in (0, None) for axis in axes) or row_axes[1]:
-        train = RowsFirst(train, axes, row_axes[1])
+    outputs = [axis if axis is not None else _output_axis(value, rows) for axis, value in zip(output_axes, targets)]
+    problem = next((axis for axis in [*found, *outputs] if isinstance(axis, str)), None) or disagreement
+    axes = (input_axis, *([None] * len(sides) if problem else found))
+    outputs = outputs[:1] if problem else outputs
     values = tuple(value.rows_along(axis) if axis else value for value, axis in zip([inputs, *(v for _, v in sides)], axes))
-    float_inputs, targets = (float_inputs.rows_along(row_axes[0]) if row_axes[0] else float_inputs,
-                             targets.rows_along(row_axes[1]) if row_axes[1] else targets)
-    return UnitData(train, UnitInputs(values, tuple(axis is not None for axis in axes)), float_inputs, targets, problem)
+    float_inputs = float_inputs.rows_along(input_axis) if input_axis else float_inputs
+    if len(outputs) == 1:
+        if any(axis not in (0, None) for axis in axes) or outputs[0]:
+            train = RowsFirst(train, axes, outputs)
+        target = targets[0].rows_along(outputs[0]) if outputs[0] else targets[0]
+        return UnitData(train, UnitInputs(values, tuple(axis is not None for axis in axes)), float_inputs, target, problem)
+    scales = output_scales([value.rows_along(axis) if axis else value for value, axis in zip(targets, outputs)], fabric)
+    joined = _joined(targets, outputs, scales)
+    return UnitData(RowsFirst(train, axes, outputs, scales), UnitInputs(values, tuple(axis is not None for axis in axes)),
+                    float_inputs, joined, problem, joined=True)
+
+
+def _output_axis(value: CachedValue, rows: list[int]) -> int | str:
+    """The axis of an output holding the main input's rows, found from the values, or why none is."""
+    axis = side_axis(SideInput(value.name), value, rows)
+    if isinstance(axis, str):
+        return axis.replace("its side input", "its output")
+    return axis if axis is not None else f"its output {value.name} does not follow the rows of its input"
+
+
+def _joined(targets: Sequence[CachedValue], axes: Sequence[int], scales: Sequence[float]) -> CachedValue:
+    """The targets joined chunk by chunk as the unit's module joins its outputs (counted in the cache)."""
+    joined = CachedValue(targets[0].cache, f"{targets[0].name}:joined")
+    for chunks in zip(*(value.chunks for value in targets)):
+        joined.append(join_rows([torch.from_numpy(np.array(chunk)) for chunk in chunks], axes, scales))
+    return joined
 
 
 def side_axis(side: SideInput, value: CachedValue, rows: list[int]) -> int | None | str:

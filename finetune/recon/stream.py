@@ -40,9 +40,9 @@ def float_input_key(unit: Unit) -> str:
     return f"float_input:{unit.name}"
 
 
-def float_target_key(unit: Unit) -> str:
-    """The cache name of a unit's float targets."""
-    return f"float_target:{unit.name}"
+def float_target_keys(unit: Unit) -> list[str]:
+    """The cache names of a unit's float targets, one per output."""
+    return [f"float_target:{unit.name}", *(f"float_target:{unit.name}#{item}" for item in unit.target_outputs[1:])]
 
 
 def record_unit_input(source: nn.Module, unit: Unit, record: Callable[[Any], None]) -> RemovableHandle:
@@ -133,8 +133,8 @@ class FloatStream(_Stream):
         super().__init__(placeholders, inputs, cache, device, last_use, "float")
         self.reference, self.units, self.inputs, self.quantizers_off = reference, units, inputs, quantizers_off
 
-    def advance(self, k: int) -> tuple[CachedValue, CachedValue]:
-        """Unit k's float inputs and targets, computing what they need. Hooks record the values of
+    def advance(self, k: int) -> tuple[CachedValue, list[CachedValue]]:
+        """Unit k's float inputs and targets (one per output), computing what they need. Hooks record the values of
         units k and later whose modules this segment calls; they are removed after it, since the
         quantized module (when it is the reference) runs the same submodules."""
         unit = self.units[k]
@@ -150,8 +150,8 @@ class FloatStream(_Stream):
         finally:
             for hook in hooks:
                 hook.remove()
-        targets = self.cache.value(float_target_key(unit))
-        for value in (float_inputs, targets):
+        targets = [self.cache.value(key) for key in float_target_keys(unit)]
+        for value in (float_inputs, *targets):
             if len(value.chunks) != self.chunks:
                 raise ValueError(f"the float model computed {value.name} {len(value.chunks)} times over {self.chunks} "
                                  "calibration batches: a module it names runs more or less than once per batch")
@@ -159,11 +159,14 @@ class FloatStream(_Stream):
 
     def _hooks(self, unit: Unit) -> list[RemovableHandle]:
         """Hooks caching the float input (unless it is a model input) and the float target of a unit."""
-        targets = self.cache.value(float_target_key(unit))
-        item = unit.target_output
+        targets = [self.cache.value(key) for key in float_target_keys(unit)]
+        items = unit.target_outputs
 
         def record_target(_module: nn.Module, _args: Any, out: Any) -> None:
-            targets.append(out if item is None else out[item])
+            if not items:
+                targets[0].append(out)
+            for value, item in zip(targets, items):
+                value.append(out[item])
 
         hooks = [_submodule(self.reference, unit.target_module).register_forward_hook(record_target)]
         if unit.source:

@@ -8,6 +8,7 @@ blocks: a residual block, a transformer layer), reconstructed together at the bl
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from torch import fx, nn
 
@@ -16,7 +17,7 @@ from finetune.lift.kinds import is_activation, is_add, is_shape, layer_kind
 from finetune.onnx.domains import BIAS_INPUT, RECURRENT_OPS
 
 from .report import Warnings
-from .sides import SideInput, measured_output, recurrent_sides
+from .sides import SideInput, measured_outputs, recurrent_sides
 
 RECURRENT_WEIGHTS = (1, 2)  # W and R of an LSTM or GRU, tuned as two layers sharing the bias B
 
@@ -38,11 +39,13 @@ class Layer:
 
 @dataclass(frozen=True)
 class Unit:
-    """One reconstruction unit. Names are fx node names (`input`, `nodes`, `output`) and module
-    names (`target_module`: the last float op, whose output is the float target). The float
+    """One reconstruction unit. Names are fx node names (`input`, `nodes`, `outputs`) and module
+    names (`target_module`: the last float op, whose outputs are the float targets). The float
     counterpart of `input` is argument `source_argument` of module `source`, or its output when
     that is None ("" is the whole model). A layer unit's input is its input quantizer's output, so
-    QDrop mixes quantized and float values; a block's is the value live where the block starts."""
+    QDrop mixes quantized and float values; a block's is the value live where the block starts.
+    A unit whose last node returns several values the model reads (an LSTM's Y and final states,
+    an If's probability and state) is measured on all of them (see sides.join_rows)."""
 
     name: str
     op_type: str  # the layer's, or "block"
@@ -51,11 +54,12 @@ class Unit:
     source: str
     source_argument: int | None
     nodes: tuple[str, ...]
-    output: str
+    outputs: tuple[str, ...]
     target_module: str
-    row_axes: tuple[int, int] = (0, 0)  # where the input and the target hold a training row (a recurrent layer's batch)
     side_inputs: tuple[SideInput, ...] = ()  # computed values it reads besides `input` (see sides)
-    target_output: int | None = None  # which output of `target_module` is the float target, when it returns several
+    target_outputs: tuple[int, ...] = ()  # which outputs of `target_module` are the float targets, when it returns several
+    input_axis: int = 0  # the axis of the input holding a training row (a recurrent layer's batch)
+    output_axes: tuple[int | None, ...] = (0,)  # the same for each output; None: found from the values when tuning
 
 
 def parameters_of(unit: Unit) -> list[str]:
@@ -125,38 +129,40 @@ def _layer_unit(
     else:
         bias_index = BIAS_INPUT[op_type]
         bias_add, bias = None, parameter_behind(module, node.args[bias_index] if len(node.args) > bias_index else None, constant)
-    tail, output, last_float, item = _unit_end(module, bias_add or node, include_output_quant)
+    tail, outputs, last_float, items = _unit_end(module, bias_add or node, include_output_quant)
     layers = tuple(
         Layer(node.target, op_type, activations[0], weight, module.finetune_params[weight].quantizer, bias if k == 0 else None, index)
         for k, (index, weight) in enumerate(zip(weight_indices, weights))
     )
     return Unit(
         name=node.target, op_type=op_type, layers=layers, input=node.args[activations[0]].name, source=node.target,
-        source_argument=activations[0], nodes=tuple(n.name for n in dict.fromkeys([node, bias_add or node, *tail])), output=output.name,
-        target_module=last_float.target, side_inputs=tuple(sides), target_output=item,
-        row_axes=_row_axes(module.get_submodule(node.target), item or 0) if op_type in RECURRENT_OPS else (0, 0),
+        source_argument=activations[0], nodes=tuple(n.name for n in dict.fromkeys([node, bias_add or node, *tail])),
+        outputs=tuple(n.name for n in outputs), target_module=last_float.target, side_inputs=tuple(sides), target_outputs=items,
+        **_row_axes(module.get_submodule(node.target), items, op_type),
     )
 
 
-def _unit_end(module: LiftedModule, layer: fx.Node, include_output_quant: bool) -> tuple[list[fx.Node], fx.Node, fx.Node, int | None]:
-    """(the nodes after the layer node that join its unit, the unit's output, the last float op,
-    which output of that op is the target). A layer with several outputs (an LSTM's Y and final
-    states) takes in the getitems reading them and is measured on the first it returns."""
-    items, output, item = measured_output(layer)
+def _unit_end(module: LiftedModule, layer: fx.Node,
+              include_output_quant: bool) -> tuple[list[fx.Node], list[fx.Node], fx.Node, tuple[int, ...]]:
+    """(the nodes after the layer node that join its unit, the unit's outputs, the last float op,
+    which outputs of that op are the targets). A layer with several outputs (an LSTM's Y and final
+    states) takes in the getitems reading them and is measured on each the model reads."""
+    items, outputs, indices = measured_outputs(layer)
     if items:
-        return items, output, layer, item
+        return items, outputs, layer, indices
     tail = _output_tail(module, layer, include_output_quant)
     last_float = next((n for n in reversed(tail) if not isinstance(module.get_submodule(n.target), FakeQuantize)), layer)
-    return tail, (tail[-1] if tail else layer), last_float, None
+    return tail, [tail[-1] if tail else layer], last_float, ()
 
 
-def _row_axes(layer: nn.Module, output: int) -> tuple[int, int]:
-    """The batch axes of a recurrent layer's input and of its output number `output`, where its
-    training rows lie (whole sequences; time steps are not independent rows): X [T, B, I], Y
-    [T, D, B, H] or a final state [D, B, H]; everything batch-first with layout 1."""
-    if layer.layout:
-        return (0, 0)
-    return (1, 2 if layer.returns[output] == 0 else 1)
+def _row_axes(layer: nn.Module, items: tuple[int, ...], op_type: str) -> dict[str, Any]:
+    """The axes of a layer's input and of its outputs (numbered `items` where it returns several)
+    where its training rows lie: the first of each, but for a recurrent layer, whose rows are whole
+    sequences (time steps are not independent rows): X [T, B, I], Y [T, D, B, H] or a final
+    state [D, B, H]; everything batch-first with layout 1."""
+    if op_type not in RECURRENT_OPS or layer.layout:
+        return {"input_axis": 0, "output_axes": (0,) * max(len(items), 1)}
+    return {"input_axis": 1, "output_axes": tuple(2 if layer.returns[item] == 0 else 1 for item in items or (0,))}
 
 
 def _weight_indices(op_type: str, activations: list[int]) -> tuple[int, ...] | None:
@@ -293,7 +299,7 @@ def _blocks(module: LiftedModule, layers: list[Unit], constant: set[fx.Node], wa
         if outside:
             _stay_single(group, f"a block of {len(group)} layer(s) here would also read {sorted(outside)}", warnings)
             units.extend(group)
-        elif any(layer.row_axes != (0, 0) or layer.side_inputs for layer in group):
+        elif any(layer.input_axis or layer.output_axes != (0,) or layer.side_inputs for layer in group):
             _stay_single(group, "a block here would hold a recurrent layer, whose training rows are whole sequences", warnings)
             units.extend(group)
         else:
@@ -357,5 +363,5 @@ def _block_unit(module: LiftedModule, entry: fx.Node, members: list[fx.Node], gr
     return Unit(
         name=scope(group[0].name) or "+".join(u.name for u in group), op_type="block",
         layers=tuple(layer for u in group for layer in u.layers), input=entry.name, source=source, source_argument=argument,
-        nodes=tuple(n.name for n in members), output=members[-1].name, target_module=members[-1].target,
+        nodes=tuple(n.name for n in members), outputs=(members[-1].name,), target_module=members[-1].target,
     )

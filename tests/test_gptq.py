@@ -9,11 +9,8 @@ import math
 from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
-import onnx
 import pytest
 import torch
-import torch.nn.functional as F
 
 from finetune.config import GPTQ, ConfigError, FastFinetune, load_config
 from finetune.formats import (

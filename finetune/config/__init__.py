@@ -10,7 +10,7 @@ from .quant import QuantConfig
 from .schema import ConfigError
 
 __all__ = [
-    "AUTO", "DEFAULT_OP_TYPES", "DEVICE_HELP", "DEVICE_PATTERN", "PRESET_DIR", "ConfigError", "EarlyStop",
-    "FastFinetune", "GPTQ", "FormatChoice", "Override", "QuantConfig", "available_presets", "from_quark", "load_config",
+    "AUTO", "DEFAULT_OP_TYPES", "DEVICE_HELP", "DEVICE_PATTERN", "GPTQ", "PRESET_DIR", "ConfigError", "EarlyStop",
+    "FastFinetune", "FormatChoice", "Override", "QuantConfig", "available_presets", "from_quark", "load_config",
     "save_config", "to_dict",
 ]

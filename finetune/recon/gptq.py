@@ -34,7 +34,6 @@ from torch import nn
 from finetune.config import FastFinetune
 from finetune.formats.grids import FixedGrid, fixed_grid
 from finetune.lift import FakeQuantize, LiftedModule
-from finetune.lift.kinds import layer_kind
 from finetune.lift.padding import torch_pad, window_extents
 
 from .report import Warnings
@@ -160,7 +159,7 @@ def _patches(x: torch.Tensor, kernel: list[int], strides: list[int], dilations: 
     rank = len(kernel)
     for axis, (k, s, d) in enumerate(zip(kernel, strides, dilations)):
         x = x.unfold(2 + axis, (k - 1) * d + 1, s)[..., ::d]  # window axis appended last
-    n, channels = x.shape[:2]
+    channels = x.shape[1]
     spatial = list(range(2, 2 + rank))
     x = x.permute(0, *spatial, 1, *range(2 + rank, 2 + 2 * rank))  # [N, *positions, C, *kernel]
     x = x.reshape(-1, groups, channels // groups * math.prod(kernel))
@@ -224,6 +223,8 @@ def input_hessian(op: nn.Module, layout: Layout, train: nn.Module, inputs: UnitI
                     pass
     finally:
         handle.remove()
+    if not total:
+        raise ValueError(f"GPTQ: the unit's forward pass never reached {type(op).__name__} (its inputs cannot be measured)")
     if fabric.world_size > 1:
         total[0] = fabric.all_reduce(total[0], reduce_op="sum")
         count = int(fabric.all_reduce(torch.tensor(float(count), dtype=torch.float64), reduce_op="sum"))
@@ -231,35 +232,29 @@ def input_hessian(op: nn.Module, layout: Layout, train: nn.Module, inputs: UnitI
 
 
 def quantize_unit(unit: Unit, module: LiftedModule, train: nn.Module, inputs: UnitInputs, fabric: Fabric,
-                  config: FastFinetune, warnings: Warnings) -> int:
+                  config: FastFinetune, warnings: Warnings) -> None:
     """Replace the weights of the unit's layers by GPTQ's, layer after layer in graph order, each
     from the inputs it receives from the unit's quantized inputs with the earlier layers already
-    replaced; returns how many layers were replaced. AdaRound (gptq_init), which chooses between
-    the two codes around its starting weights, starts from the compensated weights, which round
-    to GPTQ's; everything else takes the quantized weights, on the grid."""
-    done = 0
+    replaced; a layer GPTQ cannot treat keeps its weights, with a warning. AdaRound (gptq_init),
+    which chooses between the two codes around its starting weights, starts from the compensated
+    weights, which round to GPTQ's; everything else takes the quantized weights, on the grid."""
     for layer in unit.layers:
         reason = _quantize_layer(layer, module, train, inputs, fabric, config)
-        if reason is None:
-            done += 1
-        else:
+        if reason is not None:
             warnings.add(unit.name, f"{layer.name}: not quantized by GPTQ (its weights round to nearest): {reason}")
-    return done
 
 
 def _quantize_layer(layer: Layer, module: LiftedModule, train: nn.Module, inputs: UnitInputs, fabric: Fabric,
                     config: FastFinetune) -> str | None:
     """GPTQ's weights for one layer, written into its parameter; or why not (nothing changed)."""
-    if layer.weight_quantizer is None:
+    quantizer = module.get_submodule(layer.weight_quantizer) if layer.weight_quantizer else None
+    if not isinstance(quantizer, FakeQuantize) or not quantizer.enabled:
         return "its weight is not quantized"
-    quantizer = module.get_submodule(layer.weight_quantizer)
     weight = module.get_parameter(layer.weight)
     op = module.get_submodule(layer.name)
-    layout = layout_of(layer, op, weight.shape) if layer_kind(op) == layer.op_type else "unknown layer module"
+    layout = layout_of(layer, op, weight.shape)
     if isinstance(layout, str):
         return layout
-    if not isinstance(quantizer, FakeQuantize) or not quantizer.enabled:
-        return "its weight quantizer is off"
     settings = config.gptq
     grid = fixed_grid(weight, quantizer.spec, quantizer.scale, quantizer.zero_point).laid_out(layout.to_matrix)
     hessian = input_hessian(op, layout, train, inputs, fabric)

@@ -202,7 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_finetune_flags(parser: argparse.ArgumentParser) -> None:
     """Flags that override the config's fast_finetune section (and add one when it has none)."""
     group = parser.add_argument_group("fast finetune (override the config's fast_finetune section)")
-    group.add_argument("--finetune", choices=["adaround", "adaquant"], help="algorithm")
+    group.add_argument("--finetune", choices=["adaround", "adaquant", "gptq"],
+                       help="algorithm (gptq: one pass per unit, no learning rate or iterations)")
     group.add_argument("--iterations", type=int, help="optimisation steps per unit")
     group.add_argument("--lr", type=float, help="learning rate (default: 0.1 adaround, 1e-3 adaquant)")
     group.add_argument("--batch-size", type=int, help="samples per optimisation step")

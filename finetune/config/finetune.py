@@ -1,6 +1,6 @@
-"""The fine-tuning settings of a config: FastFinetune (AdaRound / AdaQuant reconstruction after
-quantization) with its EarlyStop rule, default learning rates and the device-string syntax, which
-the fine-tuning stage resolves to a torch device."""
+"""The fine-tuning settings of a config: FastFinetune (AdaRound / AdaQuant / GPTQ reconstruction
+after quantization) with its EarlyStop rule and GPTQ settings, default learning rates and the
+device-string syntax, which the fine-tuning stage resolves to a torch device."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from typing import Literal
 from .formats import DEFAULT_OP_TYPES
 from .schema import ConfigError, Section
 
-DEFAULT_LR = {"adaround": 0.1, "adaquant": 1e-3}  # adaquant: Quark says 1e-5, which barely moves 4-bit weights
+# GPTQ takes no learning rate. adaquant: Quark says 1e-5, which barely moves 4-bit weights
+DEFAULT_LR = {"adaround": 0.1, "adaquant": 1e-3}
 MAX_LR = 10.0  # Adam's first step moves each weight by about lr; from 3.4e37 its step overflows float32 (a crash)
 # The device-string syntax, for the config check and for resolving it to a torch device: "cpu", or
 # a `kind` (cuda, or hip on ROCm builds of torch) with an optional device `index`.
@@ -33,9 +34,23 @@ class EarlyStop(Section):
 
 
 @dataclass(frozen=True)
-class FastFinetune(Section):
-    """AdaRound / AdaQuant reconstruction after quantization (run by the fine-tuning stage).
+class GPTQ(Section):
+    """GPTQ's settings, by the names AMD Quark's GPTQ takes: `damp_percent` of the Hessian's mean
+    diagonal added to its diagonal (default 0.01), `block_size` columns per lazy batch update (128:
+    changes the arithmetic's order only), and `desc_act`: round the columns of largest input power
+    first (default off)."""
 
+    damp_percent: float = field(default=0.01, metadata={"above": 0, "max": 1})
+    block_size: int = field(default=128, metadata={"min": 1})
+    desc_act: bool = False
+
+
+@dataclass(frozen=True)
+class FastFinetune(Section):
+    """AdaRound / AdaQuant / GPTQ reconstruction after quantization (run by the fine-tuning stage).
+
+    `gptq` chooses each unit's weights in one pass, with no learning rate or iterations (settings:
+    the `gptq` section); `gptq_init: true` starts AdaRound or AdaQuant from GPTQ's weights.
     Defaults: adaround, 1000 iterations, lr 0.1 for adaround and 1e-3 for adaquant (decaying
     along a cosine), batches of 16 samples, all calibration data (data_size null), early stopping on,
     seed 0, cpu, the default op types, no bias update (adaquant only), output quantizers left out
@@ -54,7 +69,7 @@ class FastFinetune(Section):
     against the float model there is checked against the untuned model's, whose weights are written
     back when tuning made it worse (0: every batch trains, and the checks read the training rows)."""
 
-    algorithm: Literal["adaround", "adaquant"] = "adaround"
+    algorithm: Literal["adaround", "adaquant", "gptq"] = "adaround"
     iterations: int = field(default=1000, metadata={"min": 1})
     lr: float | None = field(default=None, metadata={"above": 0, "max": MAX_LR})
     batch_size: int = field(default=16, metadata={"min": 1})
@@ -75,6 +90,8 @@ class FastFinetune(Section):
     devices: int = field(default=1, metadata={"min": 1})
     nodes: int = field(default=1, metadata={"min": 1})
     strategy: str = "ddp"
+    gptq: GPTQ = field(default_factory=GPTQ)
+    gptq_init: bool = False
 
     @property
     def processes(self) -> int:
@@ -82,7 +99,12 @@ class FastFinetune(Section):
         return self.devices * self.nodes
 
     def _check(self) -> None:
-        if self.lr is None:
+        if self.algorithm == "gptq":
+            if self.lr is not None:
+                raise ConfigError("lr", "algorithm gptq takes no learning rate (it rounds each unit's weights in one pass)")
+            if self.gptq_init:
+                raise ConfigError("gptq_init", "starts adaround or adaquant from GPTQ's weights; algorithm gptq is GPTQ alone")
+        elif self.lr is None:
             object.__setattr__(self, "lr", DEFAULT_LR[self.algorithm])
         if self.update_bias and self.algorithm != "adaquant":
             raise ConfigError("update_bias", "applies to algorithm adaquant only (adaround learns roundings)")

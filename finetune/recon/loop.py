@@ -25,6 +25,7 @@ from finetune.lift import LiftedModule
 
 from .adaround import REG_WEIGHT, Annealing, SoftRounding
 from .cache import CachedValue
+from .gptq import quantize_unit
 from .heldout import local_chunks
 from .parallel import Rows, sum_across, sum_gradients
 from .qdrop import Batches, dropped_quantization
@@ -160,7 +161,10 @@ class Tuner:
         for name, start in (starts or {}).items():
             if name in original:
                 module.get_parameter(name).data.copy_(start)
-        iterations = self._optimise(k, unit, module, train, inputs, float_inputs, targets, before.power)
+        if self.config.algorithm == "gptq" or self.config.gptq_init:
+            quantize_unit(unit, module, train, inputs, self.fabric, self.config, self.warnings, held)
+        iterations = 0 if self.config.algorithm == "gptq" else self._optimise(k, unit, module, train, inputs, float_inputs,
+                                                                               targets, before.power)
         after = evaluate(train, inputs, targets, self.fabric, held)
         if not after.finite or after.judged > before.judged:
             for name, value in original.items():
@@ -173,8 +177,8 @@ class Tuner:
         return self._finish(k, module, before, after, "kept", iterations, begin)
 
     def _skip_reason(self, unit: Unit) -> str | None:
-        """Why AdaRound cannot tune a unit (no weight quantizer), else None."""
-        if self.config.algorithm == "adaround" and all(layer.weight_quantizer is None for layer in unit.layers):
+        """Why AdaRound or GPTQ cannot tune a unit (no weight quantizer), else None."""
+        if self.config.algorithm in ("adaround", "gptq") and all(layer.weight_quantizer is None for layer in unit.layers):
             return "no weight of it is quantized (nothing to round)"
         return None
 

@@ -7,7 +7,7 @@ loss before and after, held-out accuracy in onnxruntime and tuning seconds. Writ
 --json) and a PNG of the curves (--png); the defaults of fast_finetune apply otherwise (early
 stopping on, seed 0, cpu).
 
-    python scripts/sweep_finetune.py --json docs/assets/sweep.json --png docs/assets/sweep.png
+    python scripts/sweep_finetune.py --json sweep.json --png sweep.png
 """
 
 from __future__ import annotations

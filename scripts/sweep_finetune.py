@@ -26,6 +26,7 @@ from finetune.quantize import quantize_model
 from finetune.tools.session import make_session
 from finetune.zoo import digits_split, export_onnx, train_digits_cnn
 
+logger = logging.getLogger("sweep_finetune")
 W4A8 = {"preset": "A8W8", "weight": {"dtype": "int4", "granularity": "tensor"}}
 RUNS: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
     *(("adaround-iterations", W4A8, {"algorithm": "adaround", "iterations": n}) for n in (50, 100, 200, 500, 1000)),
@@ -66,7 +67,7 @@ def sweep(folder: Path) -> dict[str, Any]:
             "iterations_run": [u["iterations"] for u in units], "float_accuracy": accuracy(float_path, x, y),
             "quantized_accuracy": accuracy(result.model, x, y), "tuned_accuracy": accuracy(tuned, x, y),
         })
-        logging.warning("%s %s: loss %.4g -> %.4g, accuracy %.2f -> %.2f", study, tuning, rows[-1]["loss_before"],
+        logger.warning("%s %s: loss %.4g -> %.4g, accuracy %.2f -> %.2f", study, tuning, rows[-1]["loss_before"],
                         rows[-1]["loss_after"], rows[-1]["quantized_accuracy"], rows[-1]["tuned_accuracy"])
     return {"runs": rows}
 

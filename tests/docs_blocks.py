@@ -86,7 +86,8 @@ def environment(folder: Path) -> dict[str, str]:
     `python` commands that run it with this interpreter, one torch thread pair for repeatability."""
     bin_dir = folder / ".bin"
     bin_dir.mkdir(exist_ok=True)
-    for name, command in (("finetune", f'exec "{sys.executable}" -m finetune.cli "$@"'), ("python", f'exec "{sys.executable}" "$@"')):
+    commands = {"finetune": f'exec "{sys.executable}" -m finetune.cli "$@"', "python": f'exec "{sys.executable}" "$@"'}
+    for name, command in commands.items():
         script = bin_dir / name
         script.write_text(f"#!/bin/sh\n{command}\n")
         script.chmod(0o755)
@@ -109,7 +110,8 @@ def run(block: Block, folder: Path) -> str:
     if block.language == "yaml":
         return ""
     command = [sys.executable, "-c", code] if block.language == "python" else ["bash", "-euo", "pipefail", "-c", code]
-    result = subprocess.run(command, cwd=folder, env=environment(folder), capture_output=True, text=True, timeout=BLOCK_TIMEOUT)
+    result = subprocess.run(command, cwd=folder, env=environment(folder), capture_output=True, text=True,
+                            timeout=BLOCK_TIMEOUT, check=False)
     output = result.stdout + result.stderr
     if block.options.get("fails"):
         if result.returncode == 0 or block.options.get("expect", "") not in output:

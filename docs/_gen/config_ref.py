@@ -14,13 +14,13 @@ import typing
 from collections.abc import Iterator
 from typing import Any, Literal, Union
 
+from descriptions import DESCRIPTIONS
+
 from finetune.config import FormatChoice, QuantConfig, available_presets, load_config, to_dict
 from finetune.config.formats import family_keys
 from finetune.config.schema import Section
 from finetune.formats import INT_RANGES, MX_ELEMENTS, bits_per_element
 from finetune.formats.floats import FLOAT_TYPES
-
-from descriptions import DESCRIPTIONS
 
 FORMAT_FAMILIES = ("int", "float", "bfp", "mx")
 # Allowed values of FormatChoice keys that live in format tables rather than in type hints.

@@ -11,9 +11,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))  # the generators beside this file
 
-from cli_ref import cli_reference  # noqa: E402
-from config_ref import config_reference, presets_table  # noqa: E402
-from quark_ref import quark_reference  # noqa: E402
+from cli_ref import cli_reference
+from config_ref import config_reference, presets_table
+from quark_ref import quark_reference
 
 GENERATORS: dict[str, Callable[[], str]] = {
     "config-reference": config_reference,

@@ -8,9 +8,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from finetune.config import quark_options as q
-
 from descriptions import QUARK_NOTES
+
+from finetune.config import quark_options as q
 
 # (heading, mapped, no effect, accepted only at some values); FastFinetune's mapped keys say their own target.
 LEVELS: tuple[tuple[str, tuple[str, ...], tuple[str, ...], Mapping[str, tuple[Any, ...]]], ...] = (
@@ -72,7 +72,8 @@ def enum_table() -> str:
         rows.append(f"| `{member}` | format `{fmt}`" + (f", dtype `{dtype}`" if dtype else ", attributes from "
                     f"`{'BFPAttributes' if fmt == 'bfp' else 'MXAttributes'}`") + " |")
     for method, ours in q.CALIBRATE_METHODS.items():
-        text = "refused: no equivalent" if ours is None else f"calibration `{ours[0]}`" + (", power-of-two scales" if ours[1] else "")
+        scales = ", power-of-two scales" if ours and ours[1] else ""
+        text = "refused: no equivalent" if ours is None else f"calibration `{ours[0]}`{scales}"
         rows.append(f"| `{method}` | {text} |")
     for fmt, forced in q.QUANT_FORMATS.items():
         text = "refused: no equivalent (quantize in QDQ format)" if forced is None else (
@@ -83,4 +84,5 @@ def enum_table() -> str:
 
 def quark_reference() -> str:
     """Every level's table, then the enum-like values."""
-    return "\n".join(level_table(*level) for level in LEVELS) + "\n#### Values of quant types, methods and formats\n\n" + enum_table()
+    tables = "\n".join(level_table(*level) for level in LEVELS)
+    return f"{tables}\n#### Values of quant types, methods and formats\n\n{enum_table()}"

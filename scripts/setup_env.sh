@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Create ./.venv (if missing) and install finetune with its test extras into it.
+# Create ./.venv (if missing) and install finetune with its test and docs extras into it (the docs are
+# built and their examples run by the test suite).
 # torch/torchvision are pinned to the releases that lie on this kind of machine's disk; elsewhere,
 # set TORCH_SPEC (e.g. a CUDA or ROCm build's index URL and version) before running.
 set -euo pipefail
@@ -12,7 +13,7 @@ fi
 "$VENV/bin/python" -m pip install --quiet --upgrade pip
 # shellcheck disable=SC2086
 "$VENV/bin/python" -m pip install --quiet ${TORCH_SPEC:-torch==2.14.1 torchvision==0.29.1}
-"$VENV/bin/python" -m pip install --quiet -e ".[test]"
+"$VENV/bin/python" -m pip install --quiet -e ".[test,docs]"
 # Real models with control flow and recurrent layers, for tests and benchmarks: only their ONNX files are
 # read (silero's voice-activity detectors, one with its network inside If branches, one with an LSTM), so
 # their own dependencies are not installed.

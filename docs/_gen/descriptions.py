@@ -20,7 +20,7 @@ DESCRIPTIONS: dict[str, str] = {
     "QuantConfig.weight_storage": "`float`: float initializers read through QDQ; `compact`: weights stored as codes.",
     "QuantConfig.bf16_as_cast": "Write the final model's bfloat16 quantize-dequantize pairs as Cast pairs.",
     "QuantConfig.npu_cnn": "Apply the Vitis AI / Ryzen AI NPU constraints for CNNs (see the NPU page).",
-    "QuantConfig.fast_finetune": "Recover accuracy after quantizing (AdaRound / AdaQuant); null: no tuning.",
+    "QuantConfig.fast_finetune": "Recover accuracy after quantizing (AdaRound / AdaQuant / GPTQ); null: no tuning.",
     "QuantConfig.auto_mixed_precision": "Search per-layer precision against a target (see Automatic mixed precision).",
     # FormatChoice
     "FormatChoice.format": "The format family: `int`, `float` (bfloat16, float16, float8), `bfp` (BFP and MX4/6/9), `mx` (OCP MX).",
@@ -45,7 +45,7 @@ DESCRIPTIONS: dict[str, str] = {
     "Override.weight": "The weight format (unset: the global one; null: float).",
     "Override.bias": "The bias format (unset: the global one).",
     # FastFinetune
-    "FastFinetune.algorithm": "AdaRound learns the rounding of INT weights; AdaQuant trains the weights through the fake quantizer.",
+    "FastFinetune.algorithm": "AdaRound learns the rounding of INT weights; AdaQuant trains the weights through the fake quantizer; GPTQ rounds them in one pass, spreading each error over the rest.",
     "FastFinetune.iterations": "Optimisation steps per unit (early stopping may end a unit sooner).",
     "FastFinetune.lr": "Learning rate; null takes the algorithm's default (0.1 AdaRound, 1e-3 AdaQuant).",
     "FastFinetune.batch_size": "Rows per optimisation step.",
@@ -65,6 +65,14 @@ DESCRIPTIONS: dict[str, str] = {
     "FastFinetune.devices": "Processes tuning data-parallel per machine, one device each.",
     "FastFinetune.nodes": "Machines of a data-parallel run.",
     "FastFinetune.strategy": "Lightning Fabric strategy of a data-parallel run (`ddp`, `ddp_spawn`, `ddp_fork`, ...).",
+    "FastFinetune.validation_share": "Share of the calibration batches held out of training (drawn with the seed): units are kept "
+                                     "on their loss there, and the tuned model must not be further from float there than the "
+                                     "untuned one (else its weights come back); 0: none held out.",
+    "FastFinetune.gptq": "GPTQ's settings (algorithm `gptq`, or `gptq_init`).",
+    "FastFinetune.gptq_init": "Start AdaRound or AdaQuant from GPTQ's weights.",
+    "GPTQ.damp_percent": "Share of the Hessian's mean diagonal added to its diagonal.",
+    "GPTQ.block_size": "Columns per lazy batch update (changes only the order of the arithmetic).",
+    "GPTQ.desc_act": "Round the columns of largest input power first.",
     # EarlyStop
     "EarlyStop.enabled": "Stop units early.",
     "EarlyStop.patience": "Steps without improvement of the 10-step mean loss before the tail starts.",

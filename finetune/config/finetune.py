@@ -48,7 +48,9 @@ class FastFinetune(Section):
     float32 matrix products in full float32 (`allow_tf32: true` lets CUDA use TF32), and one
     device (`devices: N` runs each unit's optimisation data-parallel over N processes per machine
     on `nodes` machines, each holding a share of the calibration batches, launched by the Lightning
-    Fabric `strategy`; an auto_mixed_precision search splits its sensitivity over them too)."""
+    Fabric `strategy`; an auto_mixed_precision search splits its sensitivity over them too), and
+    quantize-dequantize kernels compiled by torch.compile where a compiler is at hand (`compile:
+    auto`; `true` requires one, `false` stays eager; the bits are the same either way)."""
 
     algorithm: Literal["adaround", "adaquant"] = "adaround"
     iterations: int = field(default=1000, metadata={"min": 1})
@@ -70,6 +72,7 @@ class FastFinetune(Section):
     devices: int = field(default=1, metadata={"min": 1})
     nodes: int = field(default=1, metadata={"min": 1})
     strategy: str = "ddp"
+    compile: Literal["auto", True, False] = "auto"
 
     @property
     def processes(self) -> int:

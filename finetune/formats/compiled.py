@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import shutil
 import types
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -44,14 +43,18 @@ MAX_KERNELS = 256
 
 def compiler_missing(device: torch.device) -> str | None:
     """What torch.compile lacks to build kernels for `device` (None: nothing): inductor itself,
-    a C++ compiler on the CPU, Triton on an accelerator."""
+    a C++ compiler that runs on the CPU (inductor's cpp.cxx, from CXX), Triton on an accelerator."""
     try:
-        from torch._inductor import cpp_builder
+        from torch._inductor import config, cpp_builder, exc
     except ImportError as error:
         return f"torch's inductor compiler ({error})"
     if device.type == "cpu":
-        compiler = cpp_builder.get_cpp_compiler()
-        return None if shutil.which(compiler) else f"a C++ compiler ({compiler!r} is not on PATH; set CXX to one)"
+        try:
+            cpp_builder.get_cpp_compiler()
+        except exc.InvalidCxxCompiler:
+            names = " or ".join(repr(name) for name in config.cpp.cxx if name)
+            return f"a C++ compiler ({names} does not run; install one or set CXX)"
+        return None
     from torch.utils._triton import has_triton
 
     return None if has_triton() else "Triton (pip install triton)"
@@ -133,7 +136,7 @@ def quantize_dequantize_compiled(
     if reason is not None:
         _record_eager(reason)
         if rounding is not None:
-            return int_quantize_dequantize(x, scale, zero_point, spec, rounding)
+            return int_quantize_dequantize(x, scale, 0.0 if zero_point is None else zero_point, spec, rounding)
         return quantize_dequantize(x, spec, scale, zero_point)
     xf = x.float()
     if isinstance(spec, (IntSpec, FloatSpec)):  # inputs, not constants, which inductor would fold: -0.0 + 0.0 is +0.0

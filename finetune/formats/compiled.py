@@ -12,7 +12,7 @@ import logging
 import types
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -78,16 +78,17 @@ def resolve_compile(setting: CompileSetting, device_type: str) -> bool:
 @dataclass
 class KernelUse:
     """What the quantizers of a run did: whether kernels were compiled, which formats stayed eager
-    (name -> reason), and how many kernels were compiled (or refused past MAX_KERNELS)."""
+    (name -> reason), the kernels they ran (compiled now or earlier in the process) and the calls
+    that ran eager past MAX_KERNELS."""
 
     compiled: bool
     eager_formats: dict[str, str]
-    kernels: int = 0
+    used: set[_Key] = field(default_factory=set)
     over_limit: int = 0
 
     def summary(self) -> dict[str, Any]:
         """The report's entry."""
-        return {"compiled": self.compiled, "eager_formats": dict(self.eager_formats), "kernels": self.kernels,
+        return {"compiled": self.compiled, "eager_formats": dict(self.eager_formats), "kernels": len(self.used),
                 "kernels_over_limit": self.over_limit}
 
 
@@ -236,8 +237,8 @@ def _kernel(spec: FormatSpec, x: torch.Tensor, scale: torch.Tensor | None, zero_
                 _use.over_limit += 1
             return None
         kernel = _kernels[key] = _Kernel(key, len(_kernels))
-        if _use is not None:
-            _use.kernels += 1
+    if _use is not None:
+        _use.used.add(key)
     return kernel
 
 

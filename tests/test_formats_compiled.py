@@ -166,10 +166,13 @@ def test_rounding_hooks_and_learned_scales_stay_eager_and_are_recorded() -> None
     assert use.summary()["compiled"] is True
 
 
-def test_fake_quantize_runs_compiled_kernels_only_when_asked() -> None:
+def test_fake_quantize_runs_compiled_kernels_only_when_asked_and_on_large_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
     quantizer = FakeQuantize(MXFP4)
     x = data(SHAPE)
     with compiled_kernels(True) as use:
+        assert_same_bits(quantizer(x), quantize_dequantize(x, MXFP4))  # smaller than MIN_COMPILED_ELEMENTS: eager
+        assert use.summary()["kernels"] == 0
+        monkeypatch.setattr(compiled, "MIN_COMPILED_ELEMENTS", x.numel())
         assert_same_bits(quantizer(x), quantize_dequantize(x, MXFP4))
     before = len(compiled._kernels)
     with compiled_kernels(False):

@@ -12,7 +12,8 @@ from finetune.formats.compiled import kernels_enabled, quantize_dequantize_compi
 class FakeQuantize(nn.Module):
     """Quantize-dequantize in one format with the scale and zero point of the ONNX node(s) it came
     from; disabled it is the identity (the float reference), and `rounding` replaces the integer
-    rounding (AdaRound). Within formats.compiled.compiled_kernels(True) it runs compiled kernels."""
+    rounding (AdaRound). Within formats.compiled.compiled_kernels(True) it runs compiled kernels
+    (on tensors of at least MIN_COMPILED_ELEMENTS)."""
 
     scale: torch.Tensor | None
     zero_point: torch.Tensor | None
@@ -42,7 +43,7 @@ class FakeQuantize(nn.Module):
             return x
         if self.rounding is not None and not isinstance(self.spec, IntSpec):
             raise ValueError(f"a rounding hook applies to integer formats only, not {self.spec}")
-        if kernels_enabled():
+        if kernels_enabled(x):
             return quantize_dequantize_compiled(x, self.spec, self.scale, self.zero_point, self.rounding)
         if isinstance(self.spec, IntSpec):
             return int_quantize_dequantize(x, self.scale, self.zero_point, self.spec, self.rounding)

@@ -115,7 +115,8 @@ def _finetune_overrides(args: argparse.Namespace, config: QuantConfig) -> dict:
     --data-size alone (a calibration limit too) does not turn fine-tuning on."""
     flags = {"algorithm": args.finetune, "iterations": args.iterations, "lr": args.lr, "batch_size": args.batch_size,
              "early_stop": args.early_stop, "device": args.device, "seed": args.seed, "unit": args.unit,
-             "devices": args.devices, "nodes": args.nodes, "strategy": args.strategy, "validation_share": args.validation_share}
+             "devices": args.devices, "nodes": args.nodes, "strategy": args.strategy, "validation_share": args.validation_share,
+             "compile": {"auto": "auto", "true": True, "false": False, None: None}[args.compile]}
     tuning = config.fast_finetune is not None or any(value is not None for value in flags.values())
     return {**flags, "data_size": args.data_size if tuning else None}
 
@@ -221,6 +222,9 @@ def _add_finetune_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--validation-share", type=float,
                        help="share of the calibration batches held out of training, on which units are kept or reverted "
                             "and the tuned model is checked against the untuned one (default 0.2; 0: none)")
+    group.add_argument("--compile", choices=["auto", "true", "false"],
+                       help="compile the quantize-dequantize kernels with torch.compile, same bits (default auto: where "
+                            "a compiler is at hand, a C++ compiler on the CPU, Triton on a GPU; true: fail without one)")
     group.add_argument("--resume", action="store_true",
                        help="continue a killed run from its checkpoint beside the output (model.onnx.finetune.ckpt for "
                             "-o model.onnx); same model, data and settings give the bytes of an uninterrupted run")

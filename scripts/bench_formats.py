@@ -1,6 +1,9 @@
 """Benchmark: quantize-dequantize time of every format in torch and in onnxruntime (our ONNX
 function bodies or the standard Q/DQ ops), beside torch.clone of the same tensor measured in the
-same run (the memory-bandwidth floor). Prints JSON; ratios are time / clone time."""
+same run (the memory-bandwidth floor). With --compile, also forward + backward (straight-through
+gradient of a random incoming gradient) eager and through the compiled kernels, the first compiled
+step's time (the compile, from inductor's on-disk cache where it has the kernels) and whether the
+compiled values and gradient have eager's bits. Prints JSON; ratios are time / clone time."""
 
 from __future__ import annotations
 
@@ -37,6 +40,7 @@ from finetune.formats import (
     IntSpec,
     quantize_dequantize,
 )
+from finetune.formats.compiled import quantize_dequantize_compiled
 from finetune.onnx import attach_custom_ops
 from finetune.onnx.qdq import STANDARD_QDQ_OPSET, make_qdq
 from finetune.onnx.session import inference_session
@@ -89,7 +93,43 @@ def onnx_session(case: Case, shape: tuple[int, ...]) -> ort.InferenceSession:
     return inference_session(attach_custom_ops(model), optimization="all")
 
 
-def run(shape: tuple[int, ...], repeats: int, names: list[str] | None) -> dict:
+def forward_backward(qdq: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
+                     grad: torch.Tensor) -> tuple[Callable[[], torch.Tensor], torch.Tensor]:
+    """One step (qdq of a leaf copy of x, backward of `grad`; returns the output) and the leaf,
+    which holds the gradient after it."""
+    leaf = x.clone().requires_grad_()
+
+    def step() -> torch.Tensor:
+        leaf.grad = None
+        y = qdq(leaf)
+        y.backward(grad)
+        return y
+
+    return step, leaf
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit patterns, NaN where NaN (which NaN is the machine's)."""
+    nan = a.isnan()
+    return torch.equal(nan, b.isnan()) and torch.equal(a.masked_fill(nan, 0).view(torch.int32), b.masked_fill(nan, 0).view(torch.int32))
+
+
+def compiled_columns(case: Case, x: torch.Tensor, repeats: int) -> dict:
+    """Eager and compiled forward + backward times, the first compiled step's and bit identity."""
+    spec, scale, zero_point = case
+    s, zp = (None if v is None else torch.from_numpy(v) for v in (scale, zero_point))
+    grad = torch.randn(x.shape, generator=torch.Generator().manual_seed(1))
+    eager, eager_leaf = forward_backward(lambda t: quantize_dequantize(t, spec, s, zp), x, grad)
+    compiled, compiled_leaf = forward_backward(lambda t: quantize_dequantize_compiled(t, spec, s, zp), x, grad)
+    start = time.perf_counter()
+    first = compiled()
+    compile_s = time.perf_counter() - start
+    identical = same_bits(first, eager()) and same_bits(compiled_leaf.grad, eager_leaf.grad)
+    return {"eager_fb_s": best_time(eager, repeats), "compiled_fb_s": best_time(compiled, repeats),
+            "compile_s": round(compile_s, 2), "same_bits": identical}
+
+
+def run(shape: tuple[int, ...], repeats: int, names: list[str] | None, compile_kernels: bool = False) -> dict:
     """Measure every (or the named) format; clone is measured before each format and the best kept."""
     x = torch.randn(shape, generator=torch.Generator().manual_seed(0))
     x_np = x.numpy()
@@ -102,12 +142,14 @@ def run(shape: tuple[int, ...], repeats: int, names: list[str] | None) -> dict:
         torch_s = best_time(partial(quantize_dequantize, x, spec, None if scale is None else torch.from_numpy(scale),
                                     None if zero_point is None else torch.from_numpy(zero_point)), repeats)
         onnx_s = best_time(partial(onnx_session(case, shape).run, None, {"x": x_np}), repeats)
-        rows.append({"format": name, "torch_s": torch_s, "onnxruntime_s": onnx_s})
+        rows.append({"format": name, "torch_s": torch_s, "onnxruntime_s": onnx_s,
+                     **(compiled_columns(case, x, repeats) if compile_kernels else {})})
     clone_s = min(clone_times)
     for row in rows:
-        row["torch_vs_clone"] = round(row["torch_s"] / clone_s, 2)
-        row["onnxruntime_vs_clone"] = round(row["onnxruntime_s"] / clone_s, 2)
-        row["torch_s"], row["onnxruntime_s"] = round(row["torch_s"], 5), round(row["onnxruntime_s"], 5)
+        for column in ("torch", "onnxruntime", "eager_fb", "compiled_fb"):
+            if f"{column}_s" in row:
+                row[f"{column}_vs_clone"] = round(row[f"{column}_s"] / clone_s, 2)
+                row[f"{column}_s"] = round(row[f"{column}_s"], 5)
     return {
         "benchmark": "bench_formats", "shape": list(shape), "elements": int(x.numel()), "repeats": repeats,
         "clone_s": round(clone_s, 5), "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
@@ -115,6 +157,8 @@ def run(shape: tuple[int, ...], repeats: int, names: list[str] | None) -> dict:
         "machine": platform.machine(), "formats": rows,
         "max_torch_vs_clone": max(r["torch_vs_clone"] for r in rows),
         "max_onnxruntime_vs_clone": max(r["onnxruntime_vs_clone"] for r in rows),
+        **({"max_compiled_fb_vs_clone": max(r["compiled_fb_vs_clone"] for r in rows),
+            "all_same_bits": all(r["same_bits"] for r in rows)} if compile_kernels else {}),
     }
 
 
@@ -123,8 +167,13 @@ def main() -> None:
     parser.add_argument("--shape", type=int, nargs="+", default=[64, 256, 56, 56])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--formats", nargs="*", help="only these formats (names as in the output)")
+    parser.add_argument("--compile", action="store_true",
+                        help="also forward + backward eager and through the compiled kernels (torch.compile)")
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     args = parser.parse_args()
-    print(json.dumps(run(tuple(args.shape), args.repeats, args.formats), indent=1))
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(json.dumps(run(tuple(args.shape), args.repeats, args.formats, args.compile), indent=1))
 
 
 if __name__ == "__main__":

@@ -88,16 +88,18 @@ def functions(profile: cProfile.Profile, steps: int) -> list[dict[str, Any]]:
              "calls_per_step": round(calls / steps, 1)} for (file, line, name), (_, calls, own, _, _) in rows]
 
 
-def run(case: str, iterations: int, folder: Path, profiles: bool = True) -> dict[str, Any]:
+def run(case: str, iterations: int, folder: Path, profiles: bool = True, compile_kernels: str | bool = "auto") -> dict[str, Any]:
     """One case: bare step times, then (with `profiles`) the two profiles, each over a run of its own."""
     model_name, preset, algorithm, unit = CASES[case]
     quantized, feeds = prepare(model_name, preset, folder)
-    config = FastFinetune(algorithm=algorithm, unit=unit, iterations=iterations, seed=0, early_stop={"enabled": False})
+    config = FastFinetune(algorithm=algorithm, unit=unit, iterations=iterations, seed=0, early_stop={"enabled": False},
+                          compile=compile_kernels)
     bare: list[float] = []
     with timed_steps(bare):
         finetune_model(quantized, feeds, config)
     steps = len(bare)
-    timing = {"case": case, "algorithm": algorithm, "unit": unit, "steps": steps, "threads": torch.get_num_threads(),
+    timing = {"case": case, "algorithm": algorithm, "unit": unit, "compile": compile_kernels, "steps": steps,
+              "threads": torch.get_num_threads(),
               "ms_per_step": round(1e3 * sum(bare) / steps, 3), "ms_per_step_median": round(1e3 * sorted(bare)[steps // 2], 3)}
     if not profiles:
         return timing
@@ -127,13 +129,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--iterations", type=int, default=200, help="steps per unit (default 200)")
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default 2)")
     parser.add_argument("--bare", action="store_true", help="step times only, no profiles (for side-by-side timing)")
+    parser.add_argument("--compile", choices=["auto", "true", "false"], default="auto",
+                        help="fast_finetune.compile (default auto: compiled kernels where a compiler is at hand)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     results = []
     with tempfile.TemporaryDirectory() as folder:
         for case in args.cases.split(","):
             print(f"case {case}", file=sys.stderr)
-            results.append(run(case, args.iterations, Path(folder), profiles=not args.bare))
+            setting = {"auto": "auto", "true": True, "false": False}[args.compile]
+            results.append(run(case, args.iterations, Path(folder), profiles=not args.bare, compile_kernels=setting))
     json.dump(results, sys.stdout, indent=1)
     print()
 

@@ -29,6 +29,19 @@ def test_bench_formats_reports_every_format_as_json() -> None:
         assert row["torch_s"] > 0 and row["onnxruntime_s"] > 0 and row["torch_vs_clone"] > 0
 
 
+def test_bench_formats_compares_eager_and_compiled_forward_backward() -> None:
+    result = subprocess.run(
+        [sys.executable, str(SCRIPTS / "bench_formats.py"), "--shape", "2", "40", "3", "--repeats", "1", "--compile",
+         "--threads", "1", "--formats", "MX4", "BF16"],
+        capture_output=True, text=True, check=True,
+    )
+    report = json.loads(result.stdout)
+    assert [row["format"] for row in report["formats"]] == ["MX4", "BF16"] and report["torch_threads"] == 1
+    for row in report["formats"]:
+        assert row["eager_fb_s"] > 0 and row["compiled_fb_s"] > 0 and row["compile_s"] > 0 and row["same_bits"] is True
+    assert report["all_same_bits"] is True and report["max_compiled_fb_vs_clone"] > 0
+
+
 def script(name: str) -> Any:
     """A script of scripts/ imported as a module, to test its functions."""
     spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")

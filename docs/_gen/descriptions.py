@@ -70,6 +70,8 @@ DESCRIPTIONS: dict[str, str] = {
                                      "untuned one (else its weights come back); 0: none held out.",
     "FastFinetune.gptq": "GPTQ's settings (algorithm `gptq`, or `gptq_init`).",
     "FastFinetune.gptq_init": "Start AdaRound or AdaQuant from GPTQ's weights.",
+    "FastFinetune.compile": "Run the quantize-dequantize kernels through torch.compile (same bits); `auto`: where a compiler "
+                            "is at hand, `true`: fail without one, `false`: eager.",
     "GPTQ.damp_percent": "Share of the Hessian's mean diagonal added to its diagonal.",
     "GPTQ.block_size": "Columns per lazy batch update (changes only the order of the arithmetic).",
     "GPTQ.desc_act": "Round the columns of largest input power first.",

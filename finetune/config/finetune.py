@@ -63,7 +63,9 @@ class FastFinetune(Section):
     float32 matrix products in full float32 (`allow_tf32: true` lets CUDA use TF32), and one
     device (`devices: N` runs each unit's optimisation data-parallel over N processes per machine
     on `nodes` machines, each holding a share of the calibration batches, launched by the Lightning
-    Fabric `strategy`; an auto_mixed_precision search splits its sensitivity over them too).
+    Fabric `strategy`; an auto_mixed_precision search splits its sensitivity over them too), and
+    quantize-dequantize kernels compiled by torch.compile where a compiler is at hand (`compile:
+    auto`; `true` requires one, `false` stays eager; the bits are the same either way).
     `validation_share` (default 0.2) of the calibration batches, drawn with the seed, are held out
     of training: units are kept or reverted on their loss there, and the tuned model's output error
     against the float model there is checked against the untuned model's, whose weights are written
@@ -92,6 +94,7 @@ class FastFinetune(Section):
     strategy: str = "ddp"
     gptq: GPTQ = field(default_factory=GPTQ)
     gptq_init: bool = False
+    compile: Literal["auto", True, False] = "auto"
 
     @property
     def processes(self) -> int:

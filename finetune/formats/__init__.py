@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from .bfp import BFP16, MX4, MX6, MX9, BFPSpec, bfp_quantize_dequantize
+from .bfp import BFP16, MX4, MX6, MX9, BFPSpec, bfp_quantize_dequantize, bfp_values
 from .bits import RoundFn
 from .blocks import broadcast_param
 from .cost import bits_per_element
-from .floats import BF16, FP8_E4M3FN, FP8_E5M2, FP16, FloatSpec, float_codes, float_quantize_dequantize
-from .integer import INT_RANGES, IntSpec, dequantize_linear, int_codes, int_quantize_dequantize, int_scale_zero_point
+from .floats import BF16, FP8_E4M3FN, FP8_E5M2, FP16, FloatSpec, float_codes, float_quantize_dequantize, float_values
+from .integer import INT_RANGES, IntSpec, dequantize_linear, int_codes, int_quantize_dequantize, int_scale_zero_point, int_values
 from .mx import (
     MX_ELEMENTS,
     MXFP4,
@@ -21,6 +21,7 @@ from .mx import (
     MXElement,
     MXSpec,
     mx_quantize_dequantize,
+    mx_values,
 )
 
 FormatSpec = IntSpec | FloatSpec | BFPSpec | MXSpec
@@ -62,6 +63,7 @@ __all__ = [
     "dequantize_linear",
     "float_codes",
     "float_quantize_dequantize",
+    "format_values",
     "int_codes",
     "int_quantize_dequantize",
     "int_scale_zero_point",
@@ -90,4 +92,23 @@ def quantize_dequantize(
         return bfp_quantize_dequantize(x, spec)
     if isinstance(spec, MXSpec):
         return mx_quantize_dequantize(x, spec)
+    raise TypeError(f"unknown format spec {spec!r}")
+
+
+def format_values(
+    x: torch.Tensor, spec: FormatSpec, scale: torch.Tensor | None, zero_point: torch.Tensor | None, with_mask: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """quantize_dequantize's values of float32 x without autograd (integer formats with
+    round-half-to-even), and with `with_mask` where its straight-through gradient passes (None:
+    everywhere): the one computation the eager functions wrap and the compiled kernels trace."""
+    if isinstance(spec, IntSpec):
+        if scale is None:
+            raise ValueError("an integer format needs a scale")
+        return int_values(x, scale, 0.0 if zero_point is None else zero_point, spec, with_mask)
+    if isinstance(spec, FloatSpec):
+        return float_values(x, spec, 1.0 if scale is None else scale, 0.0 if zero_point is None else zero_point, with_mask)
+    if isinstance(spec, BFPSpec):
+        return bfp_values(x, spec, with_mask)
+    if isinstance(spec, MXSpec):
+        return mx_values(x, spec, with_mask)
     raise TypeError(f"unknown format spec {spec!r}")

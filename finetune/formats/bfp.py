@@ -88,14 +88,20 @@ def bfp_quantize_dequantize(x: torch.Tensor, spec: BFPSpec) -> torch.Tensor:
 
 
 def _bfp_float32(x: torch.Tensor, spec: BFPSpec) -> torch.Tensor:
-    """The format on float32 x; a one-element x (rank 0 included, whatever the axis) comes back as it
-    is apart from the bfloat16 pre-rounding, as AMD Quark's kernels return it."""
-    if spec.convert_to_bfloat_before_bfp:
-        x = straight_through(x, x.detach().to(torch.bfloat16).float(), None)
-    if x.numel() <= 1:
-        return x
-    y, passes = _bfp_map(x, spec, with_mask=x.requires_grad)
+    """The format on float32 x, its gradient straight through where nothing was clamped."""
+    y, passes = bfp_values(x.detach(), spec, with_mask=x.requires_grad)
     return straight_through(x, y, passes)
+
+
+def bfp_values(x: torch.Tensor, spec: BFPSpec, with_mask: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The quantized values of float32 x (no autograd), and with `with_mask` where no clamping
+    happened (None: everywhere). A one-element x (rank 0 included, whatever the axis) comes back as
+    it is apart from the bfloat16 pre-rounding, as AMD Quark's kernels return it."""
+    if spec.convert_to_bfloat_before_bfp:
+        x = x.to(torch.bfloat16).float()
+    if x.numel() <= 1:
+        return x, None
+    return _bfp_map(x, spec, with_mask)
 
 
 def _bfp_map(x: torch.Tensor, spec: BFPSpec, with_mask: bool) -> tuple[torch.Tensor, torch.Tensor | None]:

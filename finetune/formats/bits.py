@@ -45,9 +45,10 @@ _assume_rare_cases = False
 
 
 def checks_rare_cases(device: torch.device) -> bool:
-    """Whether rare per-block cases are checked on `device` (the CPU, unless `branch_free`) rather
-    than assumed; a caller whose check needs work of its own can skip that work where they are assumed."""
-    return not _assume_rare_cases and device.type == "cpu"
+    """Whether rare per-block cases are checked on `device` (the CPU, unless `branch_free` or while
+    torch.compile traces: a check reads data on the host, which would break the graph) rather than
+    assumed; a caller whose check needs work of its own can skip that work where they are assumed."""
+    return not _assume_rare_cases and device.type == "cpu" and not torch.compiler.is_compiling()
 
 
 def needs(rare: torch.Tensor) -> bool:
@@ -91,7 +92,7 @@ def scale_by_pow2(x: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     out_of_range = _outside(k, MIN_NORMAL_EXPONENT, MAX_EXPONENT)
     if not needs(out_of_range):
         return x * pow2(k)
-    first = torch.where(out_of_range, torch.div(k, 2, rounding_mode="floor"), k)
+    first = torch.where(out_of_range, k >> 1, k)  # floor(k / 2): a shift, not the division compiled kernels loop over
     return x * pow2(first) * pow2(k - first)
 
 

@@ -92,14 +92,27 @@ def _blocked(part: torch.Tensor, n: int, block_size: int, fn: BlockFn) -> tuple[
     padded = -(-n // block_size) * block_size
     if padded != n:
         part = F.pad(part, (0, 0, 0, padded - n))
-    results = fn(part.reshape(part.shape[0], padded // block_size, block_size, part.shape[2]))
-    return tuple(r.reshape(part.shape[0], padded, part.shape[2])[:, :n, :] for r in results)
+    blocks = part.reshape(part.shape[0], padded // block_size, block_size, part.shape[2])
+    return tuple(_unblocked(r.reshape(blocks.shape), n) for r in fn(blocks))
+
+
+def _unblocked(r: torch.Tensor, n: int) -> torch.Tensor:
+    """Blocks [p, n_blocks, block, q] as [p, n, q], the padding dropped: a view, or while
+    torch.compile traces, the whole blocks joined to the last one's first elements. (Inductor in
+    torch 2.14 miscompiles a slice of the merged block axes read into a contiguous tensor when q
+    is 1: elements past the first block are never written.)"""
+    p, blocks, size, q = r.shape
+    if blocks * size == n or not torch.compiler.is_compiling():
+        return r.reshape(p, blocks * size, q)[:, :n, :]
+    whole = r[:, : blocks - 1].reshape(p, (blocks - 1) * size, q)
+    return torch.cat([whole, r[:, blocks - 1, : n - (blocks - 1) * size, :]], dim=1)
 
 
 def _chunks(p: int, n: int, q: int, device: torch.device) -> Iterator[tuple[slice, slice]]:
     """Slices of the outer (p) or inner (q) dimension, whichever is longer, of about
-    CPU_CHUNK_ELEMENTS each on CPU; one chunk on accelerators, where chunking only adds launches."""
-    budget = CPU_CHUNK_ELEMENTS if device.type == "cpu" else p * n * q
+    CPU_CHUNK_ELEMENTS each on CPU; one chunk on accelerators, where chunking only adds launches,
+    and while torch.compile traces, whose fused kernel keeps no temporaries to fit in cache."""
+    budget = CPU_CHUNK_ELEMENTS if device.type == "cpu" and not torch.compiler.is_compiling() else p * n * q
     whole = slice(None)
     if p >= q:
         step = max(1, budget // max(1, n * q))

@@ -59,13 +59,21 @@ def float_quantize_dequantize(
 
 
 def _float_float32(x: torch.Tensor, spec: FloatSpec, scale: torch.Tensor | float, zero_point: torch.Tensor | float) -> torch.Tensor:
+    """The format on float32 x, its gradient straight through where nothing saturated."""
+    y, inside = float_values(x.detach(), spec, scale, zero_point, with_mask=x.requires_grad)
+    return straight_through(x, y, inside)
+
+
+def float_values(
+    x: torch.Tensor, spec: FloatSpec, scale: torch.Tensor | float, zero_point: torch.Tensor | float, with_mask: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The quantized values of float32 x (no autograd), and with `with_mask` where no value saturated."""
     s = broadcast_param(scale, x, spec.axis, None, torch.float32)
     zp = broadcast_param(zero_point, x, spec.axis, None, torch.float32)
     with torch.no_grad():
-        v = (x.detach() / s).add_(zp)
-        inside = ~(v.abs() > spec.max_value) if x.requires_grad else None
-        y = _saturating_cast(v, spec).to(torch.float32).sub_(zp).mul_(s)
-    return straight_through(x, y, inside)
+        v = (x / s).add_(zp)
+        inside = ~(v.abs() > spec.max_value) if with_mask else None
+        return _saturating_cast(v, spec).to(torch.float32).sub_(zp).mul_(s), inside
 
 
 def float_codes(x: torch.Tensor, spec: FloatSpec, scale: torch.Tensor | float = 1.0, zero_point: torch.Tensor | float = 0.0) -> torch.Tensor:

@@ -72,17 +72,29 @@ def int_quantize_dequantize(
 def _int_float32(
     x: torch.Tensor, scale: torch.Tensor | float, zero_point: torch.Tensor | float, spec: IntSpec, rounding: RoundFn | None
 ) -> torch.Tensor:
+    if rounding is None and not (isinstance(scale, torch.Tensor) and scale.requires_grad):
+        y, inside = int_values(x.detach(), scale, zero_point, spec, with_mask=x.requires_grad)
+        return straight_through(x, y, inside)
     code_dtype = torch.float64 if spec.dtype in WIDE_TYPES else torch.float32
     s = broadcast_param(scale, x, spec.axis, spec.block_size, torch.float32)
     zp = broadcast_param(zero_point, x, spec.axis, spec.block_size, code_dtype)
-    if rounding is not None or s.requires_grad:
-        codes = (rounding or _ste_round)(x / s).to(code_dtype)
-        return (torch.clamp(codes + zp, spec.qmin, spec.qmax) - zp).float() * s
+    codes = (rounding or _ste_round)(x / s).to(code_dtype)
+    return (torch.clamp(codes + zp, spec.qmin, spec.qmax) - zp).float() * s
+
+
+def int_values(
+    x: torch.Tensor, scale: torch.Tensor | float, zero_point: torch.Tensor | float, spec: IntSpec, with_mask: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The quantized values of float32 x (no autograd) with round-half-to-even, and with
+    `with_mask` where no code was clamped."""
+    code_dtype = torch.float64 if spec.dtype in WIDE_TYPES else torch.float32
+    s = broadcast_param(scale, x, spec.axis, spec.block_size, torch.float32)
+    zp = broadcast_param(zero_point, x, spec.axis, spec.block_size, code_dtype)
     with torch.no_grad():
         codes = round_half_even(x / s).to(code_dtype).add_(zp)
-        inside = (codes >= spec.qmin) & (codes <= spec.qmax) if x.requires_grad else None
+        inside = (codes >= spec.qmin) & (codes <= spec.qmax) if with_mask else None
         y = codes.clamp_(spec.qmin, spec.qmax).sub_(zp).to(torch.float32).mul_(s)
-    return straight_through(x, y, inside)
+    return y, inside
 
 
 def int_codes(

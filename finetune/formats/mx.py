@@ -87,12 +87,18 @@ def mx_quantize_dequantize(x: torch.Tensor, spec: MXSpec) -> torch.Tensor:
 
 
 def _mx_float32(x: torch.Tensor, spec: MXSpec) -> torch.Tensor:
-    """The format on float32 x; a one-element x (rank 0 included, whatever the axis) comes back as
-    it is, as AMD Quark's kernels return it."""
-    if x.numel() <= 1:
-        return x
-    y, passes = _mx_map(x, spec, with_mask=x.requires_grad)
+    """The format on float32 x, its gradient straight through where no element saturated."""
+    y, passes = mx_values(x.detach(), spec, with_mask=x.requires_grad)
     return straight_through(x, y, passes)
+
+
+def mx_values(x: torch.Tensor, spec: MXSpec, with_mask: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The quantized values of float32 x (no autograd), and with `with_mask` where no element
+    saturated (None: everywhere). A one-element x (rank 0 included, whatever the axis) comes back
+    as it is, as AMD Quark's kernels return it."""
+    if x.numel() <= 1:
+        return x, None
+    return _mx_map(x, spec, with_mask)
 
 
 def _mx_map(x: torch.Tensor, spec: MXSpec, with_mask: bool) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -6,12 +6,14 @@ import torch
 from torch import nn
 
 from finetune.formats import FormatSpec, IntSpec, RoundFn, int_quantize_dequantize, quantize_dequantize
+from finetune.formats.compiled import kernels_enabled, quantize_dequantize_compiled
 
 
 class FakeQuantize(nn.Module):
     """Quantize-dequantize in one format with the scale and zero point of the ONNX node(s) it came
     from; disabled it is the identity (the float reference), and `rounding` replaces the integer
-    rounding (AdaRound)."""
+    rounding (AdaRound). Within formats.compiled.compiled_kernels(True) it runs compiled kernels
+    (on tensors of at least MIN_COMPILED_ELEMENTS)."""
 
     scale: torch.Tensor | None
     zero_point: torch.Tensor | None
@@ -39,10 +41,12 @@ class FakeQuantize(nn.Module):
         """x quantized and dequantized, or x itself when disabled."""
         if not self.enabled:
             return x
+        if self.rounding is not None and not isinstance(self.spec, IntSpec):
+            raise ValueError(f"a rounding hook applies to integer formats only, not {self.spec}")
+        if kernels_enabled(x):
+            return quantize_dequantize_compiled(x, self.spec, self.scale, self.zero_point, self.rounding)
         if isinstance(self.spec, IntSpec):
             return int_quantize_dequantize(x, self.scale, self.zero_point, self.spec, self.rounding)
-        if self.rounding is not None:
-            raise ValueError(f"a rounding hook applies to integer formats only, not {self.spec}")
         return quantize_dequantize(x, self.spec, self.scale, self.zero_point)
 
     def extra_repr(self) -> str:

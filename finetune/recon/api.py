@@ -22,6 +22,7 @@ from lightning.fabric.utilities.seed import seed_everything
 from finetune.calibrate import CalibrationData
 from finetune.config import FastFinetune, to_dict
 from finetune.export import export_model
+from finetune.formats.compiled import compiled_kernels, resolve_compile
 from finetune.lift import FakeQuantize, LiftedModule, check_liftable, lift_model
 from finetune.lift.params import fold_computed_weights
 from finetune.onnx import attach_custom_ops
@@ -76,6 +77,7 @@ def finetune_model(
     `callbacks` join the built-in ones in the Fabric that runs the units (hooks: see recon.callbacks)."""
     begin = time.perf_counter()
     device = resolve_device(config.device)
+    resolve_compile(config.compile, device.type)  # compile: true without a compiler fails here, auto warns once
     checkpoint = _checkpoint_path(output_dir, name, resume, config.processes)
     original = load_model(qdq_model)
     check_liftable(original)  # every op that cannot be lifted, named at once, before any work
@@ -149,11 +151,13 @@ def _tune(fabric: Fabric, job: _Job) -> tuple[onnx.ModelProto | None, dict[str, 
         for change in carry_smoothing(job.float_model, original):  # SmoothQuant: the float model in the codes' coordinates
             logger.info("float model smoothed as the quantized one: %s", change)
     reference = _reference(module, job.float_model, units, warnings)
-    with _deterministic(config, device), host_memory_kept(device), ActivationCache(config.cache_budget_bytes) as cache:
+    with (_deterministic(config, device), host_memory_kept(device), ActivationCache(config.cache_budget_bytes) as cache,
+          compiled_kernels(resolve_compile(config.compile, device.type)) as kernels):
         tuner, timing = _run(module, reference, units, original, job, fabric, cache, warnings, sources)
         cache_stats = {"peak_bytes_in_memory": cache.peak_in_memory, "peak_bytes_on_disk": cache.peak_on_disk,
                        "spilled_arrays": cache.spilled}
     report = _report(config, device, reference is module, tuner, [*warnings, *tuner.warnings], timing, cache_stats)
+    report["kernels"] = kernels.summary()
     if not fabric.is_global_zero:
         return None, report
     module.cpu()

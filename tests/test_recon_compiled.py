@@ -1,0 +1,41 @@
+"""Fine-tuning with compiled quantize-dequantize kernels gives the bytes of an eager run (same seed,
+same config, on the CPU), and the report says what was compiled and what stayed eager."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from finetune.config import FastFinetune
+from finetune.quantize import quantize_model
+from finetune.recon import finetune_model
+from finetune.zoo import digits_split
+
+from .recon_helpers import export_digits_cnn, one_thread  # noqa: F401  (one_thread: autouse fixture)
+
+
+@pytest.fixture(scope="module")
+def digits(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    x_train, _, x_test, _ = digits_split()
+    path = export_digits_cnn(tmp_path_factory.mktemp("digits") / "digits.onnx", x_test[:1])
+    return {"path": path, "data": [{"x": x_train[i : i + 24].numpy()} for i in range(0, 72, 24)]}
+
+
+@pytest.mark.parametrize(("preset", "algorithm", "eager"), [("MX4", "adaquant", set()),
+                                                             ("XINT8", "adaround", {"INT with a rounding hook"})])
+def test_compiled_kernels_tune_to_the_bytes_of_eager_ones(digits: dict, preset: str, algorithm: str, eager: set[str],
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Batches of 16 from 72 samples: the last one is smaller, so the dynamic batch axis is used too.
+    The digits CNN's tensors are below the size a run compiles for: every one compiles here."""
+    monkeypatch.setattr("finetune.formats.compiled.MIN_COMPILED_ELEMENTS", 0)
+    quantized = quantize_model(digits["path"], preset, digits["data"]).model
+    runs = {}
+    for setting in (False, True):
+        config = FastFinetune(algorithm=algorithm, iterations=6, batch_size=16, seed=5, compile=setting)
+        runs[setting] = finetune_model(quantized, digits["data"], config)
+    (plain, plain_report), (compiled, report) = runs[False], runs[True]
+    assert compiled.SerializeToString() == plain.SerializeToString()
+    assert plain_report["kernels"] == {"compiled": False, "eager_formats": {}, "kernels": 0, "kernels_over_limit": 0}
+    assert report["kernels"]["compiled"] is True and report["kernels"]["kernels"] > 0
+    assert set(report["kernels"]["eager_formats"]) == eager

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from lightning.fabric import Fabric
 
 from finetune.config import GPTQ, ConfigError, FastFinetune, load_config
 from finetune.formats import (
@@ -36,7 +37,9 @@ from finetune.lift.ops.conv import Conv
 from finetune.lift.padding import SpatialPadding
 from finetune.quantize import quantize_model
 from finetune.recon import finetune_model
-from finetune.recon.gptq import _gemm_layout, _matmul_layout, gptq
+from finetune.recon.cache import ActivationCache
+from finetune.recon.gptq import _gemm_layout, _matmul_layout, gptq, input_hessian
+from finetune.recon.sides import UnitInputs
 from finetune.zoo import digits_split
 
 from .recon_helpers import one_thread, run  # noqa: F401  (one_thread: autouse fixture)
@@ -355,3 +358,22 @@ def test_gptq_init_starts_from_gptqs_weights(small: dict, algorithm: str) -> Non
             assert torch.equal(quantizer(module.get_parameter(name)), gptq_module.get_parameter(name))
             compared += 1
     assert compared == 3
+
+
+def test_the_hessian_reads_only_the_batches_not_held_out() -> None:
+    """X Xᵀ / n over the chunks GPTQ may read: the held-out chunk adds nothing, and a process whose
+    chunks are all held out contributes a zero matrix of the right size (one pass, for the shape)."""
+    linear = torch.nn.Linear(6, 3, bias=False)
+    layout = _matmul_layout(1, torch.Size([6, 3]))
+    fabric = Fabric(accelerator="cpu", devices=1)
+    chunks = [torch.randn(5, 6, generator=torch.Generator().manual_seed(k)) for k in range(3)]
+    with ActivationCache(2**20) as cache:
+        value = cache.value("x")
+        for chunk in chunks:
+            value.append(chunk)
+        inputs = UnitInputs((value,), (True,))
+        hessian = input_hessian(linear, layout, linear, inputs, fabric, frozenset({1}))
+        nothing = input_hessian(linear, layout, linear, inputs, fabric, frozenset({0, 1, 2}))
+    read = torch.cat([chunks[0], chunks[2]]).double()
+    torch.testing.assert_close(hessian[0], read.T @ read / 10, rtol=1e-12, atol=0)
+    assert nothing.shape == (1, 6, 6) and not nothing.any()

@@ -17,7 +17,10 @@ the float model's on text lines rendered here.
 With `--iterations N` each quantized model is also tuned on its calibration feeds (AdaRound for INT
 weights, AdaQuant otherwise; N iterations a unit) and the metric of the tuned model is reported under
 `tuned` beside the quantized model's (both as measured: a tuning that makes the metric worse shows as
-worse), with the tuning seconds and each unit's status.
+worse), with the tuning seconds, each unit's status and losses (on the training batches and on the
+batches held out of training) and the tuner's own held-out check of the whole model (`held_out`): a
+stream metric can get worse where that check, which runs each window on the float model's states,
+saw the model come closer.
 
     python scripts/conformance.py                                   # every model, presets MX6 XINT8 BF16 MXFP4
     python scripts/conformance.py --models silero_v5 --presets MX9,A8W8
@@ -170,9 +173,10 @@ def tuned(case: Case, preset: str, model: onnx.ModelProto, iterations: int) -> d
     algorithm = "adaround" if weight is not None and weight.format == "int" else "adaquant"
     start = time.perf_counter()
     model, report = finetune_model(model, case.calibration, FastFinetune(algorithm=algorithm, iterations=iterations))
-    units = [{key: unit[key] for key in ("name", "status", "loss_before", "loss_after", "iterations")} for unit in report["units"]]
+    keys = ("name", "status", "loss_before", "loss_after", "held_out_before", "held_out_after", "iterations")
+    units = [{key: unit[key] for key in keys} for unit in report["units"]]
     return {"algorithm": algorithm, "iterations": iterations, "tune_seconds": time.perf_counter() - start, "units": units,
-            "warnings": [w["reason"] for w in report["warnings"]], **case.metric(model)}
+            "held_out": report["held_out"], "warnings": [w["reason"] for w in report["warnings"]], **case.metric(model)}
 
 
 def main() -> None:

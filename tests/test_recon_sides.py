@@ -201,6 +201,7 @@ def test_the_conformance_script_reports_the_tuned_metric_beside_the_quantized_on
     (row,) = [row for row in json.loads(result.stdout)["rows"] if row["preset"] == "MX6"]
     tuned = row["tuned"]
     assert tuned["algorithm"] == "adaquant" and tuned["iterations"] == 5 and "/decoder/rnn/LSTM" in [u["name"] for u in tuned["units"]]
+    assert tuned["held_out"]["batches"] > 0 and all(u["held_out_before"] is not None for u in tuned["units"])
     for key in ("mean_probability_gap", "decision_agreement"):
         assert 0 <= row[key] <= 1 and 0 <= tuned[key] <= 1
 

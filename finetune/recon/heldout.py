@@ -88,11 +88,10 @@ class ModelGuard:
 
     def _error(self) -> float:
         """The module's error on the held-out chunks of every process (float64 sums, read once)."""
-        sums = torch.zeros(self.outputs, 2, dtype=torch.float64)
+        sums = torch.zeros(self.outputs, 2, dtype=torch.float64, device=self.fabric.device)
         for chunk, targets in zip(self.chunks, self.targets):
             for k, (output, target) in enumerate(zip(self._outputs(self.module, chunk), targets)):
-                sums[k, 0] += (output.double() - target.double()).square().sum().item()
-                sums[k, 1] += target.double().square().sum().item()
+                sums[k] += torch.stack([(output.double() - target.double()).square().sum(), target.double().square().sum()])
         totals = np.array(sum_across(self.fabric, sums.reshape(-1).tolist())).reshape(-1, 2)
         return float(np.mean([error / power if power > 0 else error for error, power in totals])) if len(totals) else 0.0
 

@@ -118,7 +118,7 @@ def _bfp_map(x: torch.Tensor, spec: BFPSpec, with_mask: bool) -> tuple[torch.Ten
     return y, passes[0] if with_mask else None
 
 
-def _round_codes(scaled: torch.Tensor, spec: BFPSpec, max_code: float) -> torch.Tensor:
+def round_codes(scaled: torch.Tensor, spec: BFPSpec, max_code: float) -> torch.Tensor:
     """Round scaled values to integer codes, clamped to the sign-magnitude range ±max_code."""
     return rounder(spec.rounding_mode)(scaled).clamp_(-max_code, max_code)
 
@@ -128,7 +128,7 @@ def _to_bfp(blocks: torch.Tensor, spec: BFPSpec, max_code: float) -> tuple[torch
     Returns the result and the scaled values (for the gradient mask)."""
     shared, finite, ordinary = shared_exponent_field(blocks, 2, *normal_scale_fields(spec.scale_offset))
     scale_exp = shared - spec.scale_offset
-    y, scaled = quantize_scaled(blocks, scale_exp, lambda v: _round_codes(v, spec, max_code), normal=ordinary)
+    y, scaled = quantize_scaled(blocks, scale_exp, lambda v: round_codes(v, spec, max_code), normal=ordinary)
     if finite is not None:
         y = torch.where(finite, y, blocks)
     return y, scaled
@@ -151,7 +151,7 @@ def _to_bfp_prime(blocks: torch.Tensor, spec: BFPSpec, max_code: float) -> tuple
     shared = sub_max.amax(dim=2, keepdim=True)
     shift = torch.clamp(shared - sub_max, max=max_shift)
     scale_exp = shared - spec.scale_offset - shift
-    y, scaled = quantize_scaled(sub, scale_exp, lambda v: _round_codes(v, spec, max_code), normal=ordinary)
+    y, scaled = quantize_scaled(sub, scale_exp, lambda v: round_codes(v, spec, max_code), normal=ordinary)
     if not ordinary:
         if needs(_subnormals_may_round_to_nonzero(sub_max_abs, shared, headroom)):
             y = y * (sub.abs() >= F32_MIN_NORMAL)

@@ -20,12 +20,12 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .bfp import BFPSpec, _round_codes
+from .bfp import BFPSpec, round_codes
 from .bits import EXPONENT_BIAS, exponent_field, quantize_scaled
 from .blocks import broadcast_param, map_blocks, max_exponent_field
 from .floats import FloatSpec, float_quantize_dequantize
 from .integer import IntSpec, int_quantize_dequantize
-from .mx import MXSpec, _quantize_element
+from .mx import MXSpec, quantize_element
 
 ElementFn = Callable[..., torch.Tensor]
 
@@ -95,7 +95,7 @@ def _bfp_grid(w: torch.Tensor, spec: BFPSpec) -> FixedGrid:
     def round_fn(v: torch.Tensor, k: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
         if spec.convert_to_bfloat_before_bfp:
             v = v.to(torch.bfloat16).float()
-        return quantize_scaled(v, k, lambda u: _round_codes(u, spec, max_code))[0] * live
+        return quantize_scaled(v, k, lambda u: round_codes(u, spec, max_code))[0] * live
 
     return FixedGrid(round_fn, (k, live))
 
@@ -110,7 +110,7 @@ def _mx_grid(w: torch.Tensor, spec: MXSpec) -> FixedGrid:
     k, live = map_blocks(w, spec.axis, spec.block_size, exponents)
 
     def round_fn(v: torch.Tensor, k: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
-        return quantize_scaled(v, k, lambda u: _quantize_element(u, spec))[0] * live
+        return quantize_scaled(v, k, lambda u: quantize_element(u, spec))[0] * live
 
     return FixedGrid(round_fn, (k, live))
 

@@ -108,7 +108,7 @@ def _mx_map(x: torch.Tensor, spec: MXSpec, with_mask: bool) -> tuple[torch.Tenso
     def per_block(blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
         shared, finite, ordinary = shared_exponent_field(blocks, 2, *normal_scale_fields(offset))
         scale_exp = shared - offset
-        y, scaled = quantize_scaled(blocks, scale_exp, lambda v: _quantize_element(v, spec), normal=ordinary)
+        y, scaled = quantize_scaled(blocks, scale_exp, lambda v: quantize_element(v, spec), normal=ordinary)
         if finite is not None:
             y = torch.where(finite, y, blocks)
         return (y, ~(scaled.abs() > max_value)) if with_mask else (y,)
@@ -118,7 +118,7 @@ def _mx_map(x: torch.Tensor, spec: MXSpec, with_mask: bool) -> tuple[torch.Tenso
     return y, passes[0] if with_mask else None
 
 
-def _quantize_element(v: torch.Tensor, spec: MXSpec) -> torch.Tensor:
+def quantize_element(v: torch.Tensor, spec: MXSpec) -> torch.Tensor:
     """Round block-scaled values to the element grid and saturate at the largest element."""
     element = spec.element
     if element.is_int:

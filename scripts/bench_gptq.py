@@ -1,6 +1,6 @@
 """GPTQ against round to nearest and AdaQuant on the digits models (JSON on stdout, progress on
 stderr): held-out accuracy and logit MSE against float of the untuned model (round to nearest),
-GPTQ (natural column order and desc_act), AdaQuant, and AdaQuant started from GPTQ (gptq_init),
+GPTQ (natural column order and act_order), AdaQuant, and AdaQuant started from GPTQ (gptq_init),
 with tuning seconds, for each preset. Calibration: the first --calibration training samples in
 batches of 32; evaluation: the held-out split. Layer units throughout.
 
@@ -41,7 +41,7 @@ def methods(iterations: int) -> dict[str, FastFinetune | None]:
     return {
         "round_to_nearest": None,
         "gptq": FastFinetune(algorithm="gptq"),
-        "gptq_desc_act": FastFinetune(algorithm="gptq", gptq=GPTQ(desc_act=True)),
+        "gptq_act_order": FastFinetune(algorithm="gptq", gptq=GPTQ(act_order=True)),
         "adaquant": FastFinetune(algorithm="adaquant", iterations=iterations, seed=0),
         "gptq_then_adaquant": FastFinetune(algorithm="adaquant", iterations=iterations, seed=0, gptq_init=True),
     }

@@ -13,6 +13,7 @@ import pytest
 from finetune.config import (
     AUTO,
     DEFAULT_OP_TYPES,
+    GPTQ,
     PRESET_DIR,
     ConfigError,
     FastFinetune,
@@ -520,6 +521,32 @@ def test_quark_fast_finetune_block() -> None:
     )
     assert from_quark({"include_fast_ft": True}).fast_finetune == FastFinetune(batch_size=1)
     assert from_quark({"include_fast_ft": False, "extra_options": {"FastFinetune": fast}}).fast_finetune is None
+
+
+def test_quark_use_gptq_is_gptq_on_matmul_weights_with_float_activations(caplog: pytest.LogCaptureFixture) -> None:
+    params = {"PercDamp": 0.05, "BlockSize": 32, "ActOrder": True, "Bits": 8, "PerChannel": False,
+              "WeightSymmetric": True, "GroupSize": -1, "MSE": False}
+    config = from_quark({"extra_options": {"UseGPTQ": True, "GPTQParams": params}})
+    assert config.activation is None and config.weight.dtype == "int8"
+    assert config.fast_finetune == FastFinetune(algorithm="gptq", op_types=("MatMul",),
+                                                gptq=GPTQ(perc_damp=0.05, block_size=32, act_order=True))
+    assert "activations stay float, as in Quark" in caplog.text
+    tuned = from_quark({"include_fast_ft": True, "extra_options": {"UseGPTQ": True, "FastFinetune": {"OptimAlgorithm": "adaquant"}}})
+    assert tuned.fast_finetune == FastFinetune(algorithm="adaquant", batch_size=1, gptq_init=True)
+    assert from_quark({"extra_options": {"GPTQParams": params}}).fast_finetune is None
+    assert "GPTQParams given but UseGPTQ is false" in caplog.text
+
+
+@pytest.mark.parametrize(("params", "message"), [
+    ({"Bits": 4}, r"GPTQParams\.Bits: 4 differs from the weight format's 8"),
+    ({"PerChannel": True}, r"GPTQParams\.PerChannel: True differs from the weight format's False"),
+    ({"GroupSize": 128}, r"GPTQParams\.GroupSize: 128 has no equivalent"),
+    ({"MSE": True}, r"GPTQParams\.MSE: True has no equivalent"),
+    ({"PercDamp": 0}, r"GPTQParams\.PercDamp.*perc_damp"),
+])
+def test_quark_gptq_params_that_do_not_describe_the_weight_format_are_refused(params: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        from_quark({"extra_options": {"UseGPTQ": True, "GPTQParams": params}})
 
 
 def test_quark_include_cle_turns_on_cross_layer_equalization() -> None:

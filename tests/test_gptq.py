@@ -117,9 +117,9 @@ def mxfp4_reference_rounding(w: torch.Tensor, block: int) -> Callable[[torch.Ten
     return round_column
 
 
-@pytest.mark.parametrize("desc_act", [False, True])
+@pytest.mark.parametrize("act_order", [False, True])
 @pytest.mark.parametrize("kind", ["int4 channel", "mxfp4 along columns"])
-def test_gptq_equals_an_independent_obs_reimplementation(kind: str, desc_act: bool) -> None:
+def test_gptq_equals_an_independent_obs_reimplementation(kind: str, act_order: bool) -> None:
     """8x32 weights, 64 correlated samples, lazy batches of 16 columns (so the MXFP4 blocks of 8 and
     the batches cut the columns differently): the same quantized weights as the float64 OBS update,
     wherever no rounding in the reference lies within 1e-4 of a decision boundary (asserted too)."""
@@ -134,10 +134,10 @@ def test_gptq_equals_an_independent_obs_reimplementation(kind: str, desc_act: bo
         grid = fixed_grid(w.float(), MXSpec("fp4_e2m1", block_size=8, axis=1))
         round_column = mxfp4_reference_rounding(w, 8)
     h = x.T @ x / x.shape[0]
-    order = torch.argsort(torch.diagonal(h), descending=True, stable=True).tolist() if desc_act else list(range(32))
+    order = torch.argsort(torch.diagonal(h), descending=True, stable=True).tolist() if act_order else list(range(32))
     expected, margins = reference_gptq(w, x, round_column, 0.01, order)
     assert bool((margins == 1).all())  # no tie near: float32 and float64 arithmetic round alike
-    quantized, compensated = gptq(w.float()[None], h[None], grid.laid_out(lambda t: t[None]), 0.01, 16, desc_act)
+    quantized, compensated = gptq(w.float()[None], h[None], grid.laid_out(lambda t: t[None]), 0.01, 16, act_order)
     assert torch.allclose(quantized[0].double(), expected, rtol=1e-6, atol=0)  # codes equal (float32 products of codes and scales)
     assert torch.equal(grid.laid_out(lambda t: t[None]).round(compensated), quantized)
     rtn = torch.stack([round_column(w[:, j], j) for j in range(32)], dim=1)
@@ -152,7 +152,7 @@ def test_gptq_equals_an_independent_obs_reimplementation(kind: str, desc_act: bo
 def test_output_error_is_below_round_to_nearest(spec: IntSpec | MXSpec, bound: float) -> None:
     """‖(W - Ŵ) X‖ on 256 correlated samples of 64 features, 16 outputs: GPTQ's is below `bound`
     times round to nearest's (measured: 0.74, 0.81 and 0.78; over seeds 0-2 within 0.72-0.83, and
-    0.58-0.73 with desc_act)."""
+    0.58-0.73 with act_order)."""
     g = torch.Generator().manual_seed(0)
     w = torch.randn(16, 64, generator=g)
     x = correlated_inputs(256, 64, seed=1).float()
@@ -276,16 +276,16 @@ def test_gptq_config() -> None:
     """algorithm gptq takes no learning rate (none is filled in, one given is refused), nor gptq_init;
     its settings keep Quark's names."""
     config = FastFinetune(algorithm="gptq")
-    assert config.lr is None and config.gptq == GPTQ(damp_percent=0.01, block_size=128, desc_act=False)
+    assert config.lr is None and config.gptq == GPTQ(perc_damp=0.01, block_size=128, act_order=False)
     assert FastFinetune(algorithm="adaquant", gptq_init=True).lr == 1e-3
     with pytest.raises(ConfigError, match="lr.*no learning rate"):
         load_config({"fast_finetune": {"algorithm": "gptq", "lr": 1e-3}})
     with pytest.raises(ConfigError, match="gptq_init"):
         load_config({"fast_finetune": {"algorithm": "gptq", "gptq_init": True}})
-    with pytest.raises(ConfigError, match="damp_percent"):
-        load_config({"fast_finetune": {"algorithm": "gptq", "gptq": {"damp_percent": 0}}})
-    loaded = load_config({"fast_finetune": {"algorithm": "gptq", "gptq": {"desc_act": True}}}).fast_finetune
-    assert loaded.gptq.desc_act and loaded.lr is None
+    with pytest.raises(ConfigError, match="perc_damp"):
+        load_config({"fast_finetune": {"algorithm": "gptq", "gptq": {"perc_damp": 0}}})
+    loaded = load_config({"fast_finetune": {"algorithm": "gptq", "gptq": {"act_order": True}}}).fast_finetune
+    assert loaded.gptq.act_order and loaded.lr is None
 
 
 class SmallNet(torch.nn.Module):

@@ -72,9 +72,9 @@ DESCRIPTIONS: dict[str, str] = {
     "FastFinetune.gptq_init": "Start AdaRound or AdaQuant from GPTQ's weights.",
     "FastFinetune.compile": "Run the quantize-dequantize kernels through torch.compile (same bits); `auto`: where a compiler "
                             "is at hand, `true`: fail without one, `false`: eager.",
-    "GPTQ.damp_percent": "Share of the Hessian's mean diagonal added to its diagonal.",
+    "GPTQ.perc_damp": "Share of the Hessian's mean diagonal added to its diagonal.",
     "GPTQ.block_size": "Columns per lazy batch update (changes only the order of the arithmetic).",
-    "GPTQ.desc_act": "Round the columns of largest input power first.",
+    "GPTQ.act_order": "Round the columns of largest input power first.",
     # EarlyStop
     "EarlyStop.enabled": "Stop units early.",
     "EarlyStop.patience": "Steps without improvement of the 10-step mean loss before the tail starts.",
@@ -133,6 +133,9 @@ QUARK_NOTES: dict[str, str] = {
     "AutoMixprecision": "`auto_mixed_precision` (with include_auto_mp)",
     "EnableDualQuantNodePairs": "`dual_quant`",
     "FastFinetune": "`fast_finetune` (with include_fast_ft); BatchSize defaults to Quark's 1",
+    "UseGPTQ": "GPTQ on the weights of MatMul nodes, activations float, as in Quark: `fast_finetune: {algorithm: gptq, op_types: [MatMul]}`, or `gptq_init: true` with include_fast_ft",
+    "GPTQParams": "GPTQ's settings (with UseGPTQ; without it no effect, at WARNING); next table",
+    "GroupSize": "Quark's integer groups have no equivalent for its weight types: only -1 (none) is accepted",
     "OpTypesToQuantize": "`op_types`, as op_types_to_quantize",
     "ExtraOpTypesToQuantize": "added to `op_types`",
     "QuantizeAllOpTypes": "`op_types: all`",

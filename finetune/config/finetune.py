@@ -35,14 +35,15 @@ class EarlyStop(Section):
 
 @dataclass(frozen=True)
 class GPTQ(Section):
-    """GPTQ's settings, by the names AMD Quark's GPTQ takes: `damp_percent` of the Hessian's mean
+    """GPTQ's settings, named as AMD Quark's GPTQConfig names them (its GPTQParams PercDamp,
+    BlockSize and ActOrder translate to them): `perc_damp` of the Hessian's mean
     diagonal added to its diagonal (default 0.01), `block_size` columns per lazy batch update (128:
-    changes the arithmetic's order only), and `desc_act`: round the columns of largest input power
+    changes the arithmetic's order only), and `act_order`: round the columns of largest input power
     first (default off)."""
 
-    damp_percent: float = field(default=0.01, metadata={"above": 0, "max": 1})
+    perc_damp: float = field(default=0.01, metadata={"above": 0, "max": 1})
     block_size: int = field(default=128, metadata={"min": 1})
-    desc_act: bool = False
+    act_order: bool = False
 
 
 @dataclass(frozen=True)

@@ -10,28 +10,21 @@ calibration, fast-finetune batch size) and finetune's defaults otherwise (weight
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
-from .finetune import DEVICE_HELP, DEVICE_PATTERN
+from . import quark_automp, quark_finetune
 from .formats import ALL, AUTO, DEFAULT_OP_TYPES, family_keys
-from . import quark_automp
 from .quark_options import (
     CALIBRATE_METHODS,
     CLE_OPTIONS,
     EXTRA_ACCEPTED_ONLY,
     EXTRA_MAPPED,
     EXTRA_NO_EFFECT,
-    FAST_FT_ACCEPTED_ONLY,
-    FAST_FT_KEYS,
-    FAST_FT_MAPPED,
-    FAST_FT_NO_EFFECT,
     NPU_ALIGN_OPTIONS,
     QUANT_FORMATS,
     QUANT_TYPES,
     QUARK_BLOCK_AXIS,
-    QUARK_FAST_FT_BATCH_SIZE,
     TENSOR_OVERRIDE_ACCEPTED_ONLY,
     TENSOR_OVERRIDE_KEYS,
     TOP_ACCEPTED_ONLY,
@@ -127,7 +120,10 @@ class _Translation:
         no translated format reads have no effect, as in Quark, and are named at WARNING."""
         activation = self.attempt(self.choice, None, self.activation_type, "activation", "activation", "activation_type")
         weight = self.attempt(self.choice, None, self.weight_type, "weight", "weight", "weight_type")
-        if self.attempt(self.flag, False, "WeightsOnly", False):
+        gptq = self.attempt(quark_finetune.uses_gptq, False, self)
+        if gptq and activation is not None:
+            log.warning("extra_options.UseGPTQ: activations stay float, as in Quark (its GPTQ quantizes weights only)")
+        if self.attempt(self.flag, False, "WeightsOnly", False) or gptq:
             activation = None
         for key in sorted({"Percentile", "WeightCalibrateMethod", "ActivationSymmetric", "WeightSymmetric"} & set(self.extra) - self.used):
             log.warning("extra_options.%s given but no format here reads it (calibrate_method, or the types): no effect, "
@@ -152,7 +148,7 @@ class _Translation:
             "weight_storage": self.attempt(self.weight_storage, "float"),
             "bf16_as_cast": self.attempt(self.flag, False, "BF16QDQToCast", False),
             "npu_cnn": self.attempt(self.npu_cnn, False),
-            "fast_finetune": self.attempt(self.fast_finetune, None),
+            "fast_finetune": self.attempt(quark_finetune.translate, None, self, weight, gptq),
         }
 
     def exclude_nodes(self) -> Any:
@@ -363,34 +359,3 @@ class _Translation:
     def weight_storage(self) -> str:
         """AddQDQPairToWeight true keeps float weights (our default), false stores them compactly."""
         return "float" if self.flag("AddQDQPairToWeight", True) else "compact"
-
-    def fast_finetune(self) -> dict[str, Any] | None:
-        """The FastFinetune block when include_fast_ft is on (Quark runs it only then); BatchSize
-        defaults to Quark's 1."""
-        path = "extra_options.FastFinetune"
-        block = _mapping(self.extra.get("FastFinetune"), path)
-        self.check(block, FAST_FT_MAPPED, FAST_FT_NO_EFFECT, FAST_FT_ACCEPTED_ONLY, path)
-        if not self.switched_on("include_fast_ft", path, bool(block)):
-            return None
-        out: dict[str, Any] = {"batch_size": QUARK_FAST_FT_BATCH_SIZE}
-        for theirs, ours in FAST_FT_KEYS.items():
-            if block.get(theirs) is not None:
-                value = block[theirs]
-                out[ours] = value.lower() if theirs == "OptimAlgorithm" and isinstance(value, str) else value
-                self.origins[f"fast_finetune.{ours}"] = f"{path}.{theirs}"
-        if "EarlyStop" in block:
-            self.origins["fast_finetune.early_stop"] = f"{path}.EarlyStop"
-            out["early_stop"] = {"enabled": block["EarlyStop"]}
-        self._check_infer_device(block.get("InferDevice"), out.get("device", "cpu"), f"{path}.InferDevice")
-        return out
-
-    @staticmethod
-    def _check_infer_device(value: Any, device: Any, path: str) -> None:
-        """InferDevice is where Quark runs onnxruntime during fine-tuning; here unit inputs come from
-        torch on the one fast_finetune device, so a different InferDevice is noted, not used."""
-        if value is None:
-            return
-        if not isinstance(value, str) or not re.fullmatch(DEVICE_PATTERN, value):
-            raise ConfigError(path, f"must be {DEVICE_HELP}; got {value!r}")
-        if value != device:
-            log.warning("%s=%s: unit inputs are computed by torch on the fast_finetune device %s", path, value, device)

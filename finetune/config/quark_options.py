@@ -88,7 +88,8 @@ EXTRA_MAPPED = (
     "ActivationSymmetric", "WeightSymmetric", "CalibTensorRangeSymmetric", "Percentile", "WeightCalibrateMethod",
     "Int32Bias", "QuantizeBias", "BFPAttributes", "MXAttributes", "RefineBlockAxis", "MixedPrecisionTensor",
     "TensorQuantOverrides", "AutoMixprecision", "EnableDualQuantNodePairs", "FastFinetune", "OpTypesToQuantize",
-    "ExtraOpTypesToQuantize", "QuantizeAllOpTypes", "WeightsOnly", "AddQDQPairToWeight", "BF16QDQToCast",
+    "ExtraOpTypesToQuantize", "QuantizeAllOpTypes", "WeightsOnly", "AddQDQPairToWeight", "BF16QDQToCast", "UseGPTQ",
+    "GPTQParams",
     *NPU_ALIGN_OPTIONS,
 )
 EXTRA_NO_EFFECT = (
@@ -97,7 +98,7 @@ EXTRA_NO_EFFECT = (
     "FillAllValueInfo", "RemoveInputInit", "UseQDQVitisCustomOps", "SkipPreprocess", "CopyBiasInit", "UseFP32Scale",
     "CalibMovingAverageConstant", "OpTypesToExcludeOutputQuantization", "NodesToExcludeOutputQuantization",
     "SmoothAlpha", "RMatrixDim", "UseRandomHad",
-    "RConfigPath", "GPTQParams", "MatMulNBitsParams", "LWPMetric", "ActivationBitWidth", "PercentileCandidates",
+    "RConfigPath", "MatMulNBitsParams", "LWPMetric", "ActivationBitWidth", "PercentileCandidates",
 )
 # include_cle runs finetune's own equalisation (finetune.onnx.equalize), which has no knobs: its
 # options are accepted at the values that describe it, and FINETUNE_DOES says what it does.
@@ -141,7 +142,7 @@ EXTRA_ACCEPTED_ONLY: dict[str, tuple[Any, ...]] = {
             "AdjustShiftWrite", "AdjustHardSigmoid", "AdjustShiftSwish", "AlignTranspose", "AlignReshape",
             "ReplaceClip6Relu", "RemoveQDQConvClip", "RemoveQDQConvRelu", "RemoveQDQConvLeakyRelu",
             "RemoveQDQConvPRelu", "RemoveQDQConvGelu", "RemoveQDQMulAdd", "RemoveQDQInstanceNorm", "RemoveFusedQDQ", "FoldBatchNorm", "BF16WithClip",
-            "FoldRelu", "AlignEltwiseQuantType", "EnableVaimlBF16", "UseGPTQ", "UseMatMulNBits",
+            "FoldRelu", "AlignEltwiseQuantType", "EnableVaimlBF16", "UseMatMulNBits",
             "ConvertFP16ToFP32", "ConvertNCHWToNHWC", "CryptoMode",
         ),
         _OFF,
@@ -158,6 +159,13 @@ FAST_FT_MAPPED = (*FAST_FT_KEYS, "EarlyStop", "InferDevice")
 FAST_FT_NO_EFFECT = ("LogPeriod", "MemOptLevel")
 FAST_FT_ACCEPTED_ONLY = {"NumBatches": (1, None), "LRAdjust": _EMPTY, "SelectiveUpdate": _OFF}
 QUARK_FAST_FT_BATCH_SIZE = 1
+
+# GPTQParams key -> fast_finetune.gptq key; Bits, PerChannel and WeightSymmetric describe Quark's own
+# integer grid and are checked against the weight format, which is the grid GPTQ rounds to here.
+GPTQ_KEYS = {"PercDamp": "perc_damp", "BlockSize": "block_size", "ActOrder": "act_order"}
+GPTQ_GRID = ("Bits", "PerChannel", "WeightSymmetric")
+GPTQ_ACCEPTED_ONLY = {"GroupSize": (-1, None), "MSE": _OFF}
+QUARK_GPTQ_OP_TYPES = ("MatMul",)  # Quark's GPTQ rounds the weights of MatMul nodes only
 QUARK_BLOCK_AXIS = 1
 
 AUTO_MP_MAPPED = (

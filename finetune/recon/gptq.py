@@ -9,7 +9,7 @@ keep the scale and zero point their QDQ node stores, and every BFP/MX/OCP MX blo
 exponent (and sub-block shifts) the format computes from the layer's original float weights. A
 block runs along the format's axis, which for a Conv weight [O, I, kh, kw] blocked along I holds
 the columns c*kh*kw + j of GPTQ's [O, I*kh*kw] matrix, interleaved with other blocks; since no
-grid waits for its block's first column, any column order (natural, or `desc_act`'s) rounds every
+grid waits for its block's first column, any column order (natural, or `act_order`'s) rounds every
 column on the grid its block had, and the result is exactly representable in the format.
 
 A column whose input is always zero in the calibration data (a dead input) has no curvature: it is
@@ -46,20 +46,20 @@ logger = logging.getLogger(__name__)
 PATCH_ELEMENTS = 1 << 22
 
 
-def gptq(weight: torch.Tensor, hessian: torch.Tensor, grid: FixedGrid, damp_percent: float = 0.01,
-         block_size: int = 128, desc_act: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def gptq(weight: torch.Tensor, hessian: torch.Tensor, grid: FixedGrid, perc_damp: float = 0.01,
+         block_size: int = 128, act_order: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(quantized weights, compensated weights) of `weight` [groups, rows, columns] (float32) under
     `hessian` [groups, columns, columns] (any float dtype; factored in float64), each group on its
     own. The compensated weights are each column's values when its turn came (after the errors of
     earlier columns reached it): rounding them to nearest on `grid` gives the quantized ones.
-    `damp_percent` of the mean diagonal is added to the diagonal; `desc_act` rounds the columns of
+    `perc_damp` of the mean diagonal is added to the diagonal; `act_order` rounds the columns of
     largest curvature first (then in that order within each group)."""
     h = hessian.detach().to(torch.float64).clone()
     diagonal = h.diagonal(dim1=1, dim2=2)
     diagonal.masked_fill_(diagonal == 0, 1.0)  # dead inputs: rounded to nearest, nothing passed on
-    diagonal += damp_percent * diagonal.mean(dim=1, keepdim=True)
+    diagonal += perc_damp * diagonal.mean(dim=1, keepdim=True)
     columns = weight.shape[2]
-    if desc_act:
+    if act_order:
         order = torch.argsort(diagonal, dim=1, descending=True, stable=True)
     else:
         order = torch.arange(columns, device=weight.device).expand(weight.shape[0], columns)
@@ -81,10 +81,10 @@ def inverse_cholesky(hessian: torch.Tensor) -> torch.Tensor:
     columns of the earlier ones already eliminated)."""
     lower, info = torch.linalg.cholesky_ex(hessian)
     if bool((info > 0).any()):
-        raise ValueError("the damped Hessian of the layer's inputs is not positive definite (raise damp_percent)")
+        raise ValueError("the damped Hessian of the layer's inputs is not positive definite (raise perc_damp)")
     upper, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(lower), upper=True)
     if bool((info > 0).any()):
-        raise ValueError("the inverse Hessian of the layer's inputs is not positive definite (raise damp_percent)")
+        raise ValueError("the inverse Hessian of the layer's inputs is not positive definite (raise perc_damp)")
     return upper
 
 
@@ -264,8 +264,8 @@ def _quantize_layer(layer: Layer, module: LiftedModule, train: nn.Module, inputs
     settings = config.gptq
     grid = fixed_grid(weight, quantizer.spec, quantizer.scale, quantizer.zero_point).laid_out(layout.to_matrix)
     hessian = input_hessian(op, layout, train, inputs, fabric, held)
-    quantized, compensated = gptq(layout.to_matrix(weight.detach().float()), hessian, grid, settings.damp_percent,
-                                  settings.block_size, settings.desc_act)
+    quantized, compensated = gptq(layout.to_matrix(weight.detach().float()), hessian, grid, settings.perc_damp,
+                                  settings.block_size, settings.act_order)
     start = compensated if config.algorithm == "adaround" else quantized
     with torch.no_grad():
         weight.copy_(layout.from_matrix(start).to(weight.dtype))

@@ -226,6 +226,7 @@ def photo_crops(count: int, size: int = IMAGENET_SIZE, seed: int = 0, photos: Se
 
 
 TEXT_LINE_HEIGHT, TEXT_LINE_WIDTH = 48, 320  # PP-OCR's recognition input
+TEXT_ANGLE_WIDTH = 192  # PP-OCR's angle-classifier input is 48 x 192
 TEXT_ALPHABET = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
 
 
@@ -235,22 +236,37 @@ def text_recognizer_onnx_path() -> Path:
     return package_file("rapidocr_onnxruntime", "models", "ch_PP-OCRv4_rec_infer.onnx")
 
 
-def text_lines(count: int, seed: int = 0) -> np.ndarray:
+def text_angle_classifier_onnx_path() -> Path:
+    """PP-OCR's text-angle classifier shipped in `rapidocr-onnxruntime` beside the recogniser (a real
+    0.6 MB MobileNetV3 at opset 11: 54 Conv/MatMul layers, 48x192 lines in, upright / upside down out)."""
+    return package_file("rapidocr_onnxruntime", "models", "ch_ppocr_mobile_v2.0_cls_infer.onnx")
+
+
+def text_angle_lines(count: int, seed: int = 0) -> np.ndarray:
+    """`count` text lines as the angle classifier expects, (count, 3, 48, 192), each turned upside
+    down with probability one half (seeded), so both of its classes occur."""
+    lines = text_lines(count, seed, width=TEXT_ANGLE_WIDTH)
+    flipped = np.random.default_rng([seed, 1]).random(count) < 0.5  # a stream apart from the rendering's
+    lines[flipped] = lines[flipped][:, :, ::-1, ::-1]
+    return lines
+
+
+def text_lines(count: int, seed: int = 0, width: int = TEXT_LINE_WIDTH) -> np.ndarray:
     """`count` text lines rendered here (Pillow's default font at 24-34 px, random words of letters
     and digits on light backgrounds, dark ink, offsets), as the recogniser expects: (count, 3, 48,
-    320) float32 in [-1, 1]. Different seeds give independent sets."""
+    `width`) float32 in [-1, 1]. Different seeds give independent sets."""
     from PIL import Image, ImageDraw, ImageFont
 
     rng = np.random.default_rng(seed)
-    lines = np.empty((count, 3, TEXT_LINE_HEIGHT, TEXT_LINE_WIDTH), dtype=np.float32)
+    lines = np.empty((count, 3, TEXT_LINE_HEIGHT, width), dtype=np.float32)
     for i in range(count):
         font = ImageFont.load_default(size=int(rng.integers(24, 35)))
         words = ["".join(rng.choice(list(TEXT_ALPHABET), int(rng.integers(2, 9)))) for _ in range(8)]
         left = int(rng.integers(0, 12))
-        while len(words) > 1 and left + font.getlength(" ".join(words)) > TEXT_LINE_WIDTH - 4:
+        while len(words) > 1 and left + font.getlength(" ".join(words)) > width - 4:
             words.pop()
         paper, ink = int(rng.integers(200, 256)), int(rng.integers(0, 80))
-        image = Image.new("L", (TEXT_LINE_WIDTH, TEXT_LINE_HEIGHT), paper)
+        image = Image.new("L", (width, TEXT_LINE_HEIGHT), paper)
         ImageDraw.Draw(image).text((left, int(rng.integers(0, 10))), " ".join(words), font=font, fill=ink)
         lines[i] = (np.asarray(image, dtype=np.float32) / 255 - 0.5) / 0.5
     return lines

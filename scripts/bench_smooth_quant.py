@@ -7,6 +7,11 @@ finishes (progress on stderr).
 
     python scripts/bench_smooth_quant.py --out smooth.jsonl                      # everything
     python scripts/bench_smooth_quant.py --models digits --presets A8W8 --alphas off,0.5 --iterations 50
+    python scripts/bench_smooth_quant.py --out silero.jsonl --silero    # silero VAD v6 and v5, A8W8 and XINT8, untuned
+
+Silero's voice-activity detectors (scripts/conformance.py's cases: calibration and evaluation audio
+made here, streamed with their states) are scored by agreement of the speech decisions and the
+probability gap to the float model, with the smoothed float graph's own gap beside them.
 """
 
 from __future__ import annotations
@@ -55,6 +60,28 @@ def case(directory: Path, preset: str, alpha: float | None, iterations: int) -> 
                                                                         "float_output_relative_change")})}
 
 
+def silero_rows() -> list[dict[str, Any]]:
+    """Silero v6 (Convs at the top level) and v5 (everything inside an If) at A8W8 and XINT8,
+    with smooth_quant off and at alpha 0.5."""
+    from conformance import silero
+
+    from finetune.zoo import silero_vad_lstm_onnx_path, silero_vad_onnx_path
+
+    cases = {"silero_v6": lambda: silero(silero_vad_lstm_onnx_path(), {"h": (1, 1, 128), "c": (1, 1, 128)}, {}),
+             "silero_v5": lambda: silero(silero_vad_onnx_path(), {"state": (2, 1, 128)}, {"sr": np.array(16000, np.int64)})}
+    rows = []
+    for name, build in cases.items():
+        case = build()
+        for preset in ("A8W8", "XINT8"):
+            for alpha in (None, 0.5):
+                result = quantize_model(case.path, {"preset": preset, "smooth_quant": alpha and {"alpha": alpha}}, case.calibration)
+                smooth = result.summary.get("smooth_quant") or {}
+                rows.append({"model": name, "preset": preset, "alpha": alpha, **case.metric(result.model),
+                             **{key: smooth.get(key) for key in ("smoothed", "folded", "mul_inserted", "skipped")},
+                             "smoothed_float_gap": case.metric(result.float_model)["max_probability_gap"]})
+    return rows
+
+
 def _scores(model: Any, evaluation: dict[str, np.ndarray], reference: np.ndarray) -> dict[str, float]:
     """Held-out accuracy (%) and the mean squared error of the logits against the float model's."""
     outputs = logits(model, evaluation["x"])
@@ -70,8 +97,13 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=300, help="AdaQuant iterations per unit; 0: untuned only")
     parser.add_argument("--work", type=Path, default=Path("/tmp/bench_smooth_quant"))
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--silero", action="store_true", help="the silero cases instead of the digits models")
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR)
+    if args.silero:
+        with args.out.open("a") as out:
+            out.writelines(json.dumps(row) + "\n" for row in silero_rows())
+        return
     for model in args.models.split(","):
         directory = args.work / model
         if not (directory / "float.onnx").exists():

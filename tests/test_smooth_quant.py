@@ -198,3 +198,14 @@ def test_a_bad_alpha_is_a_one_line_config_error(alpha: object) -> None:
     with pytest.raises(ConfigError) as caught:
         load_config({"preset": "A8W8", "smooth_quant": {"alpha": alpha}})
     assert str(caught.value).startswith("smooth_quant.alpha: ") and "\n" not in str(caught.value)
+
+
+def test_fast_finetune_tunes_a_smoothed_model_towards_the_smoothed_float_graph() -> None:
+    """The pipeline hands recon the smoothed float graph (the float function, in the quantized
+    layers' coordinates), and the tuned model is a QDQ model onnxruntime runs."""
+    from finetune.pipeline import quantize_and_finetune
+
+    config = {"preset": "A8W8", "smooth_quant": {"alpha": 0.5}, "fast_finetune": {"algorithm": "adaquant", "iterations": 2}}
+    result = quantize_and_finetune(transformer_like(), config, batches((4, 8)))
+    assert result.report["float_reference"] == "float model" and result.summary["smooth_quant"]["smoothed"] == 4
+    assert np.isfinite(run_ort(result.model, [batches((4, 8), count=1)[0]["x"]])[0]).all()

@@ -27,10 +27,10 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_finetune import load_case_data, logits, prepare  # noqa: E402
+from bench_finetune import load_case_data, logits, prepare
 
-from finetune.pipeline import quantize_and_finetune  # noqa: E402
-from finetune.quantize import quantize_model  # noqa: E402
+from finetune.pipeline import quantize_and_finetune
+from finetune.quantize import quantize_model
 
 W4A8 = {"preset": "A8W8", "weight": {"dtype": "int4", "granularity": "tensor"}}  # as scripts/sweep_finetune.py
 PRESETS: dict[str, dict[str, Any]] = {"A8W8": {"preset": "A8W8"}, "XINT8": {"preset": "XINT8"}, "W4A8": W4A8,

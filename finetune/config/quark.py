@@ -14,9 +14,9 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
+from . import quark_automp
 from .finetune import DEVICE_HELP, DEVICE_PATTERN
 from .formats import ALL, AUTO, DEFAULT_OP_TYPES, family_keys
-from . import quark_automp
 from .quark_options import (
     CALIBRATE_METHODS,
     CLE_OPTIONS,

@@ -84,6 +84,7 @@ class _Constants:
         self.arrays[name] = current * factor
 
     def store(self) -> None:
+        """Write the rewritten arrays back as float32 initializers."""
         for name, array in self.arrays.items():
             self.tensors[name].CopyFrom(numpy_helper.from_array(array.astype(np.float32), name))
 

@@ -648,7 +648,7 @@ def test_load_config_detects_quark_files_and_mappings(tmp_path: Path) -> None:
         ({"calibrate_method": "CalibrationMethod.Distribution"}, ["calibrate_method", "no equivalent"]),
         ({"calibrate_method": "MinMSE"}, ["ambiguous", "PowerOfTwoMethod.MinMSE"]),
         ({"quant_format": "QuantFormat.QOperator"}, ["quant_format", "no equivalent"]),
-        ({"include_sq": True}, ["include_sq", "no equivalent"]),
+        ({"include_sq": True, "extra_options": {"SmoothAlpha": 2}}, ["extra_options.SmoothAlpha", "<= 1"]),
         ({"extra_options": {"SimplifyModel": True}}, ["extra_options.SimplifyModel", "no equivalent"]),
         ({"extra_options": {"Int32Bias": False}}, ["extra_options.Int32Bias", "no equivalent"]),
         (

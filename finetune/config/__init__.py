@@ -8,9 +8,10 @@ from .formats import AUTO, DEFAULT_OP_TYPES, FormatChoice, Override
 from .io import PRESET_DIR, available_presets, from_quark, load_config, save_config, to_dict
 from .quant import QuantConfig
 from .schema import ConfigError
+from .smooth import SmoothQuant
 
 __all__ = [
     "AUTO", "DEFAULT_OP_TYPES", "DEVICE_HELP", "DEVICE_PATTERN", "GPTQ", "PRESET_DIR", "ConfigError", "EarlyStop",
-    "FastFinetune", "FormatChoice", "Override", "QuantConfig", "available_presets", "from_quark", "load_config",
+    "FastFinetune", "FormatChoice", "Override", "QuantConfig", "SmoothQuant", "available_presets", "from_quark", "load_config",
     "save_config", "to_dict",
 ]

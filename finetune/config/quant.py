@@ -15,6 +15,7 @@ Schema (YAML keys are the dataclass field names; `preset:` is the one extra key,
     exclude_nodes: ["/head/.*"]                     # exact names or full-match regular expressions
     dual_quant: false
     cross_layer_equalization: false  # rescale Conv pairs to equal channel ranges before quantizing
+    smooth_quant: null     # or {alpha: 0.5}: SmoothQuant of MatMul/Gemm/Conv inputs before quantizing (config.smooth)
     weight_storage: float  # float | compact
     bf16_as_cast: false    # write bfloat16 QDQ pairs as Cast(to bfloat16) -> Cast(to float) in the final model
     npu_cnn: false         # Vitis AI / Ryzen AI NPU constraints for CNNs: shared scales around Concat, pooling, Pad, Slice (config.npu)
@@ -35,6 +36,7 @@ from .finetune import FastFinetune
 from .formats import ALL, DEFAULT_OP_TYPES, Bias, FormatChoice, NodeFormats, Override, resolve_bias
 from .npu import NPU_CNN_OP_TYPES, check_npu_cnn
 from .schema import ConfigError, Section, join_path
+from .smooth import SmoothQuant
 
 PER_LAUNCH_STRATEGIES = ("ddp_spawn", "ddp_fork", "ddp_notebook")  # Fabric starts their processes at each launch
 
@@ -56,6 +58,7 @@ class QuantConfig(Section):
     exclude_nodes: tuple[str, ...] = ()
     dual_quant: bool = False
     cross_layer_equalization: bool = False
+    smooth_quant: SmoothQuant | None = None
     weight_storage: Literal["float", "compact"] = "float"
     bf16_as_cast: bool = False  # the final model's bfloat16 quantize-dequantize pairs as Cast pairs
     npu_cnn: bool = False  # NPU CNN constraints (finetune.config.npu), AMD Quark's enable_npu_cnn

@@ -34,6 +34,7 @@ from .quark_options import (
     option_problems,
 )
 from .schema import ConfigError
+from .smooth import DEFAULT_ALPHA
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -145,6 +146,7 @@ class _Translation:
             "exclude_nodes": self.exclude_nodes(),
             "dual_quant": self.attempt(self.dual_quant, False),
             "cross_layer_equalization": self.attempt(self.cross_layer_equalization, False),
+            "smooth_quant": self.attempt(self.smooth_quant, None),
             "weight_storage": self.attempt(self.weight_storage, "float"),
             "bf16_as_cast": self.attempt(self.flag, False, "BF16QDQToCast", False),
             "npu_cnn": self.attempt(self.npu_cnn, False),
@@ -326,6 +328,15 @@ class _Translation:
         """include_cle runs finetune's equalisation; the CLE options only describe it (CLE_OPTIONS)."""
         given = ", ".join(f"extra_options.{key}" for key in CLE_OPTIONS if key in self.extra)
         return self.switched_on("include_cle", given, bool(given))
+
+    def smooth_quant(self) -> dict[str, Any] | None:
+        """include_sq runs finetune's SmoothQuant with alpha from extra_options.SmoothAlpha (Quark's
+        default 0.5 when absent)."""
+        if not self.switched_on("include_sq", "extra_options.SmoothAlpha", "SmoothAlpha" in self.extra):
+            return None
+        self.origins["smooth_quant"] = "include_sq"
+        self.origins["smooth_quant.alpha"] = "extra_options.SmoothAlpha"
+        return {"alpha": self.extra.get("SmoothAlpha", DEFAULT_ALPHA)}
 
     def switched_on(self, flag: str, path: str, given: bool) -> bool:
         """Whether the include_* `flag` is on; options given for it while it is off have no effect,

@@ -59,7 +59,7 @@ QUANT_FORMATS: dict[str, str | None] = {
 TOP_MAPPED = (
     "quant_format", "calibrate_method", "activation_type", "weight_type", "op_types_to_quantize",
     "extra_op_types_to_quantize", "nodes_to_exclude", "per_channel", "include_fast_ft", "include_auto_mp",
-    "include_cle", "specific_tensor_precision", "enable_npu_cnn", "enable_dpu", "extra_options",
+    "include_cle", "include_sq", "specific_tensor_precision", "enable_npu_cnn", "enable_dpu", "extra_options",
 )
 TOP_NO_EFFECT = (
     "execution_providers", "use_external_data_format", "debug_mode", "print_summary",
@@ -75,7 +75,7 @@ TOP_ACCEPTED_ONLY: dict[str, tuple[Any, ...]] = {
     ),
     **dict.fromkeys(
         (
-            "reduce_range", "optimize_model", "use_dynamic_quant", "enable_npu_transformer", "convert_fp16_to_fp32", "convert_nchw_to_nhwc", "include_sq",
+            "reduce_range", "optimize_model", "use_dynamic_quant", "enable_npu_transformer", "convert_fp16_to_fp32", "convert_nchw_to_nhwc",
             "include_rotation", "crypto_mode",
         ),
         _OFF,
@@ -87,7 +87,7 @@ NPU_ALIGN_OPTIONS = ("AlignConcat", "AlignPool", "AlignPad", "AlignSlice")
 EXTRA_MAPPED = (
     "ActivationSymmetric", "WeightSymmetric", "CalibTensorRangeSymmetric", "Percentile", "WeightCalibrateMethod",
     "Int32Bias", "QuantizeBias", "BFPAttributes", "MXAttributes", "RefineBlockAxis", "MixedPrecisionTensor",
-    "TensorQuantOverrides", "AutoMixprecision", "EnableDualQuantNodePairs", "FastFinetune", "OpTypesToQuantize",
+    "TensorQuantOverrides", "AutoMixprecision", "EnableDualQuantNodePairs", "FastFinetune", "SmoothAlpha", "OpTypesToQuantize",
     "ExtraOpTypesToQuantize", "QuantizeAllOpTypes", "WeightsOnly", "AddQDQPairToWeight", "BF16QDQToCast", "UseGPTQ",
     "GPTQParams",
     *NPU_ALIGN_OPTIONS,
@@ -97,7 +97,7 @@ EXTRA_NO_EFFECT = (
     "CalibOptimizeMem", "CalibOptimizeDisk", "SaveTensorHistFig", "EvalMetrics", "EvalDataReader",
     "FillAllValueInfo", "RemoveInputInit", "UseQDQVitisCustomOps", "SkipPreprocess", "CopyBiasInit", "UseFP32Scale",
     "CalibMovingAverageConstant", "OpTypesToExcludeOutputQuantization", "NodesToExcludeOutputQuantization",
-    "SmoothAlpha", "RMatrixDim", "UseRandomHad",
+    "RMatrixDim", "UseRandomHad",
     "RConfigPath", "MatMulNBitsParams", "LWPMetric", "ActivationBitWidth", "PercentileCandidates",
 )
 # include_cle runs finetune's own equalisation (finetune.onnx.equalize), which has no knobs: its

@@ -25,6 +25,7 @@ from .checks import check_plan
 from .insert import insert_qdq
 from .npu import align_eltwise_formats, align_scales
 from .plan import plan, upgrade_opset
+from .smooth import smooth_model
 from .summary import summarize
 
 logger = logging.getLogger(__name__)
@@ -36,7 +37,7 @@ class QuantizeResult:
 
     model: onnx.ModelProto
     summary: dict[str, Any]
-    float_model: onnx.ModelProto  # the float graph the QDQ model was built from (normalised, equalised)
+    float_model: onnx.ModelProto  # the float graph the QDQ model was built from (normalised, equalised, smoothed)
 
 
 def quantize_model(
@@ -59,6 +60,9 @@ def quantize_model(
     if config.cross_layer_equalization:
         normalized, equalized = equalize_model(normalized, notices)
         changes += equalized
+    smoothing = None
+    if config.smooth_quant is not None:
+        normalized, smoothing = smooth_model(normalized, config, data, providers, notices)
     float_model = normalized
     uses = plan(normalized, config, notices)
     alignments = None
@@ -79,7 +83,7 @@ def quantize_model(
     if config.bf16_as_cast:
         changes.append(f"bf16_as_cast: {bf16_pairs_to_casts(quantized)} bfloat16 quantize-dequantize pair(s) written as Cast pairs")
     require_loads(quantized, original, "quantize")
-    summary = summarize(original, quantized, uses, changes, notices, time.perf_counter() - start, alignments)
+    summary = summarize(original, quantized, uses, changes, notices, time.perf_counter() - start, alignments, smoothing)
     return QuantizeResult(quantized, summary, float_model)
 
 

@@ -43,11 +43,12 @@ def format_attributes(spec: FormatSpec) -> str:
 
 def summarize(
     original: onnx.ModelProto, quantized: onnx.ModelProto, uses: list[Use], changes: list[str], notices: list[Notice],
-    seconds: float, alignments: list[dict[str, Any]] | None = None,
+    seconds: float, alignments: list[dict[str, Any]] | None = None, smoothing: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Tensors per format and role, model sizes, what normalisation (and equalisation) changed,
-    the warnings ({"tensor" | "node" | "model" | "config": name, "reason": ...} each) and, with
-    npu_cnn, the scales and formats its alignments changed (finetune.quantize.npu)."""
+    the warnings ({"tensor" | "node" | "model" | "config": name, "reason": ...} each), with
+    npu_cnn the scales and formats its alignments changed (finetune.quantize.npu) and with
+    smooth_quant what it did to each layer (finetune.quantize.smooth)."""
     distinct = {(u.tensor, u.spec): u for u in with_producer_formats(uses)}.values()
     per_format = Counter((use.role, display_name(use.spec), format_attributes(use.spec)) for use in distinct)
     summary = {
@@ -62,6 +63,8 @@ def summarize(
     }
     if alignments is not None:
         summary["npu_cnn_alignments"] = alignments
+    if smoothing is not None:
+        summary["smooth_quant"] = smoothing
     return summary
 
 
@@ -75,5 +78,9 @@ def format_summary(summary: dict[str, Any]) -> str:
                  f"({after / before:.2f}x); {summary['seconds']:.2f} s")
     if "npu_cnn_alignments" in summary:
         lines.append(f"npu_cnn: {len(summary['npu_cnn_alignments'])} scale or format alignment(s)")
+    if "smooth_quant" in summary:
+        smooth = summary["smooth_quant"]
+        lines.append(f"smooth_quant (alpha {smooth['alpha']:g}): {smooth['smoothed']} layer(s) smoothed, {smooth['folded']} "
+                     f"folded into their producer, {smooth['mul_inserted']} behind an inserted Mul, {smooth['skipped']} skipped")
     lines += [f"warning: {line}" for line in describe(summary["warnings"])]
     return "\n".join(lines)

@@ -32,6 +32,7 @@ from .qdrop import Batches, dropped_quantization
 from .report import Warnings
 from .sides import UnitData, UnitInputs, unit_data
 from .units import Unit, parameters_of
+from .watch import BestPoint, evaluation_interval, held_out_loss
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +58,7 @@ class UnitResult:
     rejected_loss: float | None = None  # the tuned loss (held-out, where batches are) of a unit reverted for getting worse
     held_out_before: float | None = None  # the loss on the held-out batches (None: none held out)
     held_out_after: float | None = None
+    best_iteration: int | None = None  # the step of the held-out evaluation the unit ended at (None: none held out)
 
 
 class HostAdam(torch.optim.Adam):
@@ -99,6 +101,7 @@ class Tuner:
         self.resumed_units = 0  # the first units, finished by an earlier run
         self.should_stop = False  # a callback sets it to end the unit's optimisation after the current step
         self.stop_tail = 0  # ... or after this many more steps, which finish its schedule (see finish_schedule)
+        self.evaluation_every = 0  # steps between the unit's held-out evaluations (0: none held out; see watch)
         self.fabric = fabric  # holds the callbacks; over several processes, their process group
         self._step_hooks = [hook for hook in (getattr(c, "on_step_end", None) for c in callbacks) if callable(hook)]
 
@@ -163,8 +166,8 @@ class Tuner:
                 module.get_parameter(name).data.copy_(start)
         if self.config.algorithm == "gptq" or self.config.gptq_init:
             quantize_unit(unit, module, train, inputs, self.fabric, self.config, self.warnings, held)
-        iterations = 0 if self.config.algorithm == "gptq" else self._optimise(k, unit, module, train, inputs, float_inputs,
-                                                                               targets, before.power)
+        iterations, best = (0, None) if self.config.algorithm == "gptq" else self._optimise(
+            k, unit, module, train, inputs, float_inputs, targets, before.power, held)
         after = evaluate(train, inputs, targets, self.fabric, held)
         if not after.finite or after.judged > before.judged:
             for name, value in original.items():
@@ -174,7 +177,7 @@ class Tuner:
                 self.warnings.add(unit.name, f"{status}; the weights before tuning are kept (a lower lr may help)")
                 return self._finish(k, module, before, before, status, iterations, begin)
             return self._finish(k, module, before, before, "reverted", iterations, begin, after.judged)
-        return self._finish(k, module, before, after, "kept", iterations, begin)
+        return self._finish(k, module, before, after, "kept", iterations, begin, best=best)
 
     def _skip_reason(self, unit: Unit) -> str | None:
         """Why AdaRound or GPTQ cannot tune a unit (no weight quantizer), else None."""
@@ -183,10 +186,12 @@ class Tuner:
         return None
 
     def _optimise(self, k: int, unit: Unit, module: LiftedModule, train: nn.Module, inputs: UnitInputs,
-                  float_inputs: CachedValue, targets: CachedValue, power: float) -> int:
-        """The optimisation loop; returns the iterations run. AdaQuant's learning rate decays along
-        a cosine, so the weights settle across the quantizer's steps (on the digits transformer at
-        MX4 that recovered 93 % of the quantization loss, against 40 % at a constant rate)."""
+                  float_inputs: CachedValue, targets: CachedValue, power: float, held: frozenset[int]) -> tuple[int, int | None]:
+        """The optimisation loop; returns the iterations run and, where batches are held out (this
+        process's chunks of them: `held`), the step of the held-out evaluation the unit ended at (see
+        watch). AdaQuant's learning rate decays along a cosine, so the weights settle across the
+        quantizer's steps (on the digits transformer at MX4 that recovered 93 % of the quantization
+        loss, against 40 % at a constant rate)."""
         config = self.config
         roundings, trainable, frozen = self._trainables(unit, module)
         parallel = self.fabric.world_size > 1  # gradients are summed by hand: see parallel
@@ -214,6 +219,7 @@ class Tuner:
                                       "do not train on the one-process mixture")
                 read_every = steps_per_read(device)
                 annealing = Annealing(config.iterations) if roundings else None
+                watch = self._watch(train, inputs, targets, held, rows, roundings, trainable)
                 losses: list[torch.Tensor] = []
                 step, end, stopping = 0, config.iterations, False
                 while step < end:
@@ -224,15 +230,34 @@ class Tuner:
                     if len(losses) == read_every or step == end:
                         self._hear_steps(k, step - len(losses), losses)
                         losses = []
+                    if watch is not None and watch.due(step):
+                        self.fabric.call("on_held_out", tuner=self, index=k, step=step, loss=watch.evaluate(step))
                     if self.should_stop and not stopping:
                         stopping, end = True, self._stop(k, unit, step, annealing)
                         schedule = CosineTail(optimizer, end - step) if schedule is not None else None
+                best = watch.settle(step) if watch is not None else None
             for rounding, weight in roundings:
                 weight.data.copy_(rounding.hardened(weight))
         finally:
             for parameter in frozen:
                 parameter.requires_grad_(True)
-        return step
+        return step, best
+
+    def _watch(self, train: nn.Module, inputs: UnitInputs, targets: CachedValue, held: frozenset[int], rows: Rows,
+               roundings: Roundings, trainable: list[torch.Tensor]) -> BestPoint | None:
+        """The unit's held-out evaluations (AdaRound's with its roundings hard, as the unit will end),
+        or None where no batch is held out."""
+        self.evaluation_every = evaluation_interval(rows.held_out, self.config.batch_size) if self.held_out else 0
+        if not self.evaluation_every:
+            return None
+
+        def measure() -> float:
+            with contextlib.ExitStack() as hard:
+                for rounding, _ in roundings:
+                    hard.enter_context(rounding.hard())
+                return held_out_loss(train, inputs, targets, self.fabric, held)
+
+        return BestPoint(measure, trainable, self.evaluation_every)
 
     def finish_schedule(self, tail: int) -> None:
         """End the unit's optimisation after `tail` more steps (the budget's end if sooner) that run
@@ -304,16 +329,17 @@ class Tuner:
         return mse.detach()
 
     def _finish(self, k: int, module: LiftedModule, before: Loss, after: Loss, status: str, iterations: int,
-                begin: float, tried: float | None = None) -> UnitResult:
+                begin: float, tried: float | None = None, best: int | None = None) -> UnitResult:
         """The unit's result, logged and told to the callbacks with the model that holds its weights."""
         unit = self.units[k]
         seconds = time.perf_counter() - begin
         worse = f" (tuned {tried:.4g} was worse)" if tried is not None else ""
         held = f", held out {before.held_out:.4g} -> {after.held_out:.4g}" if before.held_out is not None else ""
+        held += f" (best at iteration {best})" if best is not None else ""
         logger.info("unit %d/%d %s: loss %.4g -> %.4g%s, %s%s, %d iterations, %.2f s",
                     k + 1, len(self.units), unit.name, before.training, after.training, held, status, worse, iterations, seconds)
         result = UnitResult(unit.name, unit.op_type, before.training, after.training, status, iterations, seconds, tried,
-                            before.held_out, after.held_out)
+                            before.held_out, after.held_out, best)
         self.results.append(result)
         self.fabric.call("on_unit_end", tuner=self, index=k, unit=unit, result=result, module=module)
         return result

@@ -1,4 +1,5 @@
-"""A unit's held-out loss during its optimisation (issue 33): where calibration batches are held
+"""A unit's losses: over every cached sample before and after its optimisation (evaluate), and on
+the held-out batches during it (issue 33): where calibration batches are held
 out of training, the unit's loss on them is measured every few steps, early stopping counts those
 measurements (callbacks.EarlyStopping), and the unit ends with its trainable tensors (AdaQuant's
 weights, AdaRound's rounding variables) as they were at the lowest one, kept in memory: a unit
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 from lightning.fabric import Fabric
@@ -46,6 +48,44 @@ def held_out_loss(train: nn.Module, inputs: UnitInputs, targets: CachedValue, fa
             count += target.numel()
     total, rows = sum_across(fabric, [float(error), count])
     return total / rows if rows else math.inf
+
+
+@dataclass(frozen=True)
+class Loss:
+    """A unit's MSE against its float targets on its training batches and on the held-out ones
+    (None: none held out), and the targets' mean square over all."""
+
+    training: float
+    held_out: float | None
+    power: float
+
+    @property
+    def judged(self) -> float:
+        """The loss a unit is kept or reverted on: the held-out one where batches are held out."""
+        return self.training if self.held_out is None else self.held_out
+
+    @property
+    def finite(self) -> bool:
+        """Whether every loss is finite."""
+        return math.isfinite(self.training) and (self.held_out is None or math.isfinite(self.held_out))
+
+
+def evaluate(train: nn.Module, inputs: UnitInputs, targets: CachedValue, fabric: Fabric, held: frozenset[int] = frozenset()) -> Loss:
+    """The unit's losses over every cached sample of every process, the chunks in `held` (this
+    process's held-out chunks) apart, computed in float64 sums so the result does not depend on
+    chunking, and read by the host once."""
+    sums = torch.zeros(2, 2, dtype=torch.float64, device=fabric.device)
+    counts = [0, 0]
+    with torch.no_grad():
+        for chunk in range(len(targets.chunks)):
+            output = train(*inputs.chunk(chunk, fabric.device))[0]
+            target = targets.tensor(chunk, fabric.device)
+            part = int(chunk in held)
+            sums[part] += torch.stack([(output - target).double().square().sum(), target.double().square().sum()])
+            counts[part] += target.numel()
+    error, power, held_error, held_power, count, held_count = sum_across(fabric, [*sums.reshape(-1).tolist(), *counts])
+    return Loss(error / max(count, 1), held_error / held_count if held_count else None,
+                max((power + held_power) / (count + held_count), 1e-30))
 
 
 class BestPoint:

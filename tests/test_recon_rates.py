@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from finetune.cli import build_parser
 from finetune.config import DEFAULT_LR, ConfigError, FastFinetune, load_config
 from finetune.lift import lift_model
 from finetune.quantize import quantize_model
@@ -56,3 +57,11 @@ def test_a_run_at_the_default_rate_searches_nothing() -> None:
     model = quantize_model(mlp_model(), "MX4", feeds(10)).model
     _, report = finetune_model(model, feeds(10), FastFinetune(algorithm="adaquant", iterations=10, batch_size=8))
     assert report["lr_search"] is None and [unit["lr"] for unit in report["units"]] == [DEFAULT_LR["adaquant"]["bfp"]] * 2
+
+
+def test_the_command_line_takes_a_rate_or_auto() -> None:
+    parser, command = build_parser(), ["tune", "q.onnx", "--data", "calib", "-o", "t.onnx", "--lr"]
+    assert parser.parse_args([*command, "auto"]).lr == "auto"
+    assert parser.parse_args([*command, "3e-4"]).lr == 3e-4
+    with pytest.raises(SystemExit):
+        parser.parse_args([*command, "fast"])

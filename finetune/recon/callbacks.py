@@ -46,6 +46,7 @@ from finetune.lift import LiftedModule
 
 from .cache import CachedValue
 from .loop import Tuner, UnitResult
+from .rates import RateSearch
 from .units import Unit, parameters_of
 
 logger = logging.getLogger(__name__)
@@ -223,7 +224,8 @@ class Checkpoint:
             return {}
         state = self._load(tuner)
         _check_same_run(self.path, state["fingerprint"], self.fingerprint)
-        tuner.resume([UnitResult(**row) for row in state["results"]], state["warnings"])
+        search = state.get("rate_search")
+        tuner.resume([UnitResult(**row) for row in state["results"]], state["warnings"], search and RateSearch(**search))
         logger.info("resuming from %s: %d of %d units finished earlier and are restored, not tuned again",
                     self.path, tuner.resumed_units, len(tuner.units))
         return state["weights"]
@@ -244,7 +246,8 @@ class Checkpoint:
         weights = {name: module.get_parameter(name).detach().cpu()
                    for unit in tuner.units[: index + 1] for name in parameters_of(unit)}
         state = {"fingerprint": self.fingerprint, "results": [dataclasses.asdict(r) for r in tuner.results],
-                 "warnings": list(tuner.warnings), "weights": weights}  # CHECKPOINT_KEYS
+                 "warnings": list(tuner.warnings), "weights": weights,  # CHECKPOINT_KEYS
+                 "rate_search": dataclasses.asdict(tuner.rate_search) if tuner.rate_search else None}  # lr: auto's choice
         write_atomic(self.path, lambda tmp: tuner.fabric.save(tmp, state))
 
     def on_run_end(self, tuner: Tuner, results: list[UnitResult]) -> None:

@@ -118,12 +118,15 @@ class Tuner:
     def __exit__(self, *_: object) -> None:
         self.fabric.call("on_run_end", tuner=self, results=self.results)
 
-    def resume(self, results: list[UnitResult], warnings: list[dict[str, str]]) -> None:
+    def resume(self, results: list[UnitResult], warnings: list[dict[str, str]], rate_search: RateSearch | None = None) -> None:
         """Continue a run whose first len(results) units an earlier run finished: their results and
-        warnings become this run's (call before the `with` block, so callbacks see them at its start)."""
+        warnings become this run's, and the factor its lr: auto search chose (call before the `with`
+        block, so callbacks see them at its start)."""
         self.results = list(results)
         self.resumed_units = len(results)
         self.warnings.extend(warnings)
+        if rate_search is not None:
+            self.rate_search, self._factor = rate_search, rate_search.factor
 
     def restore(self, k: int, module: LiftedModule, weights: dict[str, torch.Tensor]) -> None:
         """Put back the weights an earlier run kept for finished unit k, at the point where tuning it

@@ -206,7 +206,8 @@ def _add_finetune_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--finetune", choices=["adaround", "adaquant", "gptq"],
                        help="algorithm (gptq: one pass per unit, no learning rate or iterations)")
     group.add_argument("--iterations", type=int, help="optimisation steps per unit")
-    group.add_argument("--lr", type=float, help="learning rate (default: 0.1 adaround, 1e-3 adaquant)")
+    group.add_argument("--lr", type=_learning_rate, help="learning rate, or auto: a short search on the first unit "
+                       "(default: the algorithm's rate for each weight's format family)")
     group.add_argument("--batch-size", type=int, help="samples per optimisation step")
     group.add_argument("--early-stop", action=argparse.BooleanOptionalAction, default=None,
                        help="stop a unit when its reconstruction loss stops improving, after a tail that finishes "
@@ -236,6 +237,11 @@ def main(argv: list[str] | None = None) -> int:
         return run_command(build_parser(), argv)
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def _learning_rate(text: str) -> float | str:
+    """--lr's value: a number, or the word auto."""
+    return text if text == "auto" else float(text)
 
 
 def _exit_on_sigterm(signum: int, _frame: object) -> None:

@@ -248,7 +248,9 @@ def run_case(model: str, preset: str, directory: Path, iterations: int, adaquant
     training = sum(u["seconds"] for u in report["units"])
     loss = float_metric - before["metric"]
     return {
-        "model": model, "preset": preset, "algorithm": algorithm, "unit": unit, "iterations_per_unit": iterations, "lr": config.lr,
+        "model": model, "preset": preset, "algorithm": algorithm, "unit": unit, "iterations_per_unit": iterations,
+        "lr": config.lr, "unit_lrs": sorted({u["lr"] for u in report["units"] if u["lr"] is not None}),
+        "lr_search": report["lr_search"], "best_iterations": [u["best_iteration"] for u in report["units"]],
         "metric": "accuracy %" if labels is not None else ("line agreement with float %" if float_outputs.ndim == 3
                                                            else "top-1 agreement with float %"),
         "float": float_metric, "before": before["metric"], "after": after["metric"],
@@ -285,7 +287,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {','.join(MODELS)}")
     parser.add_argument("--presets", default=",".join(PRESETS), help=f"comma-separated subset of {','.join(PRESETS)}")
     parser.add_argument("--iterations", type=int, default=500, help="iterations per unit (default 500)")
-    parser.add_argument("--adaquant-lr", type=float, help="AdaQuant learning rate (default: the library's, 1e-3)")
+    parser.add_argument("--adaquant-lr", type=float, help="AdaQuant learning rate (default: the library's for the weight format)")
     parser.add_argument("--calibration", type=int, help="calibration samples for the digits models (default: the whole "
                         f"training split, 1348) and text lines for textrec (default {TEXT_CALIBRATION}) and textcls "
                         f"(default {ANGLE_CALIBRATION})")

@@ -56,12 +56,13 @@ def accuracy(model: onnx.ModelProto, directory: Path) -> float:
     return scores(logits(runnable, evaluation["x"]), float_outputs, evaluation["y"])["metric"]
 
 
-def run_case(python: str, directory: Path, name: str, iterations: int) -> dict[str, Any]:
-    """One config on one model: Quark's model, Quark's fast finetune, our tuning of Quark's model."""
+def run_case(python: str, directory: Path, name: str, iterations: int, quark_finetune: bool = True) -> dict[str, Any]:
+    """One config on one model: Quark's model, Quark's fast finetune (unless told not to: it is
+    deterministic, so an earlier run's number stands), our tuning of Quark's model."""
     tuned_config, algorithm = CONFIGS[name]
     quark_model, quark_tuned = directory / f"quark.{name}.onnx", directory / f"quark.{tuned_config}.onnx"
     quark(python, directory, name, iterations, quark_model)
-    quark_ft_seconds = quark(python, directory, tuned_config, iterations, quark_tuned)
+    quark_ft_seconds = quark(python, directory, tuned_config, iterations, quark_tuned) if quark_finetune else None
     calibration, _ = load_case_data(directory)
     config = FastFinetune(algorithm=algorithm, iterations=iterations, batch_size=16, seed=0)
     start = time.perf_counter()
@@ -72,10 +73,12 @@ def run_case(python: str, directory: Path, name: str, iterations: int) -> dict[s
             raise
         ours, report = finetune_model(onnx.load(quark_model), calibration, config)
     return {"config": name, "quark": accuracy(onnx.load(quark_model), directory),
-            "quark_fast_finetune": accuracy(onnx.load(quark_tuned), directory), "quark_fast_finetune_seconds": quark_ft_seconds,
+            "quark_fast_finetune": accuracy(onnx.load(quark_tuned), directory) if quark_finetune else None,
+            "quark_fast_finetune_seconds": quark_ft_seconds,
             "finetune_on_quark_model": accuracy(ours, directory), "finetune_seconds": time.perf_counter() - start,
             "algorithm": algorithm, "float_reference": report["float_reference"], "kept": report["kept"],
-            "units": len(report["units"])}
+            "units": len(report["units"]), "unit_lrs": sorted({u["lr"] for u in report["units"] if u["lr"] is not None}),
+            "best_iterations": [u["best_iteration"] for u in report["units"]], "held_out": report["held_out"]}
 
 
 def main() -> None:
@@ -85,6 +88,7 @@ def main() -> None:
     parser.add_argument("--calibration", type=int, default=256, help="calibration samples (default 256)")
     parser.add_argument("--models", default="digits,transformer", help="comma-separated: digits (the CNN), transformer")
     parser.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {','.join(CONFIGS)}")
+    parser.add_argument("--no-quark-finetune", action="store_true", help="skip Quark's own fast finetune (ours only)")
     args = parser.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
@@ -94,7 +98,8 @@ def main() -> None:
             float_accuracy = accuracy(onnx.load(directory / "float.onnx"), directory)
             for name in args.configs.split(","):
                 log(f"{model} {name}")
-                rows.append({"model": model, "float": float_accuracy, **run_case(args.quark, directory, name, args.iterations)})
+                rows.append({"model": model, "float": float_accuracy, **run_case(args.quark, directory, name, args.iterations,
+                                                                                   not args.no_quark_finetune)})
                 log(json.dumps(rows[-1]))
     print(json.dumps({"iterations": args.iterations, "calibration": args.calibration, "batch_size": 16, "rows": rows}, indent=1))
 

@@ -137,7 +137,7 @@ def test_int4_weight_only_presets(name: str, dtype: str, symmetric: bool, axis: 
 def test_fast_finetune_preset_extends_its_base() -> None:
     config = load_config("MX4_ADAQUANT")
     assert dataclasses.replace(config, fast_finetune=None) == load_config("MX4")
-    assert config.fast_finetune == FastFinetune(algorithm="adaquant", iterations=1000, lr=1e-3, batch_size=16)
+    assert config.fast_finetune == FastFinetune(algorithm="adaquant", iterations=1000, lr=None, batch_size=16)
 
 
 def test_preset_by_path_equals_preset_by_name() -> None:

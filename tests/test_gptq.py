@@ -277,7 +277,7 @@ def test_gptq_config() -> None:
     its settings keep Quark's names."""
     config = FastFinetune(algorithm="gptq")
     assert config.lr is None and config.gptq == GPTQ(perc_damp=0.01, block_size=128, act_order=False)
-    assert FastFinetune(algorithm="adaquant", gptq_init=True).lr == 1e-3
+    assert FastFinetune(algorithm="adaquant", gptq_init=True).lr is None  # each unit takes its format's default
     with pytest.raises(ConfigError, match="lr.*no learning rate"):
         load_config({"fast_finetune": {"algorithm": "gptq", "lr": 1e-3}})
     with pytest.raises(ConfigError, match="gptq_init"):

@@ -181,14 +181,16 @@ def stopped_run(model: onnx.ModelProto, feeds: list, config: FastFinetune, folde
     return folder / "run.ckpt"
 
 
+@pytest.mark.parametrize("lr", [None, "auto"])
 def test_a_stopped_run_resumes_from_its_checkpoint_to_the_same_bytes(quantized: tuple, tmp_path: Path,
-                                                                      caplog: pytest.LogCaptureFixture) -> None:
+                                                                      caplog: pytest.LogCaptureFixture, lr: str | None) -> None:
     """Stopped after two units, then resumed: the finished units are restored, not tuned again (the
     log and the report count them; callbacks hear only the others), and the model, the report rows
     and the metric log are those of an uninterrupted run. The checkpoint follows the umask and is
-    gone once the run completes."""
+    gone once the run completes. With lr: auto the resumed run keeps the factor the first run chose
+    on its first unit rather than searching again on the third."""
     model, feeds = quantized
-    config = FastFinetune(algorithm="adaquant", iterations=12, seed=5)
+    config = FastFinetune(algorithm="adaquant", iterations=12, seed=5, lr=lr)
     whole, whole_report = finetune_model(model, feeds, config, output_dir=tmp_path / "whole", name="run")
     checkpoint = stopped_run(model, feeds, config, tmp_path / "cut")
     umask = os.umask(0)
@@ -203,6 +205,7 @@ def test_a_stopped_run_resumes_from_its_checkpoint_to_the_same_bytes(quantized: 
     assert report["resumed_units"] == 2 and f"resuming from {checkpoint}: 2 of {units} units finished earlier" in caplog.text
     assert starts.indices == list(range(2, units))
     assert [{**u, "seconds": 0} for u in report["units"]] == [{**u, "seconds": 0} for u in whole_report["units"]]
+    assert report["lr_search"] == whole_report["lr_search"] and (lr is None) == (report["lr_search"] is None)
     logs = [folder / "run.logs" / "metrics.csv" for folder in (tmp_path / "whole", tmp_path / "cut")]
     assert logs[0].read_text() == logs[1].read_text()
     assert sorted(p.name for p in checkpoint.parent.iterdir()) == ["run.json", "run.logs", "run.png"]

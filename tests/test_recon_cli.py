@@ -76,7 +76,7 @@ def cli(capsys: pytest.CaptureFixture, caplog: pytest.LogCaptureFixture) -> Iter
 def test_flags_override_and_add_a_fast_finetune_section() -> None:
     adaround = load_config("XINT8_ADAROUND")
     switched = with_finetune(adaround, {"algorithm": "adaquant", "iterations": 7, "early_stop": True, "seed": None})
-    assert (switched.fast_finetune.algorithm, switched.fast_finetune.lr, switched.fast_finetune.iterations) == ("adaquant", 1e-3, 7)
+    assert (switched.fast_finetune.algorithm, switched.fast_finetune.lr, switched.fast_finetune.iterations) == ("adaquant", None, 7)
     assert switched.fast_finetune.early_stop.enabled and switched.fast_finetune.batch_size == adaround.fast_finetune.batch_size
     added = with_finetune(load_config("MX4"), {"algorithm": "adaquant", "lr": 1e-3})
     assert added.fast_finetune.lr == 1e-3 and added.activation == load_config("MX4").activation

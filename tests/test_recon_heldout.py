@@ -20,6 +20,7 @@ from finetune.recon.parallel import Rows
 from finetune.recon.report import Warnings
 from finetune.recon.stream import cache_inputs
 from finetune.recon.units import parameters_of
+from finetune.recon.watch import BestPoint, evaluation_interval
 
 from .recon_helpers import one_thread  # noqa: F401  (autouse fixture)
 
@@ -110,4 +111,89 @@ def test_no_share_trains_on_every_batch_and_checks_nothing_held_out() -> None:
     model = quantize_model(mlp_model(), "XINT8", feeds(10)).model
     _, report = finetune_model(model, feeds(10), FastFinetune(algorithm="adaquant", iterations=10, validation_share=0))
     assert report["held_out"] is None and not report["warnings"]
-    assert all(unit["held_out_before"] is None for unit in report["units"])
+    assert all(unit["held_out_before"] is None and unit["best_iteration"] is None for unit in report["units"])
+
+
+def test_the_best_point_puts_back_the_tensors_of_its_lowest_evaluation_bit_for_bit() -> None:
+    """Evaluations at steps 10..40 measure 3, 1, 2, 1 and the end (45) 5: the unit ends with the tensor
+    as it was at step 20 (a tie keeps the earlier point), bit for bit."""
+    tensor = torch.zeros(3)
+    losses = iter([3.0, 1.0, 2.0, 1.0, 5.0])
+    point = BestPoint(lambda: next(losses), [tensor], every=10)
+    seen = {}
+    for step in (10, 20, 30, 40):
+        tensor.add_(torch.tensor([0.1, 1e-8, -3.0]))
+        seen[step] = tensor.clone()
+        assert point.due(step) and not point.due(step + 5)
+        point.evaluate(step)
+    tensor.add_(1.0)
+    assert point.settle(45) == 20 and torch.equal(tensor, seen[20])
+
+
+def test_a_unit_ending_at_its_best_evaluation_keeps_the_tensors_it_ends_with() -> None:
+    tensor = torch.ones(2)
+    losses = iter([2.0, 1.0])
+    point = BestPoint(lambda: next(losses), [tensor], every=10)
+    point.evaluate(10)
+    tensor.mul_(3)
+    assert point.settle(17) == 17 and torch.equal(tensor, torch.full((2,), 3.0))  # the end measured, and best
+
+
+@pytest.mark.parametrize(("held_rows", "batch_size", "every"), [(16, 8, 10), (64, 16, 20), (512, 16, 100), (0, 16, 10)])
+def test_held_out_evaluations_come_every_so_many_steps_by_row_counts(held_rows: int, batch_size: int, every: int) -> None:
+    assert evaluation_interval(held_rows, batch_size) == every
+
+
+class HeldOutRecorder:
+    """The (step, loss) of every held-out evaluation of each unit."""
+
+    def __init__(self) -> None:
+        self.evaluations: list[list[tuple[int, float]]] = []
+
+    def on_unit_start(self) -> None:
+        self.evaluations.append([])
+
+    def on_held_out(self, step: int, loss: float) -> None:
+        self.evaluations[-1].append((step, loss))
+
+
+@pytest.mark.parametrize("algorithm", ["adaquant", "adaround"])
+def test_each_unit_ends_at_its_lowest_held_out_evaluation(algorithm: str) -> None:
+    """Two of ten batches held out (16 rows): evaluated every 10 steps and at the end; each unit ends
+    at the evaluation with the lowest held-out loss (the earliest of equal ones), and its held-out
+    loss after tuning is that evaluation's, bit for bit (AdaRound evaluates its roundings hard, as
+    the unit ends); the report names the step of kept units. A unit whose best is still
+    worse than before tuning is reverted, its best loss the rejected one."""
+    model = quantize_model(mlp_model(), "XINT8", feeds(10)).model
+    recorder = HeldOutRecorder()
+    lr = {"adaquant": 0.003, "adaround": 0.1}[algorithm]  # a unit of each run ends before its last step (measured)
+    config = FastFinetune(algorithm=algorithm, iterations=60, batch_size=8, lr=lr, early_stop={"enabled": False})
+    _, report = finetune_model(model, feeds(10), config, callbacks=[recorder])
+    assert len(recorder.evaluations) == len(report["units"]) == 2
+    for unit, evaluations in zip(report["units"], recorder.evaluations):
+        assert [step for step, _ in evaluations] == [10, 20, 30, 40, 50, 60]
+        best_step, best_loss = min(evaluations, key=lambda evaluation: evaluation[1])
+        if unit["status"] == "kept":
+            assert unit["best_iteration"] == best_step
+            assert unit["held_out_after"] == best_loss
+        else:  # back to the untuned weights: no tuned point
+            assert unit["best_iteration"] is None and unit["rejected_loss"] == best_loss
+    assert any(unit["status"] == "kept" and unit["best_iteration"] < 60 for unit in report["units"])
+
+
+def test_early_stopping_counts_held_out_evaluations_without_improvement() -> None:
+    """patience 20 with an evaluation every 10 steps: a unit is told to stop after 2 evaluations in a
+    row that did not improve on its best held-out loss, then runs its 20-step tail."""
+    model = quantize_model(mlp_model(), "XINT8", feeds(10)).model
+    recorder = HeldOutRecorder()
+    config = FastFinetune(algorithm="adaquant", iterations=400, batch_size=8, lr=0.05, early_stop={"patience": 20})
+    _, report = finetune_model(model, feeds(10), config, callbacks=[recorder])
+    for unit, evaluations in zip(report["units"], recorder.evaluations):
+        best, wait, stop = float("inf"), 0, 400
+        for step, loss in evaluations:
+            best, wait = (loss, 0) if loss < best else (best, wait + 1)
+            if wait == 2:
+                stop = step
+                break
+        assert unit["iterations"] == min(400, stop + 20)
+    assert any(unit["iterations"] < 400 for unit in report["units"])

@@ -146,6 +146,7 @@ def test_two_gloo_processes_tune_like_one(digits: dict, spawned: dict, algorithm
     assert sum(u["status"] == "kept" for u in one_report["units"]) >= 3
     assert one_report["held_out"]["batches"] == two_report["held_out"]["batches"] > 0  # each process holds out its share
     assert two_report["held_out"]["output_error_untuned"] == pytest.approx(one_report["held_out"]["output_error_untuned"], rel=1e-9)
+    assert [u["best_iteration"] for u in two_report["units"]] == [u["best_iteration"] for u in one_report["units"]]
     _assert_same_tuning(one, one_report, two, two_report)
 
 
@@ -176,20 +177,27 @@ def encoder(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return {"model": quantize_model(path, "XINT8", calibration).model, "calibration": calibration}
 
 
-def test_two_gloo_processes_tune_blocks_like_one_with_early_stopping(encoder: dict) -> None:
+@pytest.mark.parametrize("share", [0.2, 0.25])
+def test_two_gloo_processes_tune_blocks_like_one_with_early_stopping(encoder: dict, share: float) -> None:
     """Over blocks, with QDrop inside them and early stopping on (patience shortened to 10 so a unit
     stops within 80 steps: over a few hundred steps a float-order difference tips some weight over
     a rounding threshold, and one process with its batch rows merely reversed diverges as much), two
     processes draw the one-process QDrop bytes of their rows in every activation (attention's
     (tokens, rows, ...) and (tokens * rows, ...) layouts too), so they stop at the same steps, keep
-    alike and tune to the same weights up to float summation order."""
-    settings = {"algorithm": "adaquant", "unit": "block", "iterations": 80, "early_stop": EarlyStop(patience=10)}
+    alike and tune to the same weights up to float summation order. With a share of 0.2 none of the
+    4 batches is held out and the training loss decides; with 0.25 one is, and its loss, measured
+    every 10 steps (QDrop drawing nothing then) and summed over the processes, decides, and each
+    unit ends at its best measurement in both runs."""
+    settings = {"algorithm": "adaquant", "unit": "block", "iterations": 80, "early_stop": EarlyStop(patience=10),
+                "validation_share": share}
     one, one_report = finetune_model(encoder["model"], encoder["calibration"], FastFinetune(**settings))
     two, two_report = finetune_model(encoder["model"], encoder["calibration"],
                                      FastFinetune(**settings, devices=2, strategy="ddp_spawn"))
     assert [(u["status"], u["iterations"]) for u in two_report["units"]] == [(u["status"], u["iterations"])
                                                                               for u in one_report["units"]]
     assert any(u["iterations"] < 80 for u in one_report["units"]) and two_report["warnings"] == one_report["warnings"]
+    assert [u["best_iteration"] for u in two_report["units"]] == [u["best_iteration"] for u in one_report["units"]]
+    assert (one_report["held_out"] is not None) == (share == 0.25)
     _assert_same_tuning(one, one_report, two, two_report)
 
 

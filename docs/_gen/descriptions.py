@@ -51,7 +51,9 @@ DESCRIPTIONS: dict[str, str] = {
     # FastFinetune
     "FastFinetune.algorithm": "AdaRound learns the rounding of INT weights; AdaQuant trains the weights through the fake quantizer; GPTQ rounds them in one pass, spreading each error over the rest.",
     "FastFinetune.iterations": "Optimisation steps per unit (early stopping may end a unit sooner).",
-    "FastFinetune.lr": "Learning rate; null takes the algorithm's default (0.1 AdaRound, 1e-3 AdaQuant).",
+    "FastFinetune.lr": "Learning rate; null takes the default of the algorithm and the weight's format family (a measured "
+                       "table, see Learning rate); `auto` scales that table by a factor a short seeded search on the first "
+                       "tuned unit picks by its held-out loss.",
     "FastFinetune.batch_size": "Rows per optimisation step.",
     "FastFinetune.data_size": "Use at most this many calibration samples (null: all).",
     "FastFinetune.early_stop": "When a unit stops improving, finish its schedule in a tail (see Fine-tuning).",
@@ -69,8 +71,9 @@ DESCRIPTIONS: dict[str, str] = {
     "FastFinetune.devices": "Processes tuning data-parallel per machine, one device each.",
     "FastFinetune.nodes": "Machines of a data-parallel run.",
     "FastFinetune.strategy": "Lightning Fabric strategy of a data-parallel run (`ddp`, `ddp_spawn`, `ddp_fork`, ...).",
-    "FastFinetune.validation_share": "Share of the calibration batches held out of training (drawn with the seed): units are kept "
-                                     "on their loss there, and the tuned model must not be further from float there than the "
+    "FastFinetune.validation_share": "Share of the calibration batches held out of training (drawn with the seed): early stopping "
+                                     "reads each unit's loss there, measured every few steps, and the unit ends at its lowest; "
+                                     "units are kept on their loss there, and the tuned model must not be further from float there than the "
                                      "untuned one (else its weights come back); 0: none held out.",
     "FastFinetune.gptq": "GPTQ's settings (algorithm `gptq`, or `gptq_init`).",
     "FastFinetune.gptq_init": "Start AdaRound or AdaQuant from GPTQ's weights.",
@@ -81,7 +84,8 @@ DESCRIPTIONS: dict[str, str] = {
     "GPTQ.act_order": "Round the columns of largest input power first.",
     # EarlyStop
     "EarlyStop.enabled": "Stop units early.",
-    "EarlyStop.patience": "Steps without improvement of the 10-step mean loss before the tail starts.",
+    "EarlyStop.patience": "Steps without improvement before the tail starts: of the held-out loss (its measurements over "
+                          "that many steps) where batches are held out, else of the 10-step mean training loss.",
     "EarlyStop.min_delta": "The improvement that counts.",
     "EarlyStop.warmup": "Steps before stopping is considered.",
     # AutoMixedPrecision

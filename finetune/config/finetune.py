@@ -10,8 +10,16 @@ from typing import Literal
 from .formats import DEFAULT_OP_TYPES
 from .schema import ConfigError, Section
 
-# GPTQ takes no learning rate. adaquant: Quark says 1e-5, which barely moves 4-bit weights
-DEFAULT_LR = {"adaround": 0.1, "adaquant": 1e-3}
+# The default learning rate per algorithm and family of the tuned weight's format (the `format` of
+# FormatChoice: int, float, bfp, mx), measured on the digits CNN and transformer with
+# scripts/sweep_lr.py (docs/fine-tuning.md, "Learning rate"). AdaRound rounds INT weights only; a
+# weight left unquantized takes the float rate. GPTQ takes no learning rate.
+# AdaQuant's held-out output error was lowest at: W4A8 (int) 3e-4, FP8 (float) 1e-5, MX4 (bfp) 1e-3,
+# MXFP4 (mx) 3e-4, where 1e-3 came within 1.5 % and is kept (the digits transformer's MXFP4 run used it).
+DEFAULT_LR: dict[str, dict[str, float]] = {
+    "adaround": {"int": 0.1},
+    "adaquant": {"int": 3e-4, "float": 1e-5, "bfp": 1e-3, "mx": 1e-3},
+}
 MAX_LR = 10.0  # Adam's first step moves each weight by about lr; from 3.4e37 its step overflows float32 (a crash)
 # The device-string syntax, for the config check and for resolving it to a torch device: "cpu", or
 # a `kind` (cuda, or hip on ROCm builds of torch) with an optional device `index`.
@@ -19,13 +27,21 @@ DEVICE_PATTERN = r"cpu|(?P<kind>cuda|hip)(?::(?P<index>\d+))?"
 DEVICE_HELP = "cpu, cuda, cuda:N, hip or hip:N"
 
 
+def default_lr(algorithm: str, family: str | None) -> float:
+    """The default learning rate of `algorithm` for a weight of format family `family` (None: unquantized)."""
+    return DEFAULT_LR[algorithm][family or "float"]
+
+
 @dataclass(frozen=True)
 class EarlyStop(Section):
-    """End a unit's optimisation once its loss (the mean over the last 10 steps) has not improved
-    by `min_delta` for `patience` iterations, counting only after `warmup` iterations; the
-    schedule's rest then runs in a tail: AdaQuant's learning-rate decay over `patience`
-    iterations, AdaRound's annealing (when stopped in its warm-up) over four times the warm-up run
-    (defaults: on, 100, 0.0, 0)."""
+    """End a unit's optimisation once its loss has not improved by `min_delta` for `patience`
+    iterations, counting only after `warmup` iterations; the schedule's rest then runs in a tail:
+    AdaQuant's learning-rate decay over `patience` iterations, AdaRound's annealing (when stopped
+    in its warm-up) over four times the warm-up run (defaults: on, 100, 0.0, 0). Where calibration
+    batches are held out (fast_finetune.validation_share) the loss is the unit's on them, measured
+    every few steps (every 10 or more, so the measurements cost about a tenth of the tuning), and
+    `patience` iterations are that many steps' worth of measurements (rounded up); otherwise it is
+    the mean training loss of the last 10 steps."""
 
     enabled: bool = True
     patience: int = field(default=100, metadata={"min": 1})
@@ -52,8 +68,10 @@ class FastFinetune(Section):
 
     `gptq` chooses each unit's weights in one pass, with no learning rate or iterations (settings:
     the `gptq` section); `gptq_init: true` starts AdaRound or AdaQuant from GPTQ's weights.
-    Defaults: adaround, 1000 iterations, lr 0.1 for adaround and 1e-3 for adaquant (decaying
-    along a cosine), batches of 16 samples, all calibration data (data_size null), early stopping on,
+    Defaults: adaround, 1000 iterations, lr null (each unit takes the default rate of its
+    algorithm and weight format family, a table measured per family: DEFAULT_LR; AdaQuant's rate
+    decays along a cosine; `auto` picks a factor on that table by a short seeded search on the
+    first tuned unit, judged by its held-out loss, and applies it to every unit), batches of 16 samples, all calibration data (data_size null), early stopping on,
     seed 0, cpu, the default op types, no bias update (adaquant only), output quantizers left out
     (a layer's activation is always in its unit), drop_ratio 0.5 (share of unit inputs taken from
     the quantized rather than the float model), 2 GiB of cached activations in memory and, on an
@@ -68,13 +86,16 @@ class FastFinetune(Section):
     quantize-dequantize kernels compiled by torch.compile where a compiler is at hand (`compile:
     auto`; `true` requires one, `false` stays eager; the bits are the same either way).
     `validation_share` (default 0.2) of the calibration batches, drawn with the seed, are held out
-    of training: units are kept or reverted on their loss there, and the tuned model's output error
+    of training: each unit's loss there is measured every few steps, early stopping reads it, and
+    the unit ends at its lowest measurement (its weights, or AdaRound's rounding variables, as they
+    were then); units are kept or reverted on their loss there, and the tuned model's output error
     against the float model there is checked against the untuned model's, whose weights are written
-    back when tuning made it worse (0: every batch trains, and the checks read the training rows)."""
+    back when tuning made it worse (0: every batch trains, early stopping reads the training loss,
+    each unit ends at its last step, and the checks read the training rows)."""
 
     algorithm: Literal["adaround", "adaquant", "gptq"] = "adaround"
     iterations: int = field(default=1000, metadata={"min": 1})
-    lr: float | None = field(default=None, metadata={"above": 0, "max": MAX_LR})
+    lr: float | Literal["auto"] | None = field(default=None, metadata={"above": 0, "max": MAX_LR})
     batch_size: int = field(default=16, metadata={"min": 1})
     data_size: int | None = field(default=None, metadata={"min": 1})
     early_stop: EarlyStop = field(default_factory=EarlyStop)
@@ -108,8 +129,6 @@ class FastFinetune(Section):
                 raise ConfigError("lr", "algorithm gptq takes no learning rate (it rounds each unit's weights in one pass)")
             if self.gptq_init:
                 raise ConfigError("gptq_init", "starts adaround or adaquant from GPTQ's weights; algorithm gptq is GPTQ alone")
-        elif self.lr is None:
-            object.__setattr__(self, "lr", DEFAULT_LR[self.algorithm])
         if self.update_bias and self.algorithm != "adaquant":
             raise ConfigError("update_bias", "applies to algorithm adaquant only (adaround learns roundings)")
         if self.include_output_quant and self.unit == "block":

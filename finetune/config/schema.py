@@ -184,6 +184,8 @@ def _check_metadata(value: Any, f: dataclasses.Field) -> None:
         return
     if "choices" in meta and value not in meta["choices"]:
         raise ConfigError(f.name, f"must be one of {', '.join(map(str, meta['choices']))}; got {value!r}")
+    if isinstance(value, str) and "pattern" not in meta:
+        return  # a word a numeric field also takes (lr: auto): its Literal is checked already
     if "min" in meta and value < meta["min"]:
         raise ConfigError(f.name, f"must be >= {meta['min']}, got {value!r}")
     if "above" in meta and value <= meta["above"]:

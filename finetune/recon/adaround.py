@@ -4,6 +4,8 @@ exponent beta pushes h to 0 or 1, and the result is hardened to integer codes at
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Self
 
 import torch
@@ -56,6 +58,20 @@ class SoftRounding(nn.Module):
     def regularizer(self, beta: float) -> torch.Tensor:
         """Mean of 1 - |2h - 1|^beta: zero once every h is 0 or 1."""
         return (1 - (2 * self.h() - 1).abs().pow(beta)).mean()
+
+    def hard_rounding(self, ratio: torch.Tensor) -> torch.Tensor:
+        """The rounding the hardened weight will have: floor(w / s) + [h >= 0.5]."""
+        return torch.floor(ratio.detach()) + (self.h() >= 0.5).float()
+
+    @contextlib.contextmanager
+    def hard(self) -> Iterator[None]:
+        """Inside the block the quantizer rounds as `hardened` will: what a held-out evaluation
+        measures (the unit ends with hard roundings, never soft ones)."""
+        self.quantizer.rounding = self.hard_rounding
+        try:
+            yield
+        finally:
+            self.quantizer.rounding = self.rounding
 
     def hardened(self, weight: torch.Tensor) -> torch.Tensor:
         """The weight whose round-half-even codes are floor(w / s) + [h >= 0.5]: codes times scale."""

@@ -373,4 +373,5 @@ def _report(config: FastFinetune, device: torch.device, self_reference: bool, tu
         "cache": cache_stats,
         "processes": tuner.fabric.world_size,
         "held_out": timing["held_out"],
+        "lr_search": dataclasses.asdict(tuner.rate_search) if tuner.rate_search else None,
     }

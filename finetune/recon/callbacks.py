@@ -8,6 +8,8 @@ Every hook is optional; the Tuner calls them by name, in this order:
     on_run_start(tuner, units)                       before the first unit
     on_unit_start(tuner, index, unit)                before a unit's loss is first measured
     on_step_end(tuner, index, step, loss)            after each optimizer step of a unit (loss: its batch's MSE)
+    on_held_out(tuner, index, step, loss)            where batches are held out, after every tuner.evaluation_every-th
+                                                     step: the unit's MSE on them (see watch)
     on_unit_end(tuner, index, unit, result, module)  once the unit is kept, reverted or skipped: `result` is its
                                                      report row, `module` the lifted model holding the weights it kept
     on_run_end(tuner, results)                       after the last unit, also when the run fails
@@ -44,6 +46,7 @@ from finetune.lift import LiftedModule
 
 from .cache import CachedValue
 from .loop import Tuner, UnitResult
+from .rates import RateSearch
 from .units import Unit, parameters_of
 
 logger = logging.getLogger(__name__)
@@ -66,11 +69,13 @@ def builtin_callbacks(config: FastFinetune, log_dir: Path | None) -> list[Any]:
 
 
 class EarlyStopping:
-    """Ends a unit's optimisation after `patience` steps in which the mean loss of the last `window`
-    steps did not improve on its best by at least `min_delta`, counting only from step `warmup` on;
-    the unit's schedule then runs its rest in `patience` more steps (Tuner.finish_schedule).
-    Each step's loss is one batch's, and batches differ: a single lucky batch would otherwise set a
-    best that later steps rarely beat, and stop units that are still improving."""
+    """Ends a unit's optimisation once its loss has not improved on its best by at least `min_delta`
+    for `patience` steps, counting only from step `warmup` on; the unit's schedule then runs its
+    rest in `patience` more steps (Tuner.finish_schedule). Where batches are held out the loss is
+    the unit's on them, measured every tuner.evaluation_every steps, and patience counts those
+    evaluations: ceil(patience / evaluation_every) of them without improvement. Otherwise it is the
+    mean training loss of the last `window` steps: each step's loss is one batch's, and batches
+    differ, so a single lucky batch would set a best that later steps rarely beat."""
 
     def __init__(self, patience: int, min_delta: float, warmup: int, window: int = LOSS_WINDOW) -> None:
         self.patience, self.min_delta, self.warmup, self.window = patience, min_delta, warmup, window
@@ -81,16 +86,27 @@ class EarlyStopping:
         self.best, self.wait, self.recent = math.inf, 0, collections.deque(maxlen=self.window)
 
     def on_step_end(self, tuner: Tuner, index: int, step: int, loss: float) -> None:
-        """Stop the tuner once `patience` steps in a row did not improve on the best windowed loss."""
+        """Without held-out batches: stop the tuner once `patience` steps in a row did not improve on
+        the best windowed training loss."""
+        if tuner.evaluation_every:
+            return
         self.recent.append(loss)
         if step < self.warmup or len(self.recent) < self.window:
             return
-        mean = math.fsum(self.recent) / self.window
-        if mean < self.best - self.min_delta:
-            self.best, self.wait = mean, 0
+        self._judge(tuner, math.fsum(self.recent) / self.window, self.patience)
+
+    def on_held_out(self, tuner: Tuner, step: int, loss: float) -> None:
+        """Stop the tuner once the held-out evaluations of `patience` steps did not improve on the best."""
+        if step >= self.warmup:
+            self._judge(tuner, loss, math.ceil(self.patience / tuner.evaluation_every))
+
+    def _judge(self, tuner: Tuner, loss: float, patience: int) -> None:
+        """Count one more loss without improvement, or start the count afresh; stop at `patience`."""
+        if loss < self.best - self.min_delta:
+            self.best, self.wait = loss, 0
             return
         self.wait += 1
-        if self.wait == self.patience:
+        if self.wait == patience:
             tuner.finish_schedule(self.patience)
 
 
@@ -127,6 +143,10 @@ class MetricLog:
         self.steps += 1
         if step % LOG_EVERY == 0:
             self._log({"unit": index, "loss": loss})
+
+    def on_held_out(self, index: int, loss: float) -> None:
+        """Log a held-out evaluation's loss (at the count of steps run so far)."""
+        self._log({"unit": index, "held_out": loss})
 
     def on_unit_end(self, index: int, result: UnitResult) -> None:
         """Log the unit's loss before and after (on the held-out batches too, where some are)."""
@@ -204,7 +224,8 @@ class Checkpoint:
             return {}
         state = self._load(tuner)
         _check_same_run(self.path, state["fingerprint"], self.fingerprint)
-        tuner.resume([UnitResult(**row) for row in state["results"]], state["warnings"])
+        search = state.get("rate_search")
+        tuner.resume([UnitResult(**row) for row in state["results"]], state["warnings"], search and RateSearch(**search))
         logger.info("resuming from %s: %d of %d units finished earlier and are restored, not tuned again",
                     self.path, tuner.resumed_units, len(tuner.units))
         return state["weights"]
@@ -225,7 +246,8 @@ class Checkpoint:
         weights = {name: module.get_parameter(name).detach().cpu()
                    for unit in tuner.units[: index + 1] for name in parameters_of(unit)}
         state = {"fingerprint": self.fingerprint, "results": [dataclasses.asdict(r) for r in tuner.results],
-                 "warnings": list(tuner.warnings), "weights": weights}  # CHECKPOINT_KEYS
+                 "warnings": list(tuner.warnings), "weights": weights,  # CHECKPOINT_KEYS
+                 "rate_search": dataclasses.asdict(tuner.rate_search) if tuner.rate_search else None}  # lr: auto's choice
         write_atomic(self.path, lambda tmp: tuner.fabric.save(tmp, state))
 
     def on_run_end(self, tuner: Tuner, results: list[UnitResult]) -> None:

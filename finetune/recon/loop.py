@@ -8,6 +8,7 @@ against 1.6-1.9 ms for Fabric and 1.5 ms for a bare loop (2 CPU cores; see the i
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import time
@@ -29,9 +30,11 @@ from .gptq import quantize_unit
 from .heldout import local_chunks
 from .parallel import Rows, sum_across, sum_gradients
 from .qdrop import Batches, dropped_quantization
+from .rates import RateSearch, search_rate, unit_lr
 from .report import Warnings
 from .sides import UnitData, UnitInputs, unit_data
 from .units import Unit, parameters_of
+from .watch import BestPoint, Loss, evaluate, evaluation_interval, held_out_loss
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +60,8 @@ class UnitResult:
     rejected_loss: float | None = None  # the tuned loss (held-out, where batches are) of a unit reverted for getting worse
     held_out_before: float | None = None  # the loss on the held-out batches (None: none held out)
     held_out_after: float | None = None
+    best_iteration: int | None = None  # the step of the held-out evaluation the kept unit ended at (None: none held out)
+    lr: float | None = None  # the learning rate it was tuned with (None: GPTQ, or not tuned)
 
 
 class HostAdam(torch.optim.Adam):
@@ -99,6 +104,10 @@ class Tuner:
         self.resumed_units = 0  # the first units, finished by an earlier run
         self.should_stop = False  # a callback sets it to end the unit's optimisation after the current step
         self.stop_tail = 0  # ... or after this many more steps, which finish its schedule (see finish_schedule)
+        self.evaluation_every = 0  # steps between the unit's held-out evaluations (0: none held out; see watch)
+        self.rate_search: RateSearch | None = None  # what lr: auto tried, once it has (see rates)
+        self._factor = 1.0  # on the default rates: what lr: auto chose, or is trying
+        self._listening = True  # whether callbacks hear steps and evaluations (not during lr: auto's tries)
         self.fabric = fabric  # holds the callbacks; over several processes, their process group
         self._step_hooks = [hook for hook in (getattr(c, "on_step_end", None) for c in callbacks) if callable(hook)]
 
@@ -109,12 +118,15 @@ class Tuner:
     def __exit__(self, *_: object) -> None:
         self.fabric.call("on_run_end", tuner=self, results=self.results)
 
-    def resume(self, results: list[UnitResult], warnings: list[dict[str, str]]) -> None:
+    def resume(self, results: list[UnitResult], warnings: list[dict[str, str]], rate_search: RateSearch | None = None) -> None:
         """Continue a run whose first len(results) units an earlier run finished: their results and
-        warnings become this run's (call before the `with` block, so callbacks see them at its start)."""
+        warnings become this run's, and the factor its lr: auto search chose (call before the `with`
+        block, so callbacks see them at its start)."""
         self.results = list(results)
         self.resumed_units = len(results)
         self.warnings.extend(warnings)
+        if rate_search is not None:
+            self.rate_search, self._factor = rate_search, rate_search.factor
 
     def restore(self, k: int, module: LiftedModule, weights: dict[str, torch.Tensor]) -> None:
         """Put back the weights an earlier run kept for finished unit k, at the point where tuning it
@@ -163,8 +175,10 @@ class Tuner:
                 module.get_parameter(name).data.copy_(start)
         if self.config.algorithm == "gptq" or self.config.gptq_init:
             quantize_unit(unit, module, train, inputs, self.fabric, self.config, self.warnings, held)
-        iterations = 0 if self.config.algorithm == "gptq" else self._optimise(k, unit, module, train, inputs, float_inputs,
-                                                                               targets, before.power)
+        if self.config.lr == "auto" and self.rate_search is None and self.config.algorithm != "gptq":
+            self.rate_search = self._search_rate(k, module, data, before.power, held)
+        iterations, best = (0, None) if self.config.algorithm == "gptq" else self._optimise(
+            k, unit, module, train, inputs, float_inputs, targets, before.power, held)
         after = evaluate(train, inputs, targets, self.fabric, held)
         if not after.finite or after.judged > before.judged:
             for name, value in original.items():
@@ -174,7 +188,7 @@ class Tuner:
                 self.warnings.add(unit.name, f"{status}; the weights before tuning are kept (a lower lr may help)")
                 return self._finish(k, module, before, before, status, iterations, begin)
             return self._finish(k, module, before, before, "reverted", iterations, begin, after.judged)
-        return self._finish(k, module, before, after, "kept", iterations, begin)
+        return self._finish(k, module, before, after, "kept", iterations, begin, best=best)
 
     def _skip_reason(self, unit: Unit) -> str | None:
         """Why AdaRound or GPTQ cannot tune a unit (no weight quantizer), else None."""
@@ -183,16 +197,18 @@ class Tuner:
         return None
 
     def _optimise(self, k: int, unit: Unit, module: LiftedModule, train: nn.Module, inputs: UnitInputs,
-                  float_inputs: CachedValue, targets: CachedValue, power: float) -> int:
-        """The optimisation loop; returns the iterations run. AdaQuant's learning rate decays along
-        a cosine, so the weights settle across the quantizer's steps (on the digits transformer at
-        MX4 that recovered 93 % of the quantization loss, against 40 % at a constant rate)."""
+                  float_inputs: CachedValue, targets: CachedValue, power: float, held: frozenset[int]) -> tuple[int, int | None]:
+        """The optimisation loop; returns the iterations run and, where batches are held out (this
+        process's chunks of them: `held`), the step of the held-out evaluation the unit ended at (see
+        watch). AdaQuant's learning rate decays along a cosine, so the weights settle across the
+        quantizer's steps (on the digits transformer at MX4 that recovered 93 % of the quantization
+        loss, against 40 % at a constant rate)."""
         config = self.config
         roundings, trainable, frozen = self._trainables(unit, module)
         parallel = self.fabric.world_size > 1  # gradients are summed by hand: see parallel
         model = train if parallel else self.fabric.setup_module(train)
         adam = HostAdam if self.fabric.device.type == "cpu" else torch.optim.Adam
-        optimizer = self.fabric.setup_optimizers(adam(trainable, lr=config.lr))
+        optimizer = self.fabric.setup_optimizers(adam(trainable, lr=self.lr(k, module)))
         schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, config.iterations) if not roundings else None
         device = self.fabric.device
         rows = Rows.of(self.fabric, inputs.main, targets, inputs.rowed[1:], self.held_out)
@@ -214,6 +230,7 @@ class Tuner:
                                       "do not train on the one-process mixture")
                 read_every = steps_per_read(device)
                 annealing = Annealing(config.iterations) if roundings else None
+                watch = self._watch(train, inputs, targets, held, rows, roundings, trainable)
                 losses: list[torch.Tensor] = []
                 step, end, stopping = 0, config.iterations, False
                 while step < end:
@@ -224,15 +241,64 @@ class Tuner:
                     if len(losses) == read_every or step == end:
                         self._hear_steps(k, step - len(losses), losses)
                         losses = []
+                    if watch is not None and watch.due(step):
+                        loss = watch.evaluate(step)
+                        if self._listening:
+                            self.fabric.call("on_held_out", tuner=self, index=k, step=step, loss=loss)
                     if self.should_stop and not stopping:
                         stopping, end = True, self._stop(k, unit, step, annealing)
                         schedule = CosineTail(optimizer, end - step) if schedule is not None else None
+                best = watch.settle(step) if watch is not None else None
             for rounding, weight in roundings:
                 weight.data.copy_(rounding.hardened(weight))
         finally:
             for parameter in frozen:
                 parameter.requires_grad_(True)
-        return step
+        return step, best
+
+    def _watch(self, train: nn.Module, inputs: UnitInputs, targets: CachedValue, held: frozenset[int], rows: Rows,
+               roundings: Roundings, trainable: list[torch.Tensor]) -> BestPoint | None:
+        """The unit's held-out evaluations (AdaRound's with its roundings hard, as the unit will end),
+        or None where no batch is held out."""
+        self.evaluation_every = evaluation_interval(rows.held_out, self.config.batch_size) if self.held_out else 0
+        if not self.evaluation_every:
+            return None
+
+        def measure() -> float:
+            with contextlib.ExitStack() as hard:
+                for rounding, _ in roundings:
+                    hard.enter_context(rounding.hard())
+                return held_out_loss(train, inputs, targets, self.fabric, held)
+
+        return BestPoint(measure, trainable, self.evaluation_every)
+
+    def lr(self, k: int, module: LiftedModule) -> float:
+        """Unit k's learning rate (see rates), with the factor lr: auto chose."""
+        return unit_lr(self.config, self.units[k], module, self._factor)
+
+    def _search_rate(self, k: int, module: LiftedModule, data: UnitData, power: float, held: frozenset[int]) -> RateSearch:
+        """lr: auto on unit k: tune it briefly at each factor from the weights it starts from, with
+        nothing told to the callbacks and no warning kept, and put those weights back after each."""
+        unit, config, warnings = self.units[k], self.config, self.warnings
+        start = {name: module.get_parameter(name).detach().clone() for name in parameters_of(unit)}
+
+        def attempt(factor: float, steps: int) -> float:
+            self._factor, self.config = factor, dataclasses.replace(config, iterations=steps)
+            self.warnings, self._listening = Warnings(), False
+            self.should_stop, self.stop_tail = False, 0
+            try:
+                self._optimise(k, unit, module, data.train, data.inputs, data.float_inputs, data.targets, power, held)
+                return evaluate(data.train, data.inputs, data.targets, self.fabric, held).judged
+            finally:
+                self.config, self.warnings, self._listening = config, warnings, True
+                for name, value in start.items():
+                    module.get_parameter(name).data.copy_(value)
+
+        search = search_rate(unit.name, config.iterations, attempt)
+        self._factor, self.should_stop, self.stop_tail = search.factor, False, 0
+        logger.info("lr auto: factor %g on the default rates (losses on unit %s after %d steps: %s)", search.factor,
+                    unit.name, search.steps, search.losses)
+        return search
 
     def finish_schedule(self, tail: int) -> None:
         """End the unit's optimisation after `tail` more steps (the budget's end if sooner) that run
@@ -275,7 +341,7 @@ class Tuner:
         """Read the losses of steps first, first + 1, ... (summed over processes: each holds its rows'
         share) in one synchronisation, and tell the step callbacks each in turn."""
         for offset, loss in enumerate(sum_across(self.fabric, torch.stack(losses).double().tolist())):
-            for hook in self._step_hooks:
+            for hook in self._step_hooks if self._listening else ():
                 hook(tuner=self, index=k, step=first + offset, loss=loss)
 
     def _step(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: tuple[tuple[torch.Tensor, ...], torch.Tensor],
@@ -304,16 +370,17 @@ class Tuner:
         return mse.detach()
 
     def _finish(self, k: int, module: LiftedModule, before: Loss, after: Loss, status: str, iterations: int,
-                begin: float, tried: float | None = None) -> UnitResult:
+                begin: float, tried: float | None = None, best: int | None = None) -> UnitResult:
         """The unit's result, logged and told to the callbacks with the model that holds its weights."""
         unit = self.units[k]
         seconds = time.perf_counter() - begin
         worse = f" (tuned {tried:.4g} was worse)" if tried is not None else ""
         held = f", held out {before.held_out:.4g} -> {after.held_out:.4g}" if before.held_out is not None else ""
+        held += f" (best at iteration {best})" if best is not None else ""
         logger.info("unit %d/%d %s: loss %.4g -> %.4g%s, %s%s, %d iterations, %.2f s",
                     k + 1, len(self.units), unit.name, before.training, after.training, held, status, worse, iterations, seconds)
         result = UnitResult(unit.name, unit.op_type, before.training, after.training, status, iterations, seconds, tried,
-                            before.held_out, after.held_out)
+                            before.held_out, after.held_out, best, self.lr(k, module) if iterations else None)
         self.results.append(result)
         self.fabric.call("on_unit_end", tuner=self, index=k, unit=unit, result=result, module=module)
         return result
@@ -322,41 +389,3 @@ class Tuner:
 def steps_per_read(device: torch.device) -> int:
     """Steps between the host's readings of the losses on `device` (see READ_EVERY)."""
     return 1 if device.type == "cpu" else READ_EVERY
-
-
-@dataclass(frozen=True)
-class Loss:
-    """A unit's MSE against its float targets on its training batches and on the held-out ones
-    (None: none held out), and the targets' mean square over all."""
-
-    training: float
-    held_out: float | None
-    power: float
-
-    @property
-    def judged(self) -> float:
-        """The loss a unit is kept or reverted on: the held-out one where batches are held out."""
-        return self.training if self.held_out is None else self.held_out
-
-    @property
-    def finite(self) -> bool:
-        """Whether every loss is finite."""
-        return math.isfinite(self.training) and (self.held_out is None or math.isfinite(self.held_out))
-
-
-def evaluate(train: nn.Module, inputs: UnitInputs, targets: CachedValue, fabric: Fabric, held: frozenset[int] = frozenset()) -> Loss:
-    """The unit's losses over every cached sample of every process, the chunks in `held` (this
-    process's held-out chunks) apart, computed in float64 sums so the result does not depend on
-    chunking, and read by the host once."""
-    sums = torch.zeros(2, 2, dtype=torch.float64, device=fabric.device)
-    counts = [0, 0]
-    with torch.no_grad():
-        for chunk in range(len(targets.chunks)):
-            output = train(*inputs.chunk(chunk, fabric.device))[0]
-            target = targets.tensor(chunk, fabric.device)
-            part = int(chunk in held)
-            sums[part] += torch.stack([(output - target).double().square().sum(), target.double().square().sum()])
-            counts[part] += target.numel()
-    error, power, held_error, held_power, count, held_count = sum_across(fabric, [*sums.reshape(-1).tolist(), *counts])
-    return Loss(error / max(count, 1), held_error / held_count if held_count else None,
-                max((power + held_power) / (count + held_count), 1e-30))

@@ -135,7 +135,8 @@ def dropped_quantization(train: torch.nn.Module, config: FastFinetune, k: int, d
                          batches: Batches | None = None, fabric: Fabric | None = None) -> Iterator[bool]:
     """QDrop inside a block while it trains: each activation quantizer keeps its quantized value
     per element with probability drop_ratio (in steps of 1/256) and passes the float value
-    otherwise (seeded by the unit index, so reruns repeat). Weight quantizers, which read
+    otherwise (seeded by the unit index, so reruns repeat); forwards without gradients (the
+    held-out evaluations between steps) see the quantized values and draw nothing. Weight quantizers, which read
     constants, are left alone. On an accelerator the bytes come from a generator there (see
     KeepMasks). In a data-parallel run (`fabric` of several processes, training on `batches`) each
     process draws the whole batch's bytes and keeps its rows' (see BatchMasks); it yields False
@@ -155,6 +156,8 @@ def dropped_quantization(train: torch.nn.Module, config: FastFinetune, k: int, d
                        batches, axes)
 
     def mix(_module: torch.nn.Module, args: tuple[torch.Tensor, ...], quantized: torch.Tensor) -> torch.Tensor:
+        if not torch.is_grad_enabled():  # a held-out evaluation (recon.watch): plain quantized values, no draw
+            return quantized
         return torch.where(masks.draw(tuple(quantized.shape)), quantized, args[0])
 
     hooks = [quantizer.register_forward_hook(mix) for quantizer in quantizers]

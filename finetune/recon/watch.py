@@ -1,0 +1,127 @@
+"""A unit's losses: over every cached sample before and after its optimisation (evaluate), and on
+the held-out batches during it (issue 33): where calibration batches are held
+out of training, the unit's loss on them is measured every few steps, early stopping counts those
+measurements (callbacks.EarlyStopping), and the unit ends with its trainable tensors (AdaQuant's
+weights, AdaRound's rounding variables) as they were at the lowest one, kept in memory: a unit
+never ends worse on the held-out rows than its best measured point. The training loss always
+falls; on rows the unit did not train on it need not (see heldout)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from lightning.fabric import Fabric
+from torch import nn
+
+from .cache import CachedValue
+from .parallel import sum_across
+from .sides import UnitInputs
+
+# A held-out evaluation's cost per row over a training step's cost per row of its batch (forward,
+# backward and Adam), rounded up from the digits CNN on a shared 2-core CPU (MX4 AdaQuant 0.25,
+# W4A8 AdaRound 0.19: 32 held-out rows cost 0.50 and 0.39 of a 16-row step; evaluating every 10
+# steps took 5.0 % and 3.9 % of the tuning time).
+EVAL_COST = 0.3
+OVERHEAD = 0.1  # the share of a unit's tuning time its held-out evaluations may take
+MIN_EVERY = 10  # steps between evaluations at least, a multiple of loop.READ_EVERY (an evaluation reads the host)
+
+
+def evaluation_interval(held_rows: int, batch_size: int) -> int:
+    """Steps between held-out evaluations: enough that they cost about OVERHEAD of the steps
+    (EVAL_COST * held_rows per evaluation against batch_size per step), in multiples of MIN_EVERY.
+    Row counts, not timings, decide it, so every process and every rerun evaluates at the same steps."""
+    steps = math.ceil(EVAL_COST * held_rows / (OVERHEAD * batch_size))
+    return MIN_EVERY * max(1, math.ceil(steps / MIN_EVERY))
+
+
+def held_out_loss(train: nn.Module, inputs: UnitInputs, targets: CachedValue, fabric: Fabric, held: frozenset[int]) -> float:
+    """The unit's MSE on the held-out chunks of every process: the float64 sums of loop.evaluate in
+    its order, so for the same weights it is the held-out loss evaluate reports, bit for bit."""
+    error = torch.zeros((), dtype=torch.float64, device=fabric.device)
+    count = 0
+    with torch.no_grad():
+        for chunk in sorted(held):
+            output = train(*inputs.chunk(chunk, fabric.device))[0]
+            target = targets.tensor(chunk, fabric.device)
+            error += (output - target).double().square().sum()
+            count += target.numel()
+    total, rows = sum_across(fabric, [float(error), count])
+    return total / rows if rows else math.inf
+
+
+@dataclass(frozen=True)
+class Loss:
+    """A unit's MSE against its float targets on its training batches and on the held-out ones
+    (None: none held out), and the targets' mean square over all."""
+
+    training: float
+    held_out: float | None
+    power: float
+
+    @property
+    def judged(self) -> float:
+        """The loss a unit is kept or reverted on: the held-out one where batches are held out."""
+        return self.training if self.held_out is None else self.held_out
+
+    @property
+    def finite(self) -> bool:
+        """Whether every loss is finite."""
+        return math.isfinite(self.training) and (self.held_out is None or math.isfinite(self.held_out))
+
+
+def evaluate(train: nn.Module, inputs: UnitInputs, targets: CachedValue, fabric: Fabric, held: frozenset[int] = frozenset()) -> Loss:
+    """The unit's losses over every cached sample of every process, the chunks in `held` (this
+    process's held-out chunks) apart, computed in float64 sums so the result does not depend on
+    chunking, and read by the host once."""
+    sums = torch.zeros(2, 2, dtype=torch.float64, device=fabric.device)
+    counts = [0, 0]
+    with torch.no_grad():
+        for chunk in range(len(targets.chunks)):
+            output = train(*inputs.chunk(chunk, fabric.device))[0]
+            target = targets.tensor(chunk, fabric.device)
+            part = int(chunk in held)
+            sums[part] += torch.stack([(output - target).double().square().sum(), target.double().square().sum()])
+            counts[part] += target.numel()
+    error, power, held_error, held_power, count, held_count = sum_across(fabric, [*sums.reshape(-1).tolist(), *counts])
+    return Loss(error / max(count, 1), held_error / held_count if held_count else None,
+                max((power + held_power) / (count + held_count), 1e-30))
+
+
+class BestPoint:
+    """The held-out loss of a unit every `every` steps (`measure` returns it for the tensors as they
+    are now) and a copy of its trainable `tensors` at the lowest so far; `settle` ends the unit there.
+    Ties keep the earlier point."""
+
+    def __init__(self, measure: Callable[[], float], tensors: Sequence[torch.Tensor], every: int) -> None:
+        self.measure, self.tensors, self.every = measure, list(tensors), every
+        self.best, self.best_step, self.last_step = math.inf, -1, -1
+        self.saved: list[torch.Tensor] = []
+
+    def due(self, step: int) -> bool:
+        """Whether the held-out loss is measured after `step` steps."""
+        return step % self.every == 0
+
+    def evaluate(self, step: int) -> float:
+        """Measure the held-out loss after `step` steps; keep the tensors when it is the lowest yet."""
+        loss = self.measure()
+        self.last_step = step
+        if loss < self.best:
+            self.best, self.best_step = loss, step
+            self.saved = [tensor.detach().clone() for tensor in self.tensors]
+        return loss
+
+    def settle(self, step: int) -> int | None:
+        """End the unit after `step` steps at its best held-out point (the end point measured too);
+        returns that point's step (None: no measured loss was finite, and the tensors stay)."""
+        if self.last_step != step:
+            self.evaluate(step)
+        if not self.saved:
+            return None
+        if self.best_step != step:
+            with torch.no_grad():
+                for tensor, saved in zip(self.tensors, self.saved):
+                    tensor.copy_(saved)
+        return self.best_step

@@ -38,6 +38,7 @@ from .loop import Tuner, UnitResult
 from .parallel import make_fabric, sum_across
 from .partition import cut
 from .report import Warnings, write_report
+from .scales import scale_changes, scale_snapshot, with_learned_scales
 from .smoothing import carry_smoothing
 from .stream import FloatStream, QuantizedStream, cache_inputs
 from .units import Layer, Unit, constant_nodes, find_units, parameter_behind
@@ -147,6 +148,8 @@ def _tune(fabric: Fabric, job: _Job) -> tuple[onnx.ModelProto | None, dict[str, 
         raise ValueError(f"the model has no {'/'.join(config.op_types)} layer with a trainable weight to tune")
     if config.algorithm == "adaround":
         check_int_weights(module, units)
+    units = with_learned_scales(module, units, config, warnings)
+    untuned_scales = scale_snapshot(module, units)
     if job.float_model is not None:
         for change in carry_smoothing(job.float_model, original):  # SmoothQuant: the float model in the codes' coordinates
             logger.info("float model smoothed as the quantized one: %s", change)
@@ -158,6 +161,8 @@ def _tune(fabric: Fabric, job: _Job) -> tuple[onnx.ModelProto | None, dict[str, 
                        "spilled_arrays": cache.spilled}
     report = _report(config, device, reference is module, tuner, [*warnings, *tuner.warnings], timing, cache_stats)
     report["kernels"] = kernels.summary()
+    if config.learn_scales:
+        report["learned_scales"] = scale_changes(module, units, untuned_scales)
     if not fabric.is_global_zero:
         return None, report
     module.cpu()

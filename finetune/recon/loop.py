@@ -30,8 +30,9 @@ from .heldout import local_chunks
 from .parallel import Rows, sum_across, sum_gradients
 from .qdrop import Batches, dropped_quantization
 from .report import Warnings
+from .scales import LearnedScales
 from .sides import UnitData, UnitInputs, unit_data
-from .units import Unit, parameters_of
+from .units import Unit, parameters_of, tuned_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -120,7 +121,7 @@ class Tuner:
         """Put back the weights an earlier run kept for finished unit k, at the point where tuning it
         would have left them, so the streams that follow see what they saw then."""
         for name in parameters_of(self.units[k]):
-            module.get_parameter(name).data.copy_(weights[name])
+            tuned_tensor(module, name).data.copy_(weights[name])
         result = self.results[k]
         logger.info("unit %d/%d %s: restored from the checkpoint (loss %.4g -> %.4g, %s)",
                     k + 1, len(self.units), result.name, result.loss_before, result.loss_after, result.status)
@@ -147,7 +148,7 @@ class Tuner:
         train, inputs, float_inputs, targets = data.train, data.inputs, data.float_inputs, data.targets
         self.should_stop, self.stop_tail = False, 0
         self.fabric.call("on_unit_start", tuner=self, index=k, unit=unit)
-        original = {name: module.get_parameter(name).detach().clone() for name in parameters_of(unit)}
+        original = {name: tuned_tensor(module, name).detach().clone() for name in parameters_of(unit)}
         held = local_chunks(self.held_out, len(targets.chunks), self.fabric.global_rank, self.fabric.world_size)
         before = evaluate(train, inputs, targets, self.fabric, held)
         if not before.finite:
@@ -168,7 +169,7 @@ class Tuner:
         after = evaluate(train, inputs, targets, self.fabric, held)
         if not after.finite or after.judged > before.judged:
             for name, value in original.items():
-                module.get_parameter(name).data.copy_(value)
+                tuned_tensor(module, name).data.copy_(value)
             if not after.finite:
                 status = f"reverted: the tuned loss is {after.training}"
                 self.warnings.add(unit.name, f"{status}; the weights before tuning are kept (a lower lr may help)")
@@ -189,10 +190,11 @@ class Tuner:
         MX4 that recovered 93 % of the quantization loss, against 40 % at a constant rate)."""
         config = self.config
         roundings, trainable, frozen = self._trainables(unit, module)
+        scales = LearnedScales(unit, module, config, self.warnings)  # learn_scales: the weight scales beside the weights
         parallel = self.fabric.world_size > 1  # gradients are summed by hand: see parallel
         model = train if parallel else self.fabric.setup_module(train)
         adam = HostAdam if self.fabric.device.type == "cpu" else torch.optim.Adam
-        optimizer = self.fabric.setup_optimizers(adam(trainable, lr=config.lr))
+        optimizer = self.fabric.setup_optimizers(adam([{"params": trainable}, *scales.groups], lr=config.lr))
         schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, config.iterations) if not roundings else None
         device = self.fabric.device
         rows = Rows.of(self.fabric, inputs.main, targets, inputs.rowed[1:], self.held_out)
@@ -205,6 +207,7 @@ class Tuner:
                               "(calibration batches of one size train on every row)")
         try:
             with contextlib.ExitStack() as installed:
+                installed.enter_context(scales)
                 for rounding, _ in roundings:
                     installed.enter_context(rounding)
                 if unit.op_type == "block" and not installed.enter_context(

@@ -22,7 +22,7 @@ from lightning.fabric.utilities.seed import seed_everything
 from finetune.calibrate import CalibrationData
 from finetune.config import FastFinetune, to_dict
 from finetune.export import export_model
-from finetune.formats.compiled import compiled_kernels, resolve_compile
+from finetune.formats.compiled import EAGER_FORMATS, compiled_kernels, resolve_compile
 from finetune.lift import FakeQuantize, LiftedModule, check_liftable, lift_model
 from finetune.lift.params import fold_computed_weights
 from finetune.onnx import attach_custom_ops
@@ -161,8 +161,9 @@ def _tune(fabric: Fabric, job: _Job) -> tuple[onnx.ModelProto | None, dict[str, 
                        "spilled_arrays": cache.spilled}
     report = _report(config, device, reference is module, tuner, [*warnings, *tuner.warnings], timing, cache_stats)
     report["kernels"] = kernels.summary()
-    if config.learn_scales:
+    if config.learn_scales:  # learned scales quantize eager: the kernels carry no scale gradient
         report["learned_scales"] = scale_changes(module, units, untuned_scales)
+        report["kernels"]["eager_formats"]["a learned scale"] = EAGER_FORMATS["a learned scale"]
     if not fabric.is_global_zero:
         return None, report
     module.cpu()

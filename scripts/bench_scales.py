@@ -20,11 +20,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_finetune import load_case_data, log, logits, prepare, scores  # noqa: E402
+from bench_finetune import load_case_data, log, logits, prepare, scores
 
-from finetune.config import FastFinetune, load_config  # noqa: E402
-from finetune.quantize import quantize_model  # noqa: E402
-from finetune.recon import finetune_model  # noqa: E402
+from finetune.config import FastFinetune, load_config
+from finetune.quantize import quantize_model
+from finetune.recon import finetune_model
 
 _INT8 = {"format": "int", "dtype": "int8", "symmetric": True, "granularity": "tensor", "calibration": "minmax"}
 PRESETS: dict[str, Any] = {

@@ -4,8 +4,6 @@ refusals, and reproducibility."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import onnx
 import pytest
@@ -165,8 +163,8 @@ def test_two_gloo_processes_learn_the_scales_of_one(digits: dict) -> None:
     test_recon_parallel._assert_same_tuning): a rounding on either side of a step is carried on."""
     calibration = [{"x": batch["x"][:30]} for batch in digits["small"]] * 2
     quantized = quantize_model(digits["path"], W4A8_CHANNEL, calibration).model
-    one, one_report = finetune_model(quantized, calibration, FastFinetune(**LEARN))
-    two, two_report = finetune_model(quantized, calibration, FastFinetune(**LEARN, devices=2, strategy="ddp_spawn"))
+    _, one_report = finetune_model(quantized, calibration, FastFinetune(**LEARN))
+    _, two_report = finetune_model(quantized, calibration, FastFinetune(**LEARN, devices=2, strategy="ddp_spawn"))
     assert [u["status"] for u in two_report["units"]] == [u["status"] for u in one_report["units"]]
     first, second = one_report["learned_scales"][0], two_report["learned_scales"][0]
     assert first["ratio_min"] != 1.0

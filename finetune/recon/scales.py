@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Self
 
 import torch
 from torch import nn
@@ -203,7 +203,7 @@ class LearnedScales:
         parameters = [p for scale in self.scales for p in scale.parameters()]
         self.groups = [{"params": parameters, "lr": config.scale_lr}] if parameters else []
 
-    def __enter__(self) -> LearnedScales:
+    def __enter__(self) -> Self:
         for site, scale in zip(self.sites, self.scales):
             self._quantizer(site.weight_quantizer).learned = _weight_fn(scale)
             if site.bias_quantizer is not None:

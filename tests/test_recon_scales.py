@@ -4,6 +4,8 @@ refusals, and reproducibility."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import onnx
 import pytest
@@ -20,6 +22,7 @@ from finetune.recon.scales import LearnedScale, lsq_quantize_dequantize
 from finetune.zoo import digits_split
 
 from .recon_helpers import export_digits_cnn, one_thread, run  # noqa: F401  (one_thread: autouse fixture)
+from .test_recon_callbacks import stopped_run
 
 INT8 = {"format": "int", "dtype": "int8", "symmetric": True, "granularity": "tensor", "calibration": "minmax"}
 W4A8_CHANNEL = {"activation": INT8, "weight": {**INT8, "dtype": "int4", "granularity": "channel"}}
@@ -170,3 +173,16 @@ def test_two_gloo_processes_learn_the_scales_of_one(digits: dict) -> None:
     assert first["ratio_min"] != 1.0
     for key in ("ratio_min", "ratio_mean", "ratio_max"):
         assert second[key] == pytest.approx(first[key], rel=1e-4)
+
+
+def test_a_resumed_run_restores_the_learned_scales(digits: dict, tmp_path: Path) -> None:
+    """Stopped after the second unit and resumed: the checkpoint holds the learned scales (and the
+    biases re-quantized to them), so the result is the uninterrupted run's, byte for byte."""
+    quantized = quantize_model(digits["path"], W4A8_CHANNEL, digits["small"]).model
+    config = FastFinetune(**LEARN)
+    whole, whole_report = finetune_model(quantized, digits["small"], config)
+    stopped_run(quantized, digits["small"], config, tmp_path)
+    resumed, report = finetune_model(quantized, digits["small"], config, output_dir=tmp_path, name="run", resume=True)
+    assert report["resumed_units"] == 2 and report["learned_scales"] == whole_report["learned_scales"]
+    assert any(row["ratio_min"] != 1.0 for row in report["learned_scales"][:2])
+    assert resumed.SerializeToString() == whole.SerializeToString()

@@ -4,6 +4,7 @@ in any graph of the model: the main graph or an If/Loop/Scan body."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -11,6 +12,7 @@ import onnx
 import torch
 from onnx import helper, numpy_helper
 
+from finetune.export_scales import write_quantizer_params
 from finetune.lift import LiftedModule, ParamSource
 from finetune.onnx import CUSTOM_DOMAIN, QUARK_DOMAIN, attach_custom_ops
 from finetune.onnx.graphs import all_graphs
@@ -30,8 +32,9 @@ def export_model(module: LiftedModule, original_model: str | Path | onnx.ModelPr
     Cast pairs (onnx.qdq.bf16_pairs_to_casts)."""
     model = load_model(original_model)
     tensors = _writable_tensors(model.graph)
+    write_quantizer_params(model, module, tensors)  # learned scales and zero points (recon.scales)
     for name, source in module.finetune_params.items():
-        _check_quantizer_unchanged(module, source)
+        source = _with_current_quantizer(module, source)
         tensor = _target_tensor(model.graph, tensors, source.initializer)
         tensor.CopyFrom(numpy_helper.from_array(_stored_array(module.get_parameter(name), source, tensor), tensor.name))
     if bf16_as_cast:
@@ -48,14 +51,15 @@ def _stored_array(value: torch.Tensor, source: ParamSource, tensor: onnx.TensorP
     return value.detach().cpu().float().numpy().astype(helper.tensor_dtype_to_np_dtype(tensor.data_type))
 
 
-def _check_quantizer_unchanged(module: LiftedModule, source: ParamSource) -> None:
-    """Codes are written with the original scale and zero point; refuse a quantizer whose changed."""
+def _with_current_quantizer(module: LiftedModule, source: ParamSource) -> ParamSource:
+    """The source whose codes are encoded with its quantizer's scale and zero point as they are now
+    (a learned scale, or an int32 bias following one, re-encodes them; write_quantizer_params writes those)."""
     if source.transform is None or source.quantizer is None:
-        return
+        return source
     quantizer = module.get_submodule(source.quantizer)
-    transform = source.transform
-    if not (torch.equal(quantizer.scale, transform.scale) and torch.equal(quantizer.zero_point, transform.zero_point)):
-        raise NotImplementedError(f"the scale or zero point of {source.quantizer} changed; export writes weights only")
+    transform = dataclasses.replace(source.transform, scale=quantizer.scale.detach().cpu(),
+                                    zero_point=quantizer.zero_point.detach().cpu())
+    return dataclasses.replace(source, transform=transform)
 
 
 def _target_tensor(graph: onnx.GraphProto, tensors: dict[str, onnx.TensorProto], name: str) -> onnx.TensorProto:

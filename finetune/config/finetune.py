@@ -91,7 +91,9 @@ class FastFinetune(Section):
     were then); units are kept or reverted on their loss there, and the tuned model's output error
     against the float model there is checked against the untuned model's, whose weights are written
     back when tuning made it worse (0: every batch trains, early stopping reads the training loss,
-    each unit ends at its last step, and the checks read the training rows)."""
+    each unit ends at its last step, and the checks read the training rows).
+    `learn_scales: weights` (AdaQuant only) learns the scale (and an asymmetric zero point) of each
+    tuned INT weight beside the weight, LSQ-style, at `scale_lr` (see recon.scales)."""
 
     algorithm: Literal["adaround", "adaquant", "gptq"] = "adaround"
     iterations: int = field(default=1000, metadata={"min": 1})
@@ -117,6 +119,8 @@ class FastFinetune(Section):
     gptq: GPTQ = field(default_factory=GPTQ)
     gptq_init: bool = False
     compile: Literal["auto", True, False] = "auto"
+    learn_scales: Literal[False, "weights"] = False
+    scale_lr: float = field(default=1e-3, metadata={"above": 0, "max": MAX_LR})
 
     @property
     def processes(self) -> int:
@@ -129,6 +133,8 @@ class FastFinetune(Section):
                 raise ConfigError("lr", "algorithm gptq takes no learning rate (it rounds each unit's weights in one pass)")
             if self.gptq_init:
                 raise ConfigError("gptq_init", "starts adaround or adaquant from GPTQ's weights; algorithm gptq is GPTQ alone")
+        if self.learn_scales and self.algorithm != "adaquant":
+            raise ConfigError("learn_scales", "applies to algorithm adaquant only (the scale is learned beside the weights)")
         if self.update_bias and self.algorithm != "adaquant":
             raise ConfigError("update_bias", "applies to algorithm adaquant only (adaround learns roundings)")
         if self.include_output_quant and self.unit == "block":

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -13,7 +15,8 @@ class FakeQuantize(nn.Module):
     """Quantize-dequantize in one format with the scale and zero point of the ONNX node(s) it came
     from; disabled it is the identity (the float reference), and `rounding` replaces the integer
     rounding (AdaRound). Within formats.compiled.compiled_kernels(True) it runs compiled kernels
-    (on tensors of at least MIN_COMPILED_ELEMENTS)."""
+    (on tensors of at least MIN_COMPILED_ELEMENTS). While its scale is learned (recon.scales),
+    `learned` computes it instead, eager, with the scale's gradient."""
 
     scale: torch.Tensor | None
     zero_point: torch.Tensor | None
@@ -34,6 +37,7 @@ class FakeQuantize(nn.Module):
         self.source = source
         self.enabled = True
         self.rounding: RoundFn | None = None
+        self.learned: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.register_buffer("scale", None if scale is None else scale.to(torch.float32))
         self.register_buffer("zero_point", None if zero_point is None else zero_point.to(torch.float32))
 
@@ -41,6 +45,8 @@ class FakeQuantize(nn.Module):
         """x quantized and dequantized, or x itself when disabled."""
         if not self.enabled:
             return x
+        if self.learned is not None:
+            return self.learned(x)
         if self.rounding is not None and not isinstance(self.spec, IntSpec):
             raise ValueError(f"a rounding hook applies to integer formats only, not {self.spec}")
         if kernels_enabled(x):

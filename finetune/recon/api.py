@@ -22,7 +22,7 @@ from lightning.fabric.utilities.seed import seed_everything
 from finetune.calibrate import CalibrationData
 from finetune.config import FastFinetune, to_dict
 from finetune.export import export_model
-from finetune.formats.compiled import compiled_kernels, resolve_compile
+from finetune.formats.compiled import EAGER_FORMATS, compiled_kernels, resolve_compile
 from finetune.lift import FakeQuantize, LiftedModule, check_liftable, lift_model
 from finetune.lift.params import fold_computed_weights
 from finetune.onnx import attach_custom_ops
@@ -38,6 +38,7 @@ from .loop import Tuner, UnitResult
 from .parallel import make_fabric, sum_across
 from .partition import cut
 from .report import Warnings, write_report
+from .scales import scale_changes, scale_snapshot, with_learned_scales
 from .smoothing import carry_smoothing
 from .stream import FloatStream, QuantizedStream, cache_inputs
 from .units import Layer, Unit, constant_nodes, find_units, parameter_behind
@@ -147,6 +148,8 @@ def _tune(fabric: Fabric, job: _Job) -> tuple[onnx.ModelProto | None, dict[str, 
         raise ValueError(f"the model has no {'/'.join(config.op_types)} layer with a trainable weight to tune")
     if config.algorithm == "adaround":
         check_int_weights(module, units)
+    units = with_learned_scales(module, units, config, warnings)
+    untuned_scales = scale_snapshot(module, units)
     if job.float_model is not None:
         for change in carry_smoothing(job.float_model, original):  # SmoothQuant: the float model in the codes' coordinates
             logger.info("float model smoothed as the quantized one: %s", change)
@@ -158,6 +161,9 @@ def _tune(fabric: Fabric, job: _Job) -> tuple[onnx.ModelProto | None, dict[str, 
                        "spilled_arrays": cache.spilled}
     report = _report(config, device, reference is module, tuner, [*warnings, *tuner.warnings], timing, cache_stats)
     report["kernels"] = kernels.summary()
+    if config.learn_scales:  # learned scales quantize eager: the kernels carry no scale gradient
+        report["learned_scales"] = scale_changes(module, units, untuned_scales)
+        report["kernels"]["eager_formats"]["a learned scale"] = EAGER_FORMATS["a learned scale"]
     if not fabric.is_global_zero:
         return None, report
     module.cpu()

@@ -47,7 +47,7 @@ from finetune.lift import LiftedModule
 from .cache import CachedValue
 from .loop import Tuner, UnitResult
 from .rates import RateSearch
-from .units import Unit, parameters_of
+from .units import Unit, parameters_of, tuned_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -243,7 +243,7 @@ class Checkpoint:
 
     def on_unit_end(self, tuner: Tuner, index: int, module: LiftedModule) -> None:
         """Save the weights of units 0..index as the model holds them now, with their results."""
-        weights = {name: module.get_parameter(name).detach().cpu()
+        weights = {name: tuned_tensor(module, name).detach().cpu()
                    for unit in tuner.units[: index + 1] for name in parameters_of(unit)}
         state = {"fingerprint": self.fingerprint, "results": [dataclasses.asdict(r) for r in tuner.results],
                  "warnings": list(tuner.warnings), "weights": weights,  # CHECKPOINT_KEYS

@@ -23,7 +23,7 @@ from .cache import ActivationCache, CachedValue
 from .parallel import sum_across
 from .report import Warnings
 from .stream import quantizers_disabled
-from .units import Unit, parameters_of
+from .units import Unit, parameters_of, tuned_tensor
 
 
 def held_out_batches(batches: int, share: float, seed: int) -> frozenset[int]:
@@ -50,7 +50,7 @@ class ModelGuard:
     def __init__(self, module: LiftedModule, reference: LiftedModule, inputs: Sequence[CachedValue], chunks: frozenset[int],
                  weights: Sequence[str], fabric: Fabric, batches: int) -> None:
         self.module, self.inputs, self.chunks, self.fabric, self.batches = module, list(inputs), sorted(chunks), fabric, batches
-        self.untuned = {name: module.get_parameter(name).detach().clone() for name in weights}
+        self.untuned = {name: tuned_tensor(module, name).detach().clone() for name in weights}
         for value in self.inputs:
             value.holders += 1  # read after the streams are done with them: see release
         with quantizers_disabled(reference) if reference is module else contextlib.nullcontext():
@@ -66,7 +66,7 @@ class ModelGuard:
         restored = after > self.before
         if restored:
             for name, value in self.untuned.items():
-                self.module.get_parameter(name).data.copy_(value)
+                tuned_tensor(self.module, name).data.copy_(value)
             warnings.add("held-out batches", f"tuning made the model's output error against the float model on the "
                          f"{self.batches} calibration batches held out of training worse ({self.before:.4g} -> {after:.4g}): "
                          "the untuned weights are written back (more calibration data, fewer iterations or a lower lr "

@@ -32,8 +32,9 @@ from .parallel import Rows, sum_across, sum_gradients
 from .qdrop import Batches, dropped_quantization
 from .rates import RateSearch, search_rate, unit_lr
 from .report import Warnings
+from .scales import LearnedScales
 from .sides import UnitData, UnitInputs, unit_data
-from .units import Unit, parameters_of
+from .units import Unit, parameters_of, tuned_tensor
 from .watch import BestPoint, Loss, evaluate, evaluation_interval, held_out_loss
 
 logger = logging.getLogger(__name__)
@@ -132,7 +133,7 @@ class Tuner:
         """Put back the weights an earlier run kept for finished unit k, at the point where tuning it
         would have left them, so the streams that follow see what they saw then."""
         for name in parameters_of(self.units[k]):
-            module.get_parameter(name).data.copy_(weights[name])
+            tuned_tensor(module, name).data.copy_(weights[name])
         result = self.results[k]
         logger.info("unit %d/%d %s: restored from the checkpoint (loss %.4g -> %.4g, %s)",
                     k + 1, len(self.units), result.name, result.loss_before, result.loss_after, result.status)
@@ -159,7 +160,7 @@ class Tuner:
         train, inputs, float_inputs, targets = data.train, data.inputs, data.float_inputs, data.targets
         self.should_stop, self.stop_tail = False, 0
         self.fabric.call("on_unit_start", tuner=self, index=k, unit=unit)
-        original = {name: module.get_parameter(name).detach().clone() for name in parameters_of(unit)}
+        original = {name: tuned_tensor(module, name).detach().clone() for name in parameters_of(unit)}
         held = local_chunks(self.held_out, len(targets.chunks), self.fabric.global_rank, self.fabric.world_size)
         before = evaluate(train, inputs, targets, self.fabric, held)
         if not before.finite:
@@ -172,7 +173,7 @@ class Tuner:
             return self._finish(k, module, before, before, f"skipped: {skip}", 0, begin)
         for name, start in (starts or {}).items():
             if name in original:
-                module.get_parameter(name).data.copy_(start)
+                tuned_tensor(module, name).data.copy_(start)
         if self.config.algorithm == "gptq" or self.config.gptq_init:
             quantize_unit(unit, module, train, inputs, self.fabric, self.config, self.warnings, held)
         if self.config.lr == "auto" and self.rate_search is None and self.config.algorithm != "gptq":
@@ -182,7 +183,7 @@ class Tuner:
         after = evaluate(train, inputs, targets, self.fabric, held)
         if not after.finite or after.judged > before.judged:
             for name, value in original.items():
-                module.get_parameter(name).data.copy_(value)
+                tuned_tensor(module, name).data.copy_(value)
             if not after.finite:
                 status = f"reverted: the tuned loss is {after.training}"
                 self.warnings.add(unit.name, f"{status}; the weights before tuning are kept (a lower lr may help)")
@@ -205,10 +206,11 @@ class Tuner:
         loss, against 40 % at a constant rate)."""
         config = self.config
         roundings, trainable, frozen = self._trainables(unit, module)
+        scales = LearnedScales(unit, module, config, self.warnings)  # learn_scales: the weight scales beside the weights
         parallel = self.fabric.world_size > 1  # gradients are summed by hand: see parallel
         model = train if parallel else self.fabric.setup_module(train)
         adam = HostAdam if self.fabric.device.type == "cpu" else torch.optim.Adam
-        optimizer = self.fabric.setup_optimizers(adam(trainable, lr=self.lr(k, module)))
+        optimizer = self.fabric.setup_optimizers(adam([{"params": trainable}, *scales.groups], lr=self.lr(k, module)))
         schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, config.iterations) if not roundings else None
         device = self.fabric.device
         rows = Rows.of(self.fabric, inputs.main, targets, inputs.rowed[1:], self.held_out)
@@ -221,6 +223,7 @@ class Tuner:
                               "(calibration batches of one size train on every row)")
         try:
             with contextlib.ExitStack() as installed:
+                installed.enter_context(scales)
                 for rounding, _ in roundings:
                     installed.enter_context(rounding)
                 if unit.op_type == "block" and not installed.enter_context(
@@ -230,7 +233,8 @@ class Tuner:
                                       "do not train on the one-process mixture")
                 read_every = steps_per_read(device)
                 annealing = Annealing(config.iterations) if roundings else None
-                watch = self._watch(train, inputs, targets, held, rows, roundings, trainable)
+                learned = [p for group in scales.groups for p in group["params"]]  # restored with the weights
+                watch = self._watch(train, inputs, targets, held, rows, roundings, [*trainable, *learned])
                 losses: list[torch.Tensor] = []
                 step, end, stopping = 0, config.iterations, False
                 while step < end:
@@ -280,7 +284,7 @@ class Tuner:
         """lr: auto on unit k: tune it briefly at each factor from the weights it starts from, with
         nothing told to the callbacks and no warning kept, and put those weights back after each."""
         unit, config, warnings = self.units[k], self.config, self.warnings
-        start = {name: module.get_parameter(name).detach().clone() for name in parameters_of(unit)}
+        start = {name: tuned_tensor(module, name).detach().clone() for name in parameters_of(unit)}
 
         def attempt(factor: float, steps: int) -> float:
             self._factor, self.config = factor, dataclasses.replace(config, iterations=steps)
@@ -292,7 +296,7 @@ class Tuner:
             finally:
                 self.config, self.warnings, self._listening = config, warnings, True
                 for name, value in start.items():
-                    module.get_parameter(name).data.copy_(value)
+                    tuned_tensor(module, name).data.copy_(value)
 
         search = search_rate(unit.name, config.iterations, attempt)
         self._factor, self.should_stop, self.stop_tail = search.factor, False, 0

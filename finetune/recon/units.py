@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import fx, nn
 
 from finetune.lift import FakeQuantize, LiftedModule
@@ -60,11 +61,18 @@ class Unit:
     target_outputs: tuple[int, ...] = ()  # which outputs of `target_module` are the float targets, when it returns several
     input_axis: int = 0  # the axis of the input holding a training row (a recurrent layer's batch)
     output_axes: tuple[int | None, ...] = (0,)  # the same for each output; None: found from the values when tuning
+    scales: tuple[str, ...] = ()  # quantizer buffers (scale, zero point) learned with the weights (see scales)
 
 
 def parameters_of(unit: Unit) -> list[str]:
-    """The names of the parameters tuning `unit` may change: its layers' weights and biases."""
-    return [name for layer in unit.layers for name in (layer.weight, layer.bias) if name]
+    """The names of the tensors tuning `unit` may change: its layers' weights and biases, and the
+    quantizer scales and zero points it learns (buffers: read them with tuned_tensor)."""
+    return [name for layer in unit.layers for name in (layer.weight, layer.bias) if name] + list(unit.scales)
+
+
+def tuned_tensor(module: LiftedModule, name: str) -> torch.Tensor:
+    """The parameter or quantizer buffer of that name (one of parameters_of)."""
+    return module.get_parameter(name) if name in module.finetune_params else module.get_buffer(name)
 
 
 def find_units(

@@ -46,7 +46,7 @@ DESCRIPTIONS: dict[str, str] = {
     "Override.bias": "The bias format (unset: the global one).",
     # FastFinetune
     "FastFinetune.algorithm": "AdaRound learns the rounding of INT weights; AdaQuant trains the weights through the fake quantizer; GPTQ rounds them in one pass, spreading each error over the rest.",
-    "FastFinetune.iterations": "Optimisation steps per unit (early stopping may end a unit sooner).",
+    "FastFinetune.iterations": "Optimisation steps per unit (early stopping may end a unit sooner); 0: bias correction alone.",
     "FastFinetune.lr": "Learning rate; null takes the algorithm's default (0.1 AdaRound, 1e-3 AdaQuant).",
     "FastFinetune.batch_size": "Rows per optimisation step.",
     "FastFinetune.data_size": "Use at most this many calibration samples (null: all).",
@@ -72,6 +72,9 @@ DESCRIPTIONS: dict[str, str] = {
     "FastFinetune.gptq_init": "Start AdaRound or AdaQuant from GPTQ's weights.",
     "FastFinetune.compile": "Run the quantize-dequantize kernels through torch.compile (same bits); `auto`: where a compiler "
                             "is at hand, `true`: fail without one, `false`: eager.",
+    "FastFinetune.bias_correction": "Add each layer's mean float-minus-quantized output error per channel (training rows) to "
+                                    "its bias before and after tuning, kept where the held-out loss does not rise "
+                                    "(Quark: `BiasCorrection`); `auto`: on.",
     "GPTQ.damp_percent": "Share of the Hessian's mean diagonal added to its diagonal.",
     "GPTQ.block_size": "Columns per lazy batch update (changes only the order of the arithmetic).",
     "GPTQ.desc_act": "Round the columns of largest input power first.",

@@ -69,10 +69,16 @@ class FastFinetune(Section):
     `validation_share` (default 0.2) of the calibration batches, drawn with the seed, are held out
     of training: units are kept or reverted on their loss there, and the tuned model's output error
     against the float model there is checked against the untuned model's, whose weights are written
-    back when tuning made it worse (0: every batch trains, and the checks read the training rows)."""
+    back when tuning made it worse (0: every batch trains, and the checks read the training rows).
+    `bias_correction` adds to each layer's bias the mean, per output channel over the training rows,
+    of its float output minus its quantized output, before tuning and again after it, each kept only
+    where the unit's held-out loss does not rise (see recon.bias; `auto`: on). It lives here, not at
+    the top level, because it needs what this stage alone has: the float targets and quantized inputs
+    of each unit and the held-out batches that judge it; `iterations: 0` runs the correction alone
+    (AMD Quark's `BiasCorrection`, which runs without fast finetune, maps to that)."""
 
     algorithm: Literal["adaround", "adaquant", "gptq"] = "adaround"
-    iterations: int = field(default=1000, metadata={"min": 1})
+    iterations: int = field(default=1000, metadata={"min": 0})
     lr: float | None = field(default=None, metadata={"above": 0, "max": MAX_LR})
     batch_size: int = field(default=16, metadata={"min": 1})
     data_size: int | None = field(default=None, metadata={"min": 1})
@@ -95,6 +101,7 @@ class FastFinetune(Section):
     gptq: GPTQ = field(default_factory=GPTQ)
     gptq_init: bool = False
     compile: Literal["auto", True, False] = "auto"
+    bias_correction: Literal["auto", True, False] = "auto"
 
     @property
     def processes(self) -> int:
@@ -102,6 +109,9 @@ class FastFinetune(Section):
         return self.devices * self.nodes
 
     def _check(self) -> None:
+        if self.iterations == 0 and self.algorithm != "gptq" and self.bias_correction is False:
+            raise ConfigError("iterations", "0 runs bias correction alone, which bias_correction: false turns off: "
+                              "nothing would change")
         if self.algorithm == "gptq":
             if self.lr is not None:
                 raise ConfigError("lr", "algorithm gptq takes no learning rate (it rounds each unit's weights in one pass)")

@@ -366,13 +366,20 @@ class _Translation:
 
     def fast_finetune(self) -> dict[str, Any] | None:
         """The FastFinetune block when include_fast_ft is on (Quark runs it only then); BatchSize
-        defaults to Quark's 1."""
+        defaults to Quark's 1. extra_options.BiasCorrection is fast_finetune.bias_correction (Quark
+        corrects before its fast finetune, ours before and after tuning); true without fast finetune
+        is the correction alone (iterations 0), as Quark runs it."""
         path = "extra_options.FastFinetune"
         block = _mapping(self.extra.get("FastFinetune"), path)
         self.check(block, FAST_FT_MAPPED, FAST_FT_NO_EFFECT, FAST_FT_ACCEPTED_ONLY, path)
+        correction = self.flag("BiasCorrection", False) if "BiasCorrection" in self.extra else None
+        if correction is not None:
+            self.origins["fast_finetune.bias_correction"] = "extra_options.BiasCorrection"
         if not self.switched_on("include_fast_ft", path, bool(block)):
-            return None
+            return {"iterations": 0, "bias_correction": True} if correction else None
         out: dict[str, Any] = {"batch_size": QUARK_FAST_FT_BATCH_SIZE}
+        if correction is not None:
+            out["bias_correction"] = correction
         for theirs, ours in FAST_FT_KEYS.items():
             if block.get(theirs) is not None:
                 value = block[theirs]

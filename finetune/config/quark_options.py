@@ -89,7 +89,7 @@ EXTRA_MAPPED = (
     "Int32Bias", "QuantizeBias", "BFPAttributes", "MXAttributes", "RefineBlockAxis", "MixedPrecisionTensor",
     "TensorQuantOverrides", "AutoMixprecision", "EnableDualQuantNodePairs", "FastFinetune", "OpTypesToQuantize",
     "ExtraOpTypesToQuantize", "QuantizeAllOpTypes", "WeightsOnly", "AddQDQPairToWeight", "BF16QDQToCast",
-    *NPU_ALIGN_OPTIONS,
+    "BiasCorrection", *NPU_ALIGN_OPTIONS,
 )
 EXTRA_NO_EFFECT = (
     "ExecutionProviders", "DebugMode", "PrintSummary", "IgnoreWarnings", "TmpDir", "CalibWorkerNum",

@@ -26,6 +26,7 @@ from finetune.formats.compiled import compiled_kernels, resolve_compile
 from finetune.lift import FakeQuantize, LiftedModule, check_liftable, lift_model
 from finetune.lift.params import fold_computed_weights
 from finetune.onnx import attach_custom_ops
+from finetune.onnx.domains import BIAS_INPUT
 from finetune.onnx.io import load_model, save_model_atomic
 from finetune.onnx.session import require_loads
 
@@ -145,7 +146,7 @@ def _tune(fabric: Fabric, job: _Job) -> tuple[onnx.ModelProto | None, dict[str, 
     units = find_units(module, config.op_types, config.include_output_quant, config.unit, warnings)
     if not units:
         raise ValueError(f"the model has no {'/'.join(config.op_types)} layer with a trainable weight to tune")
-    if config.algorithm == "adaround":
+    if config.algorithm == "adaround" and config.iterations:  # iterations 0: bias correction alone
         check_int_weights(module, units)
     if job.float_model is not None:
         for change in carry_smoothing(job.float_model, original):  # SmoothQuant: the float model in the codes' coordinates
@@ -269,20 +270,23 @@ def _run(module: LiftedModule, reference: LiftedModule, units: list[Unit], origi
 def _float_weights(module: LiftedModule, reference: LiftedModule, units: list[Unit],
                    warnings: Warnings) -> dict[str, torch.Tensor]:
     """Float weights of the float model for units whose QDQ weights are stored as codes, so the
-    optimisation starts from the real float values (by layer name and weight position)."""
+    optimisation starts from the real float values (by layer name and weight position); and the float
+    biases behind int32 codes, which bias correction's float pass reads (training keeps the codes)."""
     layers = {n.target: n for n in reference.graph.nodes if n.op == "call_module"}
     constant = constant_nodes(reference.graph)
     starts = {}
     for layer in (layer for unit in units for layer in unit.layers):
-        if module.finetune_params[layer.weight].transform is None or layer.name not in layers:
-            continue
-        node = layers[layer.name]
-        index = layer.weight_index
-        name = parameter_behind(reference, node.args[index] if index < len(node.args) else None, constant)
-        value = None if name is None else reference.get_parameter(name).detach()
-        if value is not None and value.shape == module.get_parameter(layer.weight).shape:
-            _check_same_codes(module, layer, value, warnings)
-            starts[layer.weight] = value
+        bias = [(layer.bias, BIAS_INPUT[layer.op_type])] if layer.bias and layer.op_type in BIAS_INPUT else []
+        for parameter, index in [(layer.weight, layer.weight_index), *bias]:
+            if module.finetune_params[parameter].transform is None or layer.name not in layers:
+                continue
+            node = layers[layer.name]
+            name = parameter_behind(reference, node.args[index] if index < len(node.args) else None, constant)
+            value = None if name is None else reference.get_parameter(name).detach()
+            if value is not None and value.shape == module.get_parameter(parameter).shape:
+                if parameter == layer.weight:
+                    _check_same_codes(module, layer, value, warnings)
+                starts[parameter] = value
     if starts:
         logger.info("%d unit(s) stored as codes start from the float model's weights", len(starts))
     return starts

@@ -24,6 +24,7 @@ from finetune.config import FastFinetune
 from finetune.lift import LiftedModule
 
 from .adaround import REG_WEIGHT, Annealing, SoftRounding
+from .bias import BiasCorrector, corrects_bias
 from .cache import CachedValue
 from .gptq import quantize_unit
 from .heldout import local_chunks
@@ -57,6 +58,7 @@ class UnitResult:
     rejected_loss: float | None = None  # the tuned loss (held-out, where batches are) of a unit reverted for getting worse
     held_out_before: float | None = None  # the loss on the held-out batches (None: none held out)
     held_out_after: float | None = None
+    bias_correction: dict[str, Any] | None = None  # layers corrected or not (why), and each correction's losses (see bias)
 
 
 class HostAdam(torch.optim.Adam):
@@ -100,6 +102,7 @@ class Tuner:
         self.should_stop = False  # a callback sets it to end the unit's optimisation after the current step
         self.stop_tail = 0  # ... or after this many more steps, which finish its schedule (see finish_schedule)
         self.fabric = fabric  # holds the callbacks; over several processes, their process group
+        self._bias_record: dict[str, Any] | None = None  # the bias correction of the unit being tuned (see bias)
         self._step_hooks = [hook for hook in (getattr(c, "on_step_end", None) for c in callbacks) if callable(hook)]
 
     def __enter__(self) -> Self:
@@ -154,18 +157,28 @@ class Tuner:
             raise ValueError(f"unit {k + 1}/{len(self.units)} {unit.name}: its reconstruction loss before tuning is "
                              f"{before.training}, so its weights, its quantized inputs or its float targets hold NaN or Inf; "
                              "check the model's weights and the calibration data")
+        self._bias_record = None
         skip = data.problem or self._skip_reason(unit)
         if skip:
             self.warnings.add(unit.name, f"not tuned: {skip}")
             return self._finish(k, module, before, before, f"skipped: {skip}", 0, begin)
-        for name, start in (starts or {}).items():
-            if name in original:
-                module.get_parameter(name).data.copy_(start)
-        if self.config.algorithm == "gptq" or self.config.gptq_init:
+        starts = starts or {}
+        started = [layer.weight for layer in unit.layers if layer.weight in starts]  # float biases are bias correction's
+        for name in started:
+            module.get_parameter(name).data.copy_(starts[name])
+        corrector = self._corrector(unit, module, data, held, starts)
+        gptq = self.config.algorithm == "gptq" or self.config.gptq_init
+        if gptq:
             quantize_unit(unit, module, train, inputs, self.fabric, self.config, self.warnings, held)
-        iterations = 0 if self.config.algorithm == "gptq" else self._optimise(k, unit, module, train, inputs, float_inputs,
-                                                                               targets, before.power)
-        after = evaluate(train, inputs, targets, self.fabric, held)
+
+        def measure() -> Loss:
+            return evaluate(train, inputs, targets, self.fabric, held)
+
+        if corrector is not None:
+            corrector.correct("start", measure, None if started or gptq else before)
+        optimising = self.config.algorithm != "gptq" and self.config.iterations > 0
+        iterations = self._optimise(k, unit, module, train, inputs, float_inputs, targets, before.power) if optimising else 0
+        after = corrector.correct("final", measure) if corrector is not None and optimising else measure()
         if not after.finite or after.judged > before.judged:
             for name, value in original.items():
                 module.get_parameter(name).data.copy_(value)
@@ -176,8 +189,24 @@ class Tuner:
             return self._finish(k, module, before, before, "reverted", iterations, begin, after.judged)
         return self._finish(k, module, before, after, "kept", iterations, begin)
 
+    def _corrector(self, unit: Unit, module: LiftedModule, data: UnitData, held: frozenset[int],
+                   starts: dict[str, torch.Tensor]) -> BiasCorrector | None:
+        """The unit's bias correction (its float means taken now, before any weight moves, with the float
+        biases behind int32 codes from `starts`), None when off; each layer it leaves out is a warning."""
+        if not corrects_bias(self.config):
+            return None
+        floats = {layer.bias: starts[layer.bias] for layer in unit.layers if layer.bias in starts}
+        corrector = BiasCorrector(unit, module, data.train, data.inputs, data.float_inputs, self.fabric, held, floats)
+        for layer in corrector.skipped:
+            self.warnings.add(layer["layer"], f"bias not corrected: {layer['reason']}")
+        self._bias_record = corrector.record
+        return corrector
+
     def _skip_reason(self, unit: Unit) -> str | None:
-        """Why AdaRound or GPTQ cannot tune a unit (no weight quantizer), else None."""
+        """Why AdaRound or GPTQ cannot tune a unit (no weight quantizer), else None (always None when
+        only bias correction runs: iterations 0)."""
+        if self.config.iterations == 0 and self.config.algorithm == "adaround":
+            return None
         if self.config.algorithm in ("adaround", "gptq") and all(layer.weight_quantizer is None for layer in unit.layers):
             return "no weight of it is quantized (nothing to round)"
         return None
@@ -313,7 +342,7 @@ class Tuner:
         logger.info("unit %d/%d %s: loss %.4g -> %.4g%s, %s%s, %d iterations, %.2f s",
                     k + 1, len(self.units), unit.name, before.training, after.training, held, status, worse, iterations, seconds)
         result = UnitResult(unit.name, unit.op_type, before.training, after.training, status, iterations, seconds, tried,
-                            before.held_out, after.held_out)
+                            before.held_out, after.held_out, self._bias_record)
         self.results.append(result)
         self.fabric.call("on_unit_end", tuner=self, index=k, unit=unit, result=result, module=module)
         return result

@@ -79,14 +79,13 @@ class BiasCorrector:
                                                              *inputs.chunk(c, fabric.device)[1:]))
             self._keep_per_channel(means)
 
-    def _keep_per_channel(self, means: list[torch.Tensor]) -> None:
+    def _keep_per_channel(self, means: list[torch.Tensor | None]) -> None:
         """Keep the targets whose bias holds one value per channel of their output (with those channels'
-        float means); the others are listed as not corrected."""
-        fits = [m.numel() == self.module.get_parameter(t.layer.bias).numel() for t, m in zip(self.targets, means)]
+        float means; None: it does not); the others are listed as not corrected."""
         self.skipped.extend({"layer": t.layer.name, "reason": "its bias is not one value per output channel"}
-                            for t, fit in zip(self.targets, fits) if not fit)
-        self.float_means = [m for m, fit in zip(means, fits) if fit]
-        self.targets = [t for t, fit in zip(self.targets, fits) if fit]
+                            for t, m in zip(self.targets, means) if m is None)
+        self.float_means = [m for m in means if m is not None]
+        self.targets = [t for t, m in zip(self.targets, means) if m is not None]
         self.record["layers"] = [t.layer.name for t in self.targets]
 
     def correct(self, stage: str, measure: Callable[[], Loss], current: Loss | None = None) -> Loss:
@@ -111,6 +110,8 @@ class BiasCorrector:
     def _correct(self, target: _Target) -> float:
         """Add the target's mean float-minus-quantized output to its bias; the largest change, in absolute value."""
         quantized = self._means([target], lambda c: self.inputs.chunk(c, self.fabric.device))[0]
+        if quantized is None:
+            raise ValueError(f"{target.layer.name}: its quantized output has other channels than its float output")
         bias = self.module.get_parameter(target.layer.bias)
         shift = (self.float_means[self.targets.index(target)] - quantized).reshape(bias.shape)
         with torch.no_grad():
@@ -121,20 +122,22 @@ class BiasCorrector:
             bias.data.copy_(value.to(bias.device, bias.dtype))
         return float(shift.abs().max())
 
-    def _means(self, targets: list[_Target], chunk_inputs: Callable[[int], tuple[torch.Tensor, ...]]) -> list[torch.Tensor]:
-        """Each target's output mean per channel over this run's training rows (float64 sums over every process)."""
-        sums: list[torch.Tensor | None] = [None] * len(targets)
-        counts = [0] * len(targets)
-        with _recording(self.module, targets, sums, counts), torch.no_grad():
+    def _means(self, targets: list[_Target], chunk_inputs: Callable[[int], tuple[torch.Tensor, ...]]) -> list[torch.Tensor | None]:
+        """Each target's output mean per channel over the run's training rows (float64 sums over every
+        process, each of one size: the bias's), or None where an output does not have a channel per bias value."""
+        sums = [torch.zeros(self.module.get_parameter(t.layer.bias).numel(), dtype=torch.float64, device=self.fabric.device)
+                for t in targets]
+        counts, misfits = [0] * len(targets), [0] * len(targets)
+        with _recording(self.module, targets, sums, counts, misfits), torch.no_grad():
             for chunk in self.chunks:
                 self.train(*chunk_inputs(chunk))
-        local = [s if s is not None else torch.zeros(1, dtype=torch.float64) for s in sums]
-        sizes = [s.numel() for s in local]
-        totals = sum_across(self.fabric, [*torch.cat([s.cpu() for s in local]).tolist(), *counts])
+        totals = sum_across(self.fabric, [*torch.cat(sums).tolist(), *counts, *misfits])
         means, offset = [], 0
-        for size, count in zip(sizes, totals[len(totals) - len(counts):]):
-            means.append(torch.tensor(totals[offset: offset + size], dtype=torch.float64) / max(count, 1.0))
-            offset += size
+        for k, total in enumerate(sums):
+            count, misfit = totals[-2 * len(targets) + k], totals[-len(targets) + k]
+            value = torch.tensor(totals[offset: offset + total.numel()], dtype=torch.float64) / max(count, 1.0)
+            means.append(None if misfit else value)
+            offset += total.numel()
         return means
 
 
@@ -153,14 +156,18 @@ def _swapped(module: LiftedModule, values: dict[str, torch.Tensor]) -> Iterator[
 
 
 @contextmanager
-def _recording(module: LiftedModule, targets: list[_Target], sums: list[torch.Tensor | None],
-               counts: list[int]) -> Iterator[None]:
-    """Hooks adding each target's output, summed per channel in float64, to `sums` (rows counted in `counts`)."""
+def _recording(module: LiftedModule, targets: list[_Target], sums: list[torch.Tensor], counts: list[int],
+               misfits: list[int]) -> Iterator[None]:
+    """Hooks adding each target's output, summed per channel in float64, to `sums` (rows counted in
+    `counts`; an output whose channels do not match the bias is counted in `misfits` instead)."""
     def hook(k: int) -> Callable[..., None]:
         def record(_module: nn.Module, _args: Any, out: torch.Tensor) -> None:
             axis = targets[k].axis % out.dim()
+            if out.shape[axis] != sums[k].numel():
+                misfits[k] += 1
+                return
             per_channel = out.detach().double().movedim(axis, 0).reshape(out.shape[axis], -1)
-            sums[k] = per_channel.sum(dim=1) + (sums[k] if sums[k] is not None else 0)
+            sums[k] += per_channel.sum(dim=1)
             counts[k] += per_channel.shape[1]
         return record
 

@@ -93,7 +93,7 @@ class BiasCorrector:
         (`current`: the loss as it stands, measured here when not given), else put the biases back;
         returns the loss the unit now has. The stage's numbers go into `record[stage]`."""
         current = current if current is not None else measure()
-        if not self.targets:
+        if not self.targets or not current.finite:  # a unit whose tuned loss is NaN is reverted whole: nothing to correct
             return current
         saved = [self.module.get_parameter(t.layer.bias).detach().clone() for t in self.targets]
         shifts = [self._correct(target) for target in self.targets]

@@ -192,12 +192,13 @@ class Tuner:
     def _corrector(self, unit: Unit, module: LiftedModule, data: UnitData, held: frozenset[int],
                    starts: dict[str, torch.Tensor]) -> BiasCorrector | None:
         """The unit's bias correction (its float means taken now, before any weight moves, with the float
-        biases behind int32 codes from `starts`), None when off; each layer it leaves out is a warning."""
+        biases behind int32 codes from `starts`), None when off. The layers it leaves out are in the unit's
+        report; asked for explicitly (true), each is a warning too (`auto` corrects where a bias is)."""
         if not corrects_bias(self.config):
             return None
         floats = {layer.bias: starts[layer.bias] for layer in unit.layers if layer.bias in starts}
         corrector = BiasCorrector(unit, module, data.train, data.inputs, data.float_inputs, self.fabric, held, floats)
-        for layer in corrector.skipped:
+        for layer in corrector.skipped if self.config.bias_correction is True else ():
             self.warnings.add(layer["layer"], f"bias not corrected: {layer['reason']}")
         self._bias_record = corrector.record
         return corrector

@@ -19,13 +19,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from bench_finetune import AUTO_UNIT, INT_PRESETS, PRESETS, load_case_data, logits, prepare, scores  # a sibling script
 
-sys.path.insert(0, str(Path(__file__).parent))
-from bench_finetune import AUTO_UNIT, INT_PRESETS, PRESETS, load_case_data, logits, prepare, scores  # noqa: E402
-
-from finetune.config import FastFinetune, load_config  # noqa: E402
-from finetune.quantize import quantize_model  # noqa: E402
-from finetune.recon import finetune_model  # noqa: E402
+from finetune.config import FastFinetune, load_config
+from finetune.quantize import quantize_model
+from finetune.recon import finetune_model
 
 NAMES = {"W4A8": "INT4W_INT8A"}  # this script's preset names for bench_finetune's
 
@@ -67,12 +65,15 @@ def main() -> None:
     parser.add_argument("--presets", default="A8W8,W4A8,BF16,BFP16,MX4,MX6,MXFP4,MXINT8")
     parser.add_argument("--iterations", type=int, default=300)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--data", type=Path, help="keep each model's float model and data in DATA/<model> and reuse "
+                        "them when there (default: a temporary folder)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as folder:
         for model in args.models.split(","):
-            directory = Path(folder) / model
-            prepare(model, directory, None)
+            directory = (args.data or Path(folder)) / model
+            if not (directory / "calibration.npz").is_file():
+                prepare(model, directory, None)
             for preset in args.presets.split(","):
                 print(json.dumps(case(model, preset, directory, args.iterations)), flush=True)
                 print(f"{model} {preset} done", file=sys.stderr, flush=True)

@@ -11,10 +11,11 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from finetune.config import ConfigError, FastFinetune, from_quark
+from finetune.onnx.session import inference_session
 from finetune.quantize import quantize_model
 from finetune.recon import finetune_model
+from finetune.recon.bias import corrects_bias
 from finetune.recon.heldout import held_out_batches
-from finetune.onnx.session import inference_session
 
 from .recon_helpers import one_thread  # noqa: F401  (autouse fixture)
 
@@ -175,3 +176,11 @@ def test_quarks_bias_correction_maps_to_the_key() -> None:
 def test_iterations_zero_without_bias_correction_is_refused() -> None:
     with pytest.raises(ConfigError, match="iterations"):
         FastFinetune(iterations=0, bias_correction=False)
+
+
+@pytest.mark.parametrize(("algorithm", "iterations", "setting", "on"), [
+    ("adaround", 1000, "auto", True), ("gptq", 1000, "auto", True), ("adaquant", 0, "auto", True),
+    ("adaquant", 1000, "auto", False), ("adaquant", 1000, True, True), ("adaround", 1000, False, False)])
+def test_auto_corrects_where_it_was_measured_to_help(algorithm: str, iterations: int, setting: object, on: bool) -> None:
+    """auto: the correction alone, AdaRound and GPTQ; not after AdaQuant (docs/fine-tuning.md, Bias correction)."""
+    assert corrects_bias(FastFinetune(algorithm=algorithm, iterations=iterations, bias_correction=setting)) is on

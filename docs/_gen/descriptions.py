@@ -74,7 +74,7 @@ DESCRIPTIONS: dict[str, str] = {
                             "is at hand, `true`: fail without one, `false`: eager.",
     "FastFinetune.bias_correction": "Add each layer's mean float-minus-quantized output error per channel (training rows) to "
                                     "its bias before and after tuning, kept where the held-out loss does not rise "
-                                    "(Quark: `BiasCorrection`); `auto`: on.",
+                                    "(Quark: `BiasCorrection`); `auto`: on alone (iterations 0), with AdaRound and GPTQ, off with AdaQuant (measured).",
     "GPTQ.damp_percent": "Share of the Hessian's mean diagonal added to its diagonal.",
     "GPTQ.block_size": "Columns per lazy batch update (changes only the order of the arithmetic).",
     "GPTQ.desc_act": "Round the columns of largest input power first.",
@@ -141,6 +141,8 @@ QUARK_NOTES: dict[str, str] = {
     "QuantizeAllOpTypes": "`op_types: all`",
     "WeightsOnly": "`activation: null`",
     "AddQDQPairToWeight": "true (default): `weight_storage: float`; false: `compact`",
+    "BiasCorrection": "`fast_finetune.bias_correction` (ours corrects before and after tuning); true without fast finetune: "
+                      "`fast_finetune: {iterations: 0, bias_correction: true}`, the correction alone, as Quark runs it",
     "BF16QDQToCast": "`bf16_as_cast: true` (applied after tuning)",
     "AlignConcat": "accepted as true with enable_npu_cnn and false without: npu_cnn always aligns these scales",
     "AlignPool": "as AlignConcat",

@@ -16,6 +16,7 @@ from finetune.quantize import quantize_model
 from finetune.recon import finetune_model
 from finetune.recon.bias import corrects_bias
 from finetune.recon.heldout import held_out_batches
+from finetune.recon.report import format_report
 
 from .recon_helpers import one_thread  # noqa: F401  (autouse fixture)
 
@@ -148,6 +149,7 @@ def test_every_algorithm_corrects_before_and_after_tuning(algorithm: str) -> Non
     record = report["units"][0]["bias_correction"]
     assert record["layers"] == ["gemm"] and not record["not_corrected"]
     assert set(record) - {"layers", "not_corrected"} == ({"start"} if algorithm == "gptq" else {"start", "final"})
+    assert "bias correction kept in" in format_report({**report, "total_seconds": 1.0})
     _, off = finetune_model(quantized, data, FastFinetune(algorithm=algorithm, iterations=20, bias_correction=False))
     assert off["units"][0]["bias_correction"] is None
 

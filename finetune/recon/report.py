@@ -87,5 +87,5 @@ def format_report(report: dict[str, Any]) -> str:
         warned = (f"; model output error on {held['batches']} held-out batch(es) {held['output_error_untuned']:.4g} -> "
                   f"{held['output_error_tuned']:.4g}{undone}{warned}")
     return (f"fast finetune ({report['algorithm']}, {report['device']}{processes}, float reference: {report['float_reference']}): "
-            f"{len(units)} units, {report['kept']} kept, {report['reverted']} reverted{corrected}{resumed}; summed reconstruction loss "
+            f"{len(units)} units, {report['kept']} kept, {report['reverted']} reverted{resumed}{corrected}; summed reconstruction loss "
             f"{before:.4g} -> {after:.4g}; {timing}{report['total_seconds']:.1f} s{warned}")

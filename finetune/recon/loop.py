@@ -102,6 +102,7 @@ class Tuner:
         self.should_stop = False  # a callback sets it to end the unit's optimisation after the current step
         self.stop_tail = 0  # ... or after this many more steps, which finish its schedule (see finish_schedule)
         self.fabric = fabric  # holds the callbacks; over several processes, their process group
+        self.corrects_bias = corrects_bias(config)  # the run may turn it off (see api._corrects_bias)
         self._bias_record: dict[str, Any] | None = None  # the bias correction of the unit being tuned (see bias)
         self._step_hooks = [hook for hook in (getattr(c, "on_step_end", None) for c in callbacks) if callable(hook)]
 
@@ -194,7 +195,7 @@ class Tuner:
         """The unit's bias correction (its float means taken now, before any weight moves, with the float
         biases behind int32 codes from `starts`), None when off. The layers it leaves out are in the unit's
         report; asked for explicitly (true), each is a warning too (`auto` corrects where a bias is)."""
-        if not corrects_bias(self.config):
+        if not self.corrects_bias:
             return None
         floats = {layer.bias: starts[layer.bias] for layer in unit.layers if layer.bias in starts}
         corrector = BiasCorrector(unit, module, data.train, data.inputs, data.float_inputs, self.fabric, held, floats)

@@ -74,7 +74,8 @@ DESCRIPTIONS: dict[str, str] = {
                             "is at hand, `true`: fail without one, `false`: eager.",
     "FastFinetune.bias_correction": "Add each layer's mean float-minus-quantized output error per channel (training rows) to "
                                     "its bias before and after tuning, kept where the held-out loss does not rise "
-                                    "(Quark: `BiasCorrection`); `auto`: on alone (iterations 0), with AdaRound and GPTQ, off with AdaQuant (measured).",
+                                    "(Quark: `BiasCorrection`); `auto`: on alone (iterations 0), with AdaRound and GPTQ, off with AdaQuant and for weights stored as "
+                                    "codes without a float model (measured).",
     "GPTQ.damp_percent": "Share of the Hessian's mean diagonal added to its diagonal.",
     "GPTQ.block_size": "Columns per lazy batch update (changes only the order of the arithmetic).",
     "GPTQ.desc_act": "Round the columns of largest input power first.",

@@ -224,7 +224,7 @@ def test_preset_cycle_is_an_error(tmp_path: Path) -> None:
         ({"tensor_overrides": {"in.1": {"format": "int", "dtype": 8}}}, ["tensor_overrides['in.1'].dtype"]),
         ({"op_type_overrides": {"Add": {}}}, ["op_type_overrides['Add']", "sets nothing"]),
         ({"fast_finetune": {"algorithm": "sgd"}}, ["fast_finetune.algorithm", "adaround, adaquant"]),
-        ({"fast_finetune": {"iterations": 0}}, ["fast_finetune.iterations", ">= 1"]),
+        ({"fast_finetune": {"iterations": -1}}, ["fast_finetune.iterations", ">= 0"]),
         ({"fast_finetune": {"iterations": 10.5}}, ["fast_finetune.iterations", "an integer"]),
         ({"fast_finetune": {"lr": 0}}, ["fast_finetune.lr", "> 0"]),
         ({"fast_finetune": {"drop_ratio": 1.5}}, ["fast_finetune.drop_ratio", "<= 1"]),

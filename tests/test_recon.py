@@ -129,10 +129,13 @@ def test_the_quantized_stream_equals_the_full_model(matmul_model: Path, digits: 
         assert_stream_equals_full_model(module, find_units(module, OP_TYPES, include_output_quant=True), feeds)
 
 
-def test_activation_caching_is_linear_in_depth(digits: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("bias_correction", [False, True])
+def test_activation_caching_is_linear_in_depth(digits: dict, monkeypatch: pytest.MonkeyPatch, bias_correction: bool) -> None:
     """Every op between units runs once per batch in the float pass and once in the quantized
     stream; each layer (and the activation in its unit) additionally twice for its loss
-    before/after plus once per iteration.
+    before/after plus once per iteration, and with bias correction five times more: its float
+    means, and per correction (start, after tuning) its quantized means and the loss after it, the
+    loss before the second replacing the loss after tuning.
     Nothing runs more often for deeper units."""
     calls: Counter = Counter()
 
@@ -146,13 +149,13 @@ def test_activation_caching_is_linear_in_depth(digits: dict, monkeypatch: pytest
     monkeypatch.setattr(recon_api, "lift_model", counted_lift)
     iterations, chunks = 7, len(digits["small"])
     finetune_model(quantize_model(digits["path"], "XINT8", digits["small"]).model, digits["small"],
-                   FastFinetune(iterations=iterations))
+                   FastFinetune(iterations=iterations, bias_correction=bias_correction))
     layers = {name for name in calls if name.endswith(("Conv", "Gemm"))}
     activations = {name for name in calls if name.endswith("Relu")}  # each follows a layer: part of its unit
     assert len(layers) == 5 and len(activations) == 4
     for name, count in calls.items():
         if name in layers | activations or "weight" in name or "bias" in name:
-            assert count == 4 * chunks + iterations, name
+            assert count == (9 if bias_correction else 4) * chunks + iterations, name
         else:
             assert count == 2 * chunks, name
 
@@ -223,7 +226,7 @@ def test_finetune_recovers_held_out_accuracy(digits: dict, algorithm: str) -> No
     quantized = quantize_model(digits["path"], W4A8, digits["calibration"]).model
     tuned, report = finetune_model(quantized, digits["calibration"], FastFinetune(algorithm=algorithm, iterations=400))
     float_logits = run(digits["path"], digits["x"])
-    float_accuracy, before, after = accuracy(digits["path"], digits), accuracy(quantized, digits), accuracy(tuned, digits)
+    float_accuracy, after = accuracy(digits["path"], digits), accuracy(tuned, digits)
     assert after >= float_accuracy - 2 / len(digits["y"]) - 1e-9
     error = {name: float(((run(m, digits["x"]) - float_logits) ** 2).mean()) for name, m in [("q", quantized), ("t", tuned)]}
     assert error["t"] <= 0.5 * error["q"]

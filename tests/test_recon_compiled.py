@@ -3,8 +3,6 @@ same config, on the CPU), and the report says what was compiled and what stayed 
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from finetune.config import FastFinetune

@@ -50,7 +50,7 @@ DESCRIPTIONS: dict[str, str] = {
     "Override.bias": "The bias format (unset: the global one).",
     # FastFinetune
     "FastFinetune.algorithm": "AdaRound learns the rounding of INT weights; AdaQuant trains the weights through the fake quantizer; GPTQ rounds them in one pass, spreading each error over the rest.",
-    "FastFinetune.iterations": "Optimisation steps per unit (early stopping may end a unit sooner).",
+    "FastFinetune.iterations": "Optimisation steps per unit (early stopping may end a unit sooner); 0: bias correction alone.",
     "FastFinetune.lr": "Learning rate; null takes the default of the algorithm and the weight's format family (a measured "
                        "table, see Learning rate); `auto` scales that table by a factor a short seeded search on the first "
                        "tuned unit picks by its held-out loss.",
@@ -83,6 +83,10 @@ DESCRIPTIONS: dict[str, str] = {
     "FastFinetune.scale_lr": "Adam learning rate of the learned log-scales (`learn_scales`), decaying with AdaQuant's.",
     "FastFinetune.compile": "Run the quantize-dequantize kernels through torch.compile (same bits); `auto`: where a compiler "
                             "is at hand, `true`: fail without one, `false`: eager.",
+    "FastFinetune.bias_correction": "Add each layer's mean float-minus-quantized output error per channel (training rows) to "
+                                    "its bias before and after tuning, kept where the held-out loss does not rise "
+                                    "(Quark: `BiasCorrection`); `auto`: on alone (iterations 0), with AdaRound and GPTQ, off with AdaQuant and for weights stored as "
+                                    "codes without a float model (measured).",
     "GPTQ.perc_damp": "Share of the Hessian's mean diagonal added to its diagonal.",
     "GPTQ.block_size": "Columns per lazy batch update (changes only the order of the arithmetic).",
     "GPTQ.act_order": "Round the columns of largest input power first.",
@@ -155,6 +159,8 @@ QUARK_NOTES: dict[str, str] = {
     "QuantizeAllOpTypes": "`op_types: all`",
     "WeightsOnly": "`activation: null`",
     "AddQDQPairToWeight": "true (default): `weight_storage: float`; false: `compact`",
+    "BiasCorrection": "`fast_finetune.bias_correction` (ours corrects before and after tuning); true without fast finetune: "
+                      "`fast_finetune: {iterations: 0, bias_correction: true}`, the correction alone, as Quark runs it",
     "BF16QDQToCast": "`bf16_as_cast: true` (applied after tuning)",
     "AlignConcat": "accepted as true with enable_npu_cnn and false without: npu_cnn always aligns these scales",
     "AlignPool": "as AlignConcat",

@@ -93,10 +93,18 @@ class FastFinetune(Section):
     back when tuning made it worse (0: every batch trains, early stopping reads the training loss,
     each unit ends at its last step, and the checks read the training rows).
     `learn_scales: weights` (AdaQuant only) learns the scale (and an asymmetric zero point) of each
-    tuned INT weight beside the weight, LSQ-style, at `scale_lr` (see recon.scales)."""
+    tuned INT weight beside the weight, LSQ-style, at `scale_lr` (see recon.scales).
+    `bias_correction` adds to each layer's bias the mean, per output channel over the training rows,
+    of its float output minus its quantized output, before tuning and again after it, each kept only
+    where the unit's held-out loss does not rise (see recon.bias; `auto`: on for the correction alone,
+    AdaRound and GPTQ, off for AdaQuant and where weights stored as codes have no float model, as
+    measured in docs/fine-tuning.md). It lives here, not at
+    the top level, because it needs what this stage alone has: the float targets and quantized inputs
+    of each unit and the held-out batches that judge it; `iterations: 0` runs the correction alone
+    (AMD Quark's `BiasCorrection`, which runs without fast finetune, maps to that)."""
 
     algorithm: Literal["adaround", "adaquant", "gptq"] = "adaround"
-    iterations: int = field(default=1000, metadata={"min": 1})
+    iterations: int = field(default=1000, metadata={"min": 0})
     lr: float | Literal["auto"] | None = field(default=None, metadata={"above": 0, "max": MAX_LR})
     batch_size: int = field(default=16, metadata={"min": 1})
     data_size: int | None = field(default=None, metadata={"min": 1})
@@ -121,6 +129,7 @@ class FastFinetune(Section):
     compile: Literal["auto", True, False] = "auto"
     learn_scales: Literal[False, "weights"] = False
     scale_lr: float = field(default=1e-3, metadata={"above": 0, "max": MAX_LR})
+    bias_correction: Literal["auto", True, False] = "auto"
 
     @property
     def processes(self) -> int:
@@ -128,6 +137,9 @@ class FastFinetune(Section):
         return self.devices * self.nodes
 
     def _check(self) -> None:
+        if self.iterations == 0 and self.algorithm != "gptq" and self.bias_correction is False:
+            raise ConfigError("iterations", "0 runs bias correction alone, which bias_correction: false turns off: "
+                              "nothing would change")
         if self.algorithm == "gptq":
             if self.lr is not None:
                 raise ConfigError("lr", "algorithm gptq takes no learning rate (it rounds each unit's weights in one pass)")

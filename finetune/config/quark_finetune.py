@@ -1,5 +1,6 @@
 """AMD Quark's fine-tuning options translated into the fast_finetune section: the FastFinetune block
-(Quark runs it only with include_fast_ft) and GPTQ (extra_options.UseGPTQ with GPTQParams).
+(Quark runs it only with include_fast_ft), GPTQ (extra_options.UseGPTQ with GPTQParams) and bias
+correction (extra_options.BiasCorrection).
 
 Quark's GPTQ rounds the weights of MatMul nodes on its own integer grid (GPTQParams.Bits,
 PerChannel, WeightSymmetric) and leaves activations float. Here GPTQ rounds to the config's weight
@@ -52,15 +53,30 @@ def uses_gptq(t: Translation) -> bool:
 
 def translate(t: Translation, weight: Mapping[str, Any] | None, gptq_on: bool) -> dict[str, Any] | None:
     """The fast_finetune mapping: the FastFinetune block with include_fast_ft (BatchSize defaulting
-    to Quark's 1), GPTQ alone with UseGPTQ only (`gptq_on`), both (gptq_init) with both, else None."""
+    to Quark's 1), GPTQ alone with UseGPTQ only (`gptq_on`), both (gptq_init) with both, the bias
+    correction alone with only BiasCorrection, else None."""
     tuning = _fast_finetune(t)
-    if not gptq_on:
-        return tuning
-    gptq = _gptq_settings(t, weight)
+    correction = _bias_correction(t)
+    if gptq_on:
+        gptq = _gptq_settings(t, weight)
+        if tuning is None:
+            t.origins["fast_finetune"] = "extra_options.UseGPTQ"
+            tuning = {"algorithm": "gptq", "op_types": list(QUARK_GPTQ_OP_TYPES), "gptq": gptq}
+        else:
+            tuning = {**tuning, "gptq_init": True, "gptq": gptq}
     if tuning is None:
-        t.origins["fast_finetune"] = "extra_options.UseGPTQ"
-        return {"algorithm": "gptq", "op_types": list(QUARK_GPTQ_OP_TYPES), "gptq": gptq}
-    return {**tuning, "gptq_init": True, "gptq": gptq}
+        return {"iterations": 0, "bias_correction": True} if correction else None
+    return tuning if correction is None else {**tuning, "bias_correction": correction}
+
+
+def _bias_correction(t: Translation) -> bool | None:
+    """extra_options.BiasCorrection (None: not given) is fast_finetune.bias_correction: Quark corrects
+    before its fast finetune, finetune before and after tuning; true without any tuning is the
+    correction alone (iterations 0), as Quark runs it."""
+    if "BiasCorrection" not in t.extra:
+        return None
+    t.origins["fast_finetune.bias_correction"] = "extra_options.BiasCorrection"
+    return t.flag("BiasCorrection", False)
 
 
 def _fast_finetune(t: Translation) -> dict[str, Any] | None:

@@ -89,7 +89,7 @@ EXTRA_MAPPED = (
     "Int32Bias", "QuantizeBias", "BFPAttributes", "MXAttributes", "RefineBlockAxis", "MixedPrecisionTensor",
     "TensorQuantOverrides", "AutoMixprecision", "EnableDualQuantNodePairs", "FastFinetune", "SmoothAlpha", "OpTypesToQuantize",
     "ExtraOpTypesToQuantize", "QuantizeAllOpTypes", "WeightsOnly", "AddQDQPairToWeight", "BF16QDQToCast", "UseGPTQ",
-    "GPTQParams",
+    "GPTQParams", "BiasCorrection",
     *NPU_ALIGN_OPTIONS,
 )
 EXTRA_NO_EFFECT = (

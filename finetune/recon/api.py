@@ -26,10 +26,12 @@ from finetune.formats.compiled import EAGER_FORMATS, compiled_kernels, resolve_c
 from finetune.lift import FakeQuantize, LiftedModule, check_liftable, lift_model
 from finetune.lift.params import fold_computed_weights
 from finetune.onnx import attach_custom_ops
+from finetune.onnx.domains import BIAS_INPUT
 from finetune.onnx.io import load_model, save_model_atomic
 from finetune.onnx.session import require_loads
 
 from .adaround import check_int_weights
+from .bias import corrects_bias
 from .cache import ActivationCache
 from .callbacks import Checkpoint, builtin_callbacks, digest, run_fingerprint
 from .device import host_memory_kept, resolve_device
@@ -146,7 +148,7 @@ def _tune(fabric: Fabric, job: _Job) -> tuple[onnx.ModelProto | None, dict[str, 
     units = find_units(module, config.op_types, config.include_output_quant, config.unit, warnings)
     if not units:
         raise ValueError(f"the model has no {'/'.join(config.op_types)} layer with a trainable weight to tune")
-    if config.algorithm == "adaround":
+    if config.algorithm == "adaround" and config.iterations:  # iterations 0: bias correction alone
         check_int_weights(module, units)
     units = with_learned_scales(module, units, config, warnings)
     untuned_scales = scale_snapshot(module, units)
@@ -249,6 +251,7 @@ def _run(module: LiftedModule, reference: LiftedModule, units: list[Unit], origi
     floats = FloatStream(reference, units, inputs, cache, device, quantizers_off=reference is module)
     stream = QuantizedStream(plan, placeholders, inputs, cache, device)
     tuner = Tuner(config, fabric, units, job.callbacks, held_out)
+    tuner.corrects_bias = _corrects_bias(module, reference, units, config, warnings)
     checkpoint = job.resumption.checkpoint
     finished_weights = {}
     if checkpoint is not None:
@@ -272,23 +275,40 @@ def _run(module: LiftedModule, reference: LiftedModule, units: list[Unit], origi
                    "held_out": checked}
 
 
+def _corrects_bias(module: LiftedModule, reference: LiftedModule, units: list[Unit], config: FastFinetune,
+                   warnings: Warnings) -> bool:
+    """Whether the run corrects biases: as the config says, but `auto` leaves it off, with a warning,
+    where weights are stored as codes and no float model is given: the float reference is then the
+    codes with the quantizers off, and correcting towards it took onnxruntime's quantize_static digits
+    CNN from 97 % to 57 % accuracy (with the float model given: 97.1 %)."""
+    coded = any(module.finetune_params[layer.weight].transform is not None for unit in units for layer in unit.layers)
+    if config.bias_correction == "auto" and corrects_bias(config) and reference is module and coded:
+        warnings.add("fast_finetune.bias_correction", "auto leaves bias correction off: the weights are stored as codes "
+                     "and no float model was given (pass it to correct biases)", "config")
+        return False
+    return corrects_bias(config)
+
+
 def _float_weights(module: LiftedModule, reference: LiftedModule, units: list[Unit],
                    warnings: Warnings) -> dict[str, torch.Tensor]:
     """Float weights of the float model for units whose QDQ weights are stored as codes, so the
-    optimisation starts from the real float values (by layer name and weight position)."""
+    optimisation starts from the real float values (by layer name and weight position); and the float
+    biases behind int32 codes, which bias correction's float pass reads (training keeps the codes)."""
     layers = {n.target: n for n in reference.graph.nodes if n.op == "call_module"}
     constant = constant_nodes(reference.graph)
     starts = {}
     for layer in (layer for unit in units for layer in unit.layers):
-        if module.finetune_params[layer.weight].transform is None or layer.name not in layers:
-            continue
-        node = layers[layer.name]
-        index = layer.weight_index
-        name = parameter_behind(reference, node.args[index] if index < len(node.args) else None, constant)
-        value = None if name is None else reference.get_parameter(name).detach()
-        if value is not None and value.shape == module.get_parameter(layer.weight).shape:
-            _check_same_codes(module, layer, value, warnings)
-            starts[layer.weight] = value
+        bias = [(layer.bias, BIAS_INPUT[layer.op_type])] if layer.bias and layer.op_type in BIAS_INPUT else []
+        for parameter, index in [(layer.weight, layer.weight_index), *bias]:
+            if module.finetune_params[parameter].transform is None or layer.name not in layers:
+                continue
+            node = layers[layer.name]
+            name = parameter_behind(reference, node.args[index] if index < len(node.args) else None, constant)
+            value = None if name is None else reference.get_parameter(name).detach()
+            if value is not None and value.shape == module.get_parameter(parameter).shape:
+                if parameter == layer.weight:
+                    _check_same_codes(module, layer, value, warnings)
+                starts[parameter] = value
     if starts:
         logger.info("%d unit(s) stored as codes start from the float model's weights", len(starts))
     return starts

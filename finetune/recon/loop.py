@@ -25,6 +25,7 @@ from finetune.config import FastFinetune
 from finetune.lift import LiftedModule
 
 from .adaround import REG_WEIGHT, Annealing, SoftRounding
+from .bias import BiasCorrector, corrects_bias
 from .cache import CachedValue
 from .gptq import quantize_unit
 from .heldout import local_chunks
@@ -63,6 +64,7 @@ class UnitResult:
     held_out_after: float | None = None
     best_iteration: int | None = None  # the step of the held-out evaluation the kept unit ended at (None: none held out)
     lr: float | None = None  # the learning rate it was tuned with (None: GPTQ, or not tuned)
+    bias_correction: dict[str, Any] | None = None  # layers corrected or not (why), and each correction's losses (see bias)
 
 
 class HostAdam(torch.optim.Adam):
@@ -110,6 +112,8 @@ class Tuner:
         self._factor = 1.0  # on the default rates: what lr: auto chose, or is trying
         self._listening = True  # whether callbacks hear steps and evaluations (not during lr: auto's tries)
         self.fabric = fabric  # holds the callbacks; over several processes, their process group
+        self.corrects_bias = corrects_bias(config)  # the run may turn it off (see api._corrects_bias)
+        self._bias_record: dict[str, Any] | None = None  # the bias correction of the unit being tuned (see bias)
         self._step_hooks = [hook for hook in (getattr(c, "on_step_end", None) for c in callbacks) if callable(hook)]
 
     def __enter__(self) -> Self:
@@ -167,20 +171,31 @@ class Tuner:
             raise ValueError(f"unit {k + 1}/{len(self.units)} {unit.name}: its reconstruction loss before tuning is "
                              f"{before.training}, so its weights, its quantized inputs or its float targets hold NaN or Inf; "
                              "check the model's weights and the calibration data")
+        self._bias_record = None
         skip = data.problem or self._skip_reason(unit)
         if skip:
             self.warnings.add(unit.name, f"not tuned: {skip}")
             return self._finish(k, module, before, before, f"skipped: {skip}", 0, begin)
-        for name, start in (starts or {}).items():
-            if name in original:
-                tuned_tensor(module, name).data.copy_(start)
-        if self.config.algorithm == "gptq" or self.config.gptq_init:
+        starts = starts or {}
+        started = [layer.weight for layer in unit.layers if layer.weight in starts]  # float biases are bias correction's
+        for name in started:
+            tuned_tensor(module, name).data.copy_(starts[name])
+        corrector = self._corrector(unit, module, data, held, starts)
+        gptq = self.config.algorithm == "gptq" or self.config.gptq_init
+        if gptq:
             quantize_unit(unit, module, train, inputs, self.fabric, self.config, self.warnings, held)
-        if self.config.lr == "auto" and self.rate_search is None and self.config.algorithm != "gptq":
+
+        def measure() -> Loss:
+            return evaluate(train, inputs, targets, self.fabric, held)
+
+        if corrector is not None:
+            corrector.correct("start", measure, None if started or gptq else before)
+        optimising = self.config.algorithm != "gptq" and self.config.iterations > 0
+        if self.config.lr == "auto" and self.rate_search is None and optimising:
             self.rate_search = self._search_rate(k, module, data, before.power, held)
-        iterations, best = (0, None) if self.config.algorithm == "gptq" else self._optimise(
-            k, unit, module, train, inputs, float_inputs, targets, before.power, held)
-        after = evaluate(train, inputs, targets, self.fabric, held)
+        iterations, best = self._optimise(
+            k, unit, module, train, inputs, float_inputs, targets, before.power, held) if optimising else (0, None)
+        after = corrector.correct("final", measure) if corrector is not None and optimising else measure()
         if not after.finite or after.judged > before.judged:
             for name, value in original.items():
                 tuned_tensor(module, name).data.copy_(value)
@@ -191,8 +206,25 @@ class Tuner:
             return self._finish(k, module, before, before, "reverted", iterations, begin, after.judged)
         return self._finish(k, module, before, after, "kept", iterations, begin, best=best)
 
+    def _corrector(self, unit: Unit, module: LiftedModule, data: UnitData, held: frozenset[int],
+                   starts: dict[str, torch.Tensor]) -> BiasCorrector | None:
+        """The unit's bias correction (its float means taken now, before any weight moves, with the float
+        biases behind int32 codes from `starts`), None when off. The layers it leaves out are in the unit's
+        report; asked for explicitly (true), each is a warning too (`auto` corrects where a bias is)."""
+        if not self.corrects_bias:
+            return None
+        floats = {layer.bias: starts[layer.bias] for layer in unit.layers if layer.bias in starts}
+        corrector = BiasCorrector(unit, module, data.train, data.inputs, data.float_inputs, self.fabric, held, floats)
+        for layer in corrector.skipped if self.config.bias_correction is True else ():
+            self.warnings.add(layer["layer"], f"bias not corrected: {layer['reason']}")
+        self._bias_record = corrector.record
+        return corrector
+
     def _skip_reason(self, unit: Unit) -> str | None:
-        """Why AdaRound or GPTQ cannot tune a unit (no weight quantizer), else None."""
+        """Why AdaRound or GPTQ cannot tune a unit (no weight quantizer), else None (always None when
+        only bias correction runs: iterations 0)."""
+        if self.config.iterations == 0 and self.config.algorithm == "adaround":
+            return None
         if self.config.algorithm in ("adaround", "gptq") and all(layer.weight_quantizer is None for layer in unit.layers):
             return "no weight of it is quantized (nothing to round)"
         return None
@@ -384,7 +416,8 @@ class Tuner:
         logger.info("unit %d/%d %s: loss %.4g -> %.4g%s, %s%s, %d iterations, %.2f s",
                     k + 1, len(self.units), unit.name, before.training, after.training, held, status, worse, iterations, seconds)
         result = UnitResult(unit.name, unit.op_type, before.training, after.training, status, iterations, seconds, tried,
-                            before.held_out, after.held_out, best, self.lr(k, module) if iterations else None)
+                            before.held_out, after.held_out, best, self.lr(k, module) if iterations else None,
+                            self._bias_record)
         self.results.append(result)
         self.fabric.call("on_unit_end", tuner=self, index=k, unit=unit, result=result, module=module)
         return result

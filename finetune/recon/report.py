@@ -78,11 +78,14 @@ def format_report(report: dict[str, Any]) -> str:
     resumed = f", {report['resumed_units']} restored from the checkpoint" if report["resumed_units"] else ""
     warned = f"; {len(report['warnings'])} warning(s), listed in the report" if report["warnings"] else ""
     processes = f" x {report['processes']} processes" if report.get("processes", 1) > 1 else ""
+    corrections = [u["bias_correction"] for u in units if u.get("bias_correction")]
+    kept = sum(any(isinstance(c, dict) and c.get("status") == "kept" for c in entry.values()) for entry in corrections)
+    corrected = f", bias correction kept in {kept} of {len(corrections)} unit(s)" if corrections else ""
     held = report.get("held_out")
     if held:
         undone = "; worse, so the untuned weights are kept" if held["restored_untuned_weights"] else ""
         warned = (f"; model output error on {held['batches']} held-out batch(es) {held['output_error_untuned']:.4g} -> "
                   f"{held['output_error_tuned']:.4g}{undone}{warned}")
     return (f"fast finetune ({report['algorithm']}, {report['device']}{processes}, float reference: {report['float_reference']}): "
-            f"{len(units)} units, {report['kept']} kept, {report['reverted']} reverted{resumed}; summed reconstruction loss "
+            f"{len(units)} units, {report['kept']} kept, {report['reverted']} reverted{resumed}{corrected}; summed reconstruction loss "
             f"{before:.4g} -> {after:.4g}; {timing}{report['total_seconds']:.1f} s{warned}")

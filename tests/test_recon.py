@@ -29,7 +29,7 @@ from finetune.recon import (
     resolve_device,
 )
 from finetune.recon.adaround import BETA_END, BETA_START, Annealing, SoftRounding
-from finetune.recon.loop import CosineTail, HostAdam
+from finetune.recon.optimizers import CosineTail, HostAdam
 from finetune.zoo import digits_split
 
 from .recon_helpers import (  # noqa: F401  (one_thread: autouse fixture)

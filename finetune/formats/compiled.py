@@ -1,7 +1,9 @@
 """Compiled quantize-dequantize kernels: `format_values` and its straight-through gradient run
 through torch.compile (inductor: C++/OpenMP on the CPU, Triton on CUDA/ROCm), giving the eager
 functions' bits. Traced, the formats take their branch-free, unchunked path (bits.checks_rare_cases,
-blocks._chunks), which gives the same bits as the checked, chunked one. This module owns the choice
+blocks._chunks), which gives the same bits as the checked, chunked one; on the CPU the block formats
+first take their ordinary path unchecked (bits.assume_ordinary) with a check of the input in the
+same pass, and the branch-free kernel runs only where that check fails. This module owns the choice
 eager/compiled per format (EAGER_FORMATS), the cache of compiled callables and whether a compiler
 is at hand at all."""
 

@@ -70,14 +70,14 @@ def timed_steps(seconds: list[float], around: Callable[[], contextlib.AbstractCo
 
 @contextlib.contextmanager
 def alternating_steps(quantized: list[float], plain: list[float]) -> Iterator[None]:
-    """Time every step (Tuner._step), every other one with the model's quantizers switched off:
-    the quantized steps' seconds go to `quantized`, the others' to `plain`."""
+    """Time every step (Tuner._step), every other one a float step (see float_step): the quantized
+    steps' seconds go to `quantized`, the others' to `plain`."""
     step = Tuner._step
 
     def alternating(tuner: Tuner, model: torch.nn.Module, *args: Any) -> Any:
         off = len(quantized) > len(plain)
         begin = time.perf_counter()
-        with quantizers_disabled(model) if off else contextlib.nullcontext():
+        with float_step(model) if off else contextlib.nullcontext():
             result = step(tuner, model, *args)
         (plain if off else quantized).append(time.perf_counter() - begin)
         return result
@@ -87,6 +87,23 @@ def alternating_steps(quantized: list[float], plain: list[float]) -> Iterator[No
         yield
     finally:
         Tuner._step = step  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def float_step(model: torch.nn.Module) -> Iterator[None]:
+    """The model's quantizers off and its frozen float weights given gradients (AdaRound trains only
+    its rounding variables, which a float step lacks: without this its loss reaches no parameter),
+    as they were after, their gradients dropped."""
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    for parameter in frozen:
+        parameter.requires_grad_(True)
+    try:
+        with quantizers_disabled(model):
+            yield
+    finally:
+        for parameter in frozen:
+            parameter.requires_grad_(False)
+            parameter.grad = None
 
 
 def quantization_overhead(run_tuning: Callable[[], object]) -> dict[str, Any]:

@@ -218,11 +218,14 @@ def ort_rerun_seconds(quantized: onnx.ModelProto, calibration: list[dict[str, np
 
 
 def run_case(model: str, preset: str, directory: Path, iterations: int, adaquant_lr: float | None, unit: str,
-             device: str = "cpu", devices: int = 1, ort_rerun: bool = True, patience: int | None = None) -> dict[str, Any]:
+             device: str = "cpu", devices: int = 1, ort_rerun: bool = True, patience: int | None = None,
+             overhead: bool = False) -> dict[str, Any]:
     """Quantize, measure, fine-tune (on `device`, or data-parallel over `devices` of its kind; with
     `patience`, each unit stops early once its loss has not improved for that many iterations, 0:
     never; without, the default early stopping),
-    measure again; the case's numbers (without the onnxruntime re-run comparison unless `ort_rerun`)."""
+    measure again; the case's numbers (without the onnxruntime re-run comparison unless `ort_rerun`;
+    with `overhead`, the quantization overhead of profile_step.py from a second tuning run, after
+    the peak RSS is read)."""
     calibration, evaluation = load_case_data(directory)
     float_path = directory / "float.onnx"
     float_outputs = logits(float_path, evaluation["x"])
@@ -247,7 +250,7 @@ def run_case(model: str, preset: str, directory: Path, iterations: int, adaquant
     ours = report["float_pass_seconds"] + report["quantized_stream_seconds"]
     training = sum(u["seconds"] for u in report["units"])
     loss = float_metric - before["metric"]
-    return {
+    case = {
         "model": model, "preset": preset, "algorithm": algorithm, "unit": unit, "iterations_per_unit": iterations,
         "lr": config.lr, "unit_lrs": sorted({u["lr"] for u in report["units"] if u["lr"] is not None}),
         "lr_search": report["lr_search"], "best_iterations": [u["best_iteration"] for u in report["units"]],
@@ -277,6 +280,11 @@ def run_case(model: str, preset: str, directory: Path, iterations: int, adaquant
         "device": report["device"], "processes": report["processes"],
         "gpu_peak_mb": torch.cuda.max_memory_allocated() / 2**20 if device != "cpu" and devices == 1 else None,
     }
+    if overhead:
+        from profile_step import quantization_overhead  # a script beside this one, on sys.path when run as one
+
+        case["quantization_overhead"] = quantization_overhead(lambda: finetune_model(quantized, calibration, config))
+    return case
 
 
 # --- driver ---------------------------------------------------------------------------------------
@@ -316,6 +324,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--early-stop", type=int, metavar="PATIENCE", help="our units stop once their loss has not "
                         "improved for PATIENCE iterations, then finish their schedule in PATIENCE more; 0: never "
                         "(default: the config's default, on with patience 100)")
+    parser.add_argument("--overhead", action="store_true", help="also each case's quantization overhead (a tuning "
+                        "step's time over the same step with the quantizers off; scripts/profile_step.py), from a "
+                        "second tuning run whose steps alternate the two")
     parser.add_argument("--case", nargs=3, metavar=("MODEL", "PRESET", "DIR"), help=argparse.SUPPRESS)
     parser.add_argument("--memory-case", nargs=2, metavar=("DIR", "BUDGET_MB"), help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -326,7 +337,7 @@ def child(args: argparse.Namespace) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
     model, preset, directory = args.case
     print(json.dumps(run_case(model, preset, Path(directory), args.iterations, args.adaquant_lr, args.unit, args.device,
-                              args.devices, not args.no_ort_rerun, args.early_stop)))
+                              args.devices, not args.no_ort_rerun, args.early_stop, args.overhead)))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -374,7 +385,7 @@ def run_child(model: str, preset: str, directory: Path, args: argparse.Namespace
     """One case in a fresh process (its own peak RSS); wall time measured around it."""
     command = [sys.executable, __file__, "--case", model, preset, str(directory), "--iterations", str(args.iterations),
                "--unit", args.unit, "--device", args.device, "--devices", str(args.devices),
-               *(["--no-ort-rerun"] if args.no_ort_rerun else []),
+               *(["--no-ort-rerun"] if args.no_ort_rerun else []), *(["--overhead"] if args.overhead else []),
                *(["--early-stop", str(args.early_stop)] if args.early_stop is not None else []),
                *(["--adaquant-lr", str(args.adaquant_lr)] if args.adaquant_lr else [])]
     if args.threads:

@@ -1,9 +1,14 @@
 """Benchmark: quantize-dequantize time of every format in torch and in onnxruntime (our ONNX
 function bodies or the standard Q/DQ ops), beside torch.clone of the same tensor measured in the
-same run (the memory-bandwidth floor). With --compile, also forward + backward (straight-through
-gradient of a random incoming gradient) eager and through the compiled kernels, the first compiled
-step's time (the compile, from inductor's on-disk cache where it has the kernels) and whether the
-compiled values and gradient have eager's bits. Prints JSON; ratios are time / clone time."""
+same run (the memory-bandwidth floor), for each tensor shape given (by default the two of issue 31:
+64x256x56x56 and a unit-sized 16x64x56x56). With --compile, also forward + backward
+(straight-through gradient of a random incoming gradient) eager and through the compiled kernels,
+the first compiled step's time (the compile, from inductor's on-disk cache where it has the
+kernels) and whether the compiled values and gradient have eager's bits. Times are medians of the
+repeats; prints JSON, one entry per shape; ratios are time / clone time.
+
+    python scripts/bench_formats.py --compile --threads 2 --formats MX4 MX9 BFP16 MXFP4 --no-onnx
+"""
 
 from __future__ import annotations
 
@@ -71,15 +76,16 @@ def cases(shape: tuple[int, ...]) -> dict[str, Case]:
     }
 
 
-def best_time(fn: Callable[[], object], repeats: int) -> float:
-    """Fastest of `repeats` timed runs after one warm-up (the least disturbed by a noisy machine)."""
+def median_time(fn: Callable[[], object], repeats: int) -> float:
+    """Median of `repeats` timed runs after one warm-up (a machine shared with other jobs makes
+    single runs noisy both ways)."""
     fn()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return min(times)
+    return float(np.median(times))
 
 
 def onnx_session(case: Case, shape: tuple[int, ...]) -> ort.InferenceSession:
@@ -125,26 +131,28 @@ def compiled_columns(case: Case, x: torch.Tensor, repeats: int) -> dict:
     first = compiled()
     compile_s = time.perf_counter() - start
     identical = same_bits(first, eager()) and same_bits(compiled_leaf.grad, eager_leaf.grad)
-    return {"eager_fb_s": best_time(eager, repeats), "compiled_fb_s": best_time(compiled, repeats),
+    return {"eager_fb_s": median_time(eager, repeats), "compiled_fb_s": median_time(compiled, repeats),
             "compile_s": round(compile_s, 2), "same_bits": identical}
 
 
-def run(shape: tuple[int, ...], repeats: int, names: list[str] | None, compile_kernels: bool = False) -> dict:
-    """Measure every (or the named) format; clone is measured before each format and the best kept."""
+def run(shape: tuple[int, ...], repeats: int, names: list[str] | None, compile_kernels: bool = False,
+        with_onnx: bool = True) -> dict:
+    """Measure every (or the named) format; clone is measured before each format and the median of
+    those kept."""
     x = torch.randn(shape, generator=torch.Generator().manual_seed(0))
     x_np = x.numpy()
     rows, clone_times = [], []
     for name, case in cases(shape).items():
         if names and name not in names:
             continue
-        clone_times.append(best_time(x.clone, repeats))
+        clone_times.append(median_time(x.clone, repeats))
         spec, scale, zero_point = case
-        torch_s = best_time(partial(quantize_dequantize, x, spec, None if scale is None else torch.from_numpy(scale),
+        torch_s = median_time(partial(quantize_dequantize, x, spec, None if scale is None else torch.from_numpy(scale),
                                     None if zero_point is None else torch.from_numpy(zero_point)), repeats)
-        onnx_s = best_time(partial(onnx_session(case, shape).run, None, {"x": x_np}), repeats)
-        rows.append({"format": name, "torch_s": torch_s, "onnxruntime_s": onnx_s,
+        onnx_s = median_time(partial(onnx_session(case, shape).run, None, {"x": x_np}), repeats) if with_onnx else None
+        rows.append({"format": name, "torch_s": torch_s, **({"onnxruntime_s": onnx_s} if with_onnx else {}),
                      **(compiled_columns(case, x, repeats) if compile_kernels else {})})
-    clone_s = min(clone_times)
+    clone_s = float(np.median(clone_times))
     for row in rows:
         for column in ("torch", "onnxruntime", "eager_fb", "compiled_fb"):
             if f"{column}_s" in row:
@@ -156,24 +164,29 @@ def run(shape: tuple[int, ...], repeats: int, names: list[str] | None, compile_k
         "torch": torch.__version__, "onnxruntime": ort.__version__, "onnx": onnx.__version__,
         "machine": platform.machine(), "formats": rows,
         "max_torch_vs_clone": max(r["torch_vs_clone"] for r in rows),
-        "max_onnxruntime_vs_clone": max(r["onnxruntime_vs_clone"] for r in rows),
-        **({"max_compiled_fb_vs_clone": max(r["compiled_fb_vs_clone"] for r in rows),
+        **({"max_onnxruntime_vs_clone": max(r["onnxruntime_vs_clone"] for r in rows)} if with_onnx else {}),
+        **({"max_eager_fb_vs_clone": max(r["eager_fb_vs_clone"] for r in rows),
+            "max_compiled_fb_vs_clone": max(r["compiled_fb_vs_clone"] for r in rows),
             "all_same_bits": all(r["same_bits"] for r in rows)} if compile_kernels else {}),
     }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--shape", type=int, nargs="+", default=[64, 256, 56, 56])
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--shape", type=int, nargs="+", action="append",
+                        help="a tensor shape (repeat the option for several; default 64 256 56 56 and 16 64 56 56)")
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--formats", nargs="*", help="only these formats (names as in the output)")
     parser.add_argument("--compile", action="store_true",
                         help="also forward + backward eager and through the compiled kernels (torch.compile)")
+    parser.add_argument("--no-onnx", action="store_true", help="skip the onnxruntime column")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(json.dumps(run(tuple(args.shape), args.repeats, args.formats, args.compile), indent=1))
+    shapes = args.shape or [[64, 256, 56, 56], [16, 64, 56, 56]]
+    print(json.dumps([run(tuple(shape), args.repeats, args.formats, args.compile, not args.no_onnx) for shape in shapes],
+                     indent=1))
 
 
 if __name__ == "__main__":

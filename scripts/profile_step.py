@@ -1,12 +1,15 @@
 """Where one fine-tuning step's time goes on the CPU (JSON on stdout): the digits CNN and
-transformer are quantized (MX4 with AdaQuant over blocks, XINT8 with AdaRound over layers) and
-tuned; the steps of every unit are timed bare, then profiled by torch's profiler (operators by
-their own time) and by cProfile (Python functions by their own time, which is where the
-per-operator overhead of small steps shows).
+transformer are quantized (MX4 and MXFP4 with AdaQuant over blocks, XINT8 with AdaRound over
+layers) and tuned; the steps of every unit are timed bare, then profiled by torch's profiler
+(operators by their own time) and by cProfile (Python functions by their own time, which is where
+the per-operator overhead of small steps shows). The quantization overhead is a tuning step's time
+over the same step with every quantizer switched off (float forward, loss, backward, optimiser
+step): measured in a run of its own whose steps alternate the two, so both see the same machine.
 
     python scripts/profile_step.py                                   # every case, 200 steps per unit
     python scripts/profile_step.py --cases digits:MX4 --iterations 500 --threads 2
     python scripts/profile_step.py --bare          # step times only: alternate two checkouts to compare them
+    python scripts/profile_step.py --overhead --compile false        # step times and the overhead, eager kernels
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from finetune.config import FastFinetune
@@ -30,10 +34,11 @@ from finetune.quantize import quantize_model
 from finetune.recon import finetune_model
 from finetune.recon.loop import Tuner
 from finetune.recon.qdrop import Batches
+from finetune.recon.stream import quantizers_disabled
 from finetune.zoo import digits_split, export_onnx, train_digits_cnn, train_digits_transformer
 
-CASES = {"digits:MX4": ("digits", "MX4", "adaquant", "block"), "digits:XINT8": ("digits", "XINT8", "adaround", "layer"),
-         "transformer:MX4": ("transformer", "MX4", "adaquant", "block")}
+CASES = {"digits:MX4": ("digits", "MX4", "adaquant", "block"), "digits:MXFP4": ("digits", "MXFP4", "adaquant", "block"),
+         "digits:XINT8": ("digits", "XINT8", "adaround", "layer"), "transformer:MX4": ("transformer", "MX4", "adaquant", "block")}
 SHOWN = 15  # rows of each table
 
 
@@ -63,6 +68,56 @@ def timed_steps(seconds: list[float], around: Callable[[], contextlib.AbstractCo
         seconds.extend(a + b for a, b in zip(drawing, stepping))
 
 
+@contextlib.contextmanager
+def alternating_steps(quantized: list[float], plain: list[float]) -> Iterator[None]:
+    """Time every step (Tuner._step), every other one a float step (see float_step): the quantized
+    steps' seconds go to `quantized`, the others' to `plain`."""
+    step = Tuner._step
+
+    def alternating(tuner: Tuner, model: torch.nn.Module, *args: Any) -> Any:
+        off = len(quantized) > len(plain)
+        begin = time.perf_counter()
+        with float_step(model) if off else contextlib.nullcontext():
+            result = step(tuner, model, *args)
+        (plain if off else quantized).append(time.perf_counter() - begin)
+        return result
+
+    Tuner._step = alternating  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        Tuner._step = step  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def float_step(model: torch.nn.Module) -> Iterator[None]:
+    """The model's quantizers off and its frozen float weights given gradients (AdaRound trains only
+    its rounding variables, which a float step lacks: without this its loss reaches no parameter),
+    as they were after, their gradients dropped."""
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    for parameter in frozen:
+        parameter.requires_grad_(True)
+    try:
+        with quantizers_disabled(model):
+            yield
+    finally:
+        for parameter in frozen:
+            parameter.requires_grad_(False)
+            parameter.grad = None
+
+
+def quantization_overhead(run_tuning: Callable[[], object]) -> dict[str, Any]:
+    """A tuning step's median time over the median of the same steps with every quantizer off, from
+    one call of `run_tuning` whose steps alternate the two."""
+    quantized: list[float] = []
+    plain: list[float] = []
+    with alternating_steps(quantized, plain):
+        run_tuning()
+    median_quantized, median_plain = float(np.median(quantized)), float(np.median(plain))
+    return {"steps": len(quantized) + len(plain), "ms_per_step_quantized": round(1e3 * median_quantized, 3),
+            "ms_per_step_quantizers_off": round(1e3 * median_plain, 3), "overhead": round(median_quantized / median_plain, 3)}
+
+
 def prepare(model_name: str, preset: str, folder: Path) -> tuple[Any, list[dict[str, Any]]]:
     """The quantized model and its calibration feeds (256 digits samples, batches of 32)."""
     network = train_digits_cnn() if model_name == "digits" else train_digits_transformer()
@@ -88,8 +143,10 @@ def functions(profile: cProfile.Profile, steps: int) -> list[dict[str, Any]]:
              "calls_per_step": round(calls / steps, 1)} for (file, line, name), (_, calls, own, _, _) in rows]
 
 
-def run(case: str, iterations: int, folder: Path, profiles: bool = True, compile_kernels: str | bool = "auto") -> dict[str, Any]:
-    """One case: bare step times, then (with `profiles`) the two profiles, each over a run of its own."""
+def run(case: str, iterations: int, folder: Path, profiles: bool = True, compile_kernels: str | bool = "auto",
+        overhead: bool = False) -> dict[str, Any]:
+    """One case: bare step times, then (with `overhead`) the quantization overhead and (with
+    `profiles`) the two profiles, each over a run of its own."""
     model_name, preset, algorithm, unit = CASES[case]
     quantized, feeds = prepare(model_name, preset, folder)
     config = FastFinetune(algorithm=algorithm, unit=unit, iterations=iterations, seed=0, early_stop={"enabled": False},
@@ -101,6 +158,8 @@ def run(case: str, iterations: int, folder: Path, profiles: bool = True, compile
     timing = {"case": case, "algorithm": algorithm, "unit": unit, "compile": compile_kernels, "steps": steps,
               "threads": torch.get_num_threads(),
               "ms_per_step": round(1e3 * sum(bare) / steps, 3), "ms_per_step_median": round(1e3 * sorted(bare)[steps // 2], 3)}
+    if overhead:
+        timing["quantization_overhead"] = quantization_overhead(lambda: finetune_model(quantized, feeds, config))
     if not profiles:
         return timing
     traced: list[float] = []
@@ -129,6 +188,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--iterations", type=int, default=200, help="steps per unit (default 200)")
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default 2)")
     parser.add_argument("--bare", action="store_true", help="step times only, no profiles (for side-by-side timing)")
+    parser.add_argument("--overhead", action="store_true",
+                        help="also the quantization overhead: steps over the same steps with the quantizers off")
     parser.add_argument("--compile", choices=["auto", "true", "false"], default="auto",
                         help="fast_finetune.compile (default auto: compiled kernels where a compiler is at hand)")
     args = parser.parse_args(argv)
@@ -138,7 +199,8 @@ def main(argv: list[str] | None = None) -> None:
         for case in args.cases.split(","):
             print(f"case {case}", file=sys.stderr)
             setting = {"auto": "auto", "true": True, "false": False}[args.compile]
-            results.append(run(case, args.iterations, Path(folder), profiles=not args.bare, compile_kernels=setting))
+            results.append(run(case, args.iterations, Path(folder), profiles=not args.bare, compile_kernels=setting,
+                               overhead=args.overhead))
     json.dump(results, sys.stdout, indent=1)
     print()
 

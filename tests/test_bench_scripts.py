@@ -20,7 +20,7 @@ def test_bench_formats_reports_every_format_as_json() -> None:
         [sys.executable, str(SCRIPTS / "bench_formats.py"), "--shape", "2", "64", "5", "7", "--repeats", "1"],
         capture_output=True, text=True, check=True,
     )
-    report = json.loads(result.stdout)
+    (report,) = json.loads(result.stdout)
     assert report["shape"] == [2, 64, 5, 7]
     names = [row["format"] for row in report["formats"]]
     assert {"BFP16", "MX9", "MX6", "MX4", "MXINT8", "MXFP8_E4M3", "MXFP8_E5M2", "MXFP6_E3M2", "MXFP6_E2M3",
@@ -30,16 +30,20 @@ def test_bench_formats_reports_every_format_as_json() -> None:
 
 
 def test_bench_formats_compares_eager_and_compiled_forward_backward() -> None:
+    """Two shapes in one run, each with its own clone; without the onnxruntime column."""
     result = subprocess.run(
-        [sys.executable, str(SCRIPTS / "bench_formats.py"), "--shape", "2", "40", "3", "--repeats", "1", "--compile",
-         "--threads", "1", "--formats", "MX4", "BF16"],
+        [sys.executable, str(SCRIPTS / "bench_formats.py"), "--shape", "2", "40", "3", "--shape", "3", "40",
+         "--repeats", "1", "--compile", "--threads", "1", "--formats", "MX4", "BF16", "--no-onnx"],
         capture_output=True, text=True, check=True,
     )
-    report = json.loads(result.stdout)
-    assert [row["format"] for row in report["formats"]] == ["MX4", "BF16"] and report["torch_threads"] == 1
-    for row in report["formats"]:
-        assert row["eager_fb_s"] > 0 and row["compiled_fb_s"] > 0 and row["compile_s"] > 0 and row["same_bits"] is True
-    assert report["all_same_bits"] is True and report["max_compiled_fb_vs_clone"] > 0
+    reports = json.loads(result.stdout)
+    assert [report["shape"] for report in reports] == [[2, 40, 3], [3, 40]]
+    for report in reports:
+        assert [row["format"] for row in report["formats"]] == ["MX4", "BF16"] and report["torch_threads"] == 1
+        for row in report["formats"]:
+            assert row["eager_fb_s"] > 0 and row["compiled_fb_s"] > 0 and row["compile_s"] > 0 and row["same_bits"] is True
+            assert row["eager_fb_vs_clone"] > 0 and row["compiled_fb_vs_clone"] > 0 and "onnxruntime_s" not in row
+        assert report["all_same_bits"] is True and report["max_compiled_fb_vs_clone"] > 0
 
 
 def script(name: str) -> Any:
@@ -124,11 +128,15 @@ def test_bench_automp_records_a_target_the_search_refuses_and_goes_on() -> None:
 
 
 def test_profile_step_reports_where_a_cpu_step_goes() -> None:
-    """One case, a few steps: the bare time per step and both profiles' tables, as JSON."""
-    result = subprocess.run([sys.executable, str(SCRIPTS / "profile_step.py"), "--cases", "digits:XINT8", "--iterations", "3",
-                             "--threads", "1"], capture_output=True, text=True, check=True)
+    """One case, a few steps: the bare time per step, the quantization overhead (steps alternating with
+    and without the quantizers) and both profiles' tables, as JSON."""
+    result = subprocess.run([sys.executable, str(SCRIPTS / "profile_step.py"), "--cases", "digits:XINT8", "--iterations", "4",
+                             "--threads", "1", "--overhead"], capture_output=True, text=True, check=True)
     (case,) = json.loads(result.stdout)
-    assert case["case"] == "digits:XINT8" and case["steps"] == 3 * 5  # 5 layer units of the digits CNN
+    assert case["case"] == "digits:XINT8" and case["steps"] == 4 * 5  # 5 layer units of the digits CNN
+    overhead = case["quantization_overhead"]
+    assert overhead["steps"] == 4 * 5 and overhead["overhead"] == pytest.approx(
+        overhead["ms_per_step_quantized"] / overhead["ms_per_step_quantizers_off"], rel=0.01)
     assert case["ms_per_step"] > 0 and case["operators"] and case["python"]
     assert any("convolution" in row["op"] for row in case["operators"])
 

@@ -41,6 +41,7 @@ from finetune.formats.compiled import (
     quantize_dequantize_compiled,
     resolve_compile,
 )
+from finetune.formats.packed import pack_mask, unpack_mask
 from finetune.lift import FakeQuantize
 
 F32_MAX = 3.4028234663852886e38
@@ -126,6 +127,34 @@ def test_every_rounding_mode_and_shape_compiles_to_the_same_bits(
 ) -> None:
     check_compiled_equals_eager(spec.__class__(**{**spec.__dict__, "rounding_mode": rounding_mode}), None, None,
                                 data(shape, seed=rounding_mode))
+
+
+def ordinary_data(shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
+    """Eighths in [-8, 8) (ties of every rounding at every block scale) with a zero first block: data
+    on which the compiled block kernels take their kernel without rare-case fixes."""
+    x = torch.randint(-64, 64, shape, generator=torch.Generator().manual_seed(seed)).float() / 8
+    x.view(-1)[:32] = 0.0
+    return x
+
+
+@pytest.mark.parametrize(("spec", "shape"), [
+    (MX4, (3, 40, 5)), (MXSpec("fp8_e4m3", rounding_mode=1), (3, 40, 5)), (MXSpec("int8", rounding_mode=0), (2, 70, 3)),
+    (BFPSpec(block_size=40, rounding_mode=1, convert_to_bfloat_before_bfp=1), (2, 90, 3)), (MX9, (3, 40))],
+    ids=["MX4", "MXFP8_E4M3 half up", "MXINT8 half away", "BFP block 40 bfloat16 first", "MX9 rows"])
+def test_ordinary_inputs_compile_to_the_same_bits(spec: BFPSpec | MXSpec, shape: tuple[int, ...]) -> None:
+    """The kernels without rare-case fixes (every input here passes their check), with blocks padded
+    at the edge, a mask word of 32 bits (block 32) and blocks longer than a word (40)."""
+    check_compiled_equals_eager(spec, None, None, ordinary_data(shape))
+
+
+def test_packed_masks_unpack_to_themselves() -> None:
+    """Any mask comes back from its packed form, along any axis, whole words or not."""
+    for shape, axis, group in [((3, 37, 4), 1, 16), ((5, 70), -1, 32), ((33,), 0, 8), ((2, 3, 5, 7), 0, 2)]:
+        mask = torch.rand(shape, generator=torch.Generator().manual_seed(len(shape))) > 0.3
+        a = axis % len(shape)
+        packed = pack_mask(mask, a, group)
+        assert packed.dtype == torch.int32 and packed.shape[1] == -(-shape[a] // group)
+        assert torch.equal(unpack_mask(packed, mask.shape, a, group), mask)
 
 
 def test_float16_inputs_and_channels_last_layout_match_eager() -> None:

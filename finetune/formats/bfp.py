@@ -13,6 +13,7 @@ from .bits import (
     F32_MIN_NORMAL,
     compute_in_float32,
     exponent_field,
+    fields_within,
     needs,
     quantize_scaled,
     rounder,
@@ -118,6 +119,27 @@ def _bfp_map(x: torch.Tensor, spec: BFPSpec, with_mask: bool) -> tuple[torch.Ten
     return y, passes[0] if with_mask else None
 
 
+def ordinary_input(x: torch.Tensor, spec: BFPSpec) -> torch.Tensor:
+    """Element-wise, whether an element of float32 x is zero or, after the bfloat16 pre-rounding
+    where asked, has its exponent field in ordinary_field_range: where it holds for every element,
+    it holds for every block's and sub-block's largest one, and bfp_values takes its ordinary path."""
+    if spec.convert_to_bfloat_before_bfp:
+        x = x.to(torch.bfloat16).float()
+    return fields_within(x, *ordinary_field_range(spec))
+
+
+def ordinary_field_range(spec: BFPSpec) -> tuple[int, int]:
+    """The exponent fields of a block's largest magnitude (to_bfp) or of each sub-block's
+    (to_bfp_prime) with which the block needs no rare-case fix. to_bfp: its scales are normal
+    both ways. to_bfp_prime: scales are 2**(field - scale_offset - shift), 0 <= shift <=
+    max_sub_block_shift; from headroom + 2 on the smallest is normal both ways (from headroom
+    on) and no float32 subnormal gets a nonzero code, so none needs the flush."""
+    lowest, highest = normal_scale_fields(spec.scale_offset)
+    if spec.bfp_method == "to_bfp":
+        return lowest, highest
+    return spec.mantissa_bits + spec.max_sub_block_shift + 2, highest
+
+
 def round_codes(scaled: torch.Tensor, spec: BFPSpec, max_code: float) -> torch.Tensor:
     """Round scaled values to integer codes, clamped to the sign-magnitude range ±max_code."""
     return rounder(spec.rounding_mode)(scaled).clamp_(-max_code, max_code)
@@ -126,7 +148,7 @@ def round_codes(scaled: torch.Tensor, spec: BFPSpec, max_code: float) -> torch.T
 def _to_bfp(blocks: torch.Tensor, spec: BFPSpec, max_code: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Shared exponent = largest finite exponent field of the block; NaN/Inf pass through.
     Returns the result and the scaled values (for the gradient mask)."""
-    shared, finite, ordinary = shared_exponent_field(blocks, 2, *normal_scale_fields(spec.scale_offset))
+    shared, finite, ordinary = shared_exponent_field(blocks, 2, *ordinary_field_range(spec))
     scale_exp = shared - spec.scale_offset
     y, scaled = quantize_scaled(blocks, scale_exp, lambda v: round_codes(v, spec, max_code), normal=ordinary)
     if finite is not None:
@@ -142,9 +164,7 @@ def _to_bfp_prime(blocks: torch.Tensor, spec: BFPSpec, max_code: float) -> tuple
     sub_max_abs = sub.abs().amax(dim=3, keepdim=True)
     max_shift = spec.max_sub_block_shift
     headroom = spec.mantissa_bits + max_shift
-    # Scales are 2**(field - scale_offset - shift), 0 <= shift <= max_shift. From headroom + 2 on,
-    # the smallest is normal both ways (from headroom on) and no subnormal gets a nonzero code.
-    sub_max = ordinary_fields(sub_max_abs, headroom + 2, normal_scale_fields(spec.scale_offset)[1])
+    sub_max = ordinary_fields(sub_max_abs, *ordinary_field_range(spec))
     ordinary = sub_max is not None
     if sub_max is None:
         sub_max = exponent_field(sub_max_abs)

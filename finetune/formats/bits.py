@@ -17,6 +17,7 @@ MIN_NORMAL_EXPONENT = -126
 MAX_EXPONENT = 127
 F32_MIN_NORMAL = 2.0**MIN_NORMAL_EXPONENT
 EXPONENT_MASK = 0x7F800000
+SIGN_MASK = -0x80000000  # bit 31 of an int32
 
 ROUND_HALF_AWAY_FROM_ZERO = 0
 ROUND_HALF_UP = 1
@@ -42,6 +43,8 @@ def pow2(k: torch.Tensor) -> torch.Tensor:
 
 # Set by `branch_free` only: whether `needs` assumes every rare case on CPU too.
 _assume_rare_cases = False
+# Set by `assume_ordinary` only: whether the block formats take their ordinary path unchecked.
+_assume_ordinary = False
 
 
 def checks_rare_cases(device: torch.device) -> bool:
@@ -68,6 +71,34 @@ def branch_free() -> Iterator[None]:
         yield
     finally:
         _assume_rare_cases = previous
+
+
+def assumes_ordinary() -> bool:
+    """Whether the block formats take their ordinary path (every scale a normal power of two both
+    ways, no NaN/Inf) without checking it, as within `assume_ordinary`."""
+    return _assume_ordinary
+
+
+@contextmanager
+def assume_ordinary() -> Iterator[None]:
+    """Within this block the block formats take their ordinary path unchecked, even while
+    torch.compile traces: the compiled kernels trace it for inputs a check of their own (the
+    formats' `ordinary_input`) has found ordinary, and a kernel without the rare-case fixes is
+    several times cheaper. On other inputs the results would be wrong."""
+    global _assume_ordinary
+    previous, _assume_ordinary = _assume_ordinary, True
+    try:
+        yield
+    finally:
+        _assume_ordinary = previous
+
+
+def fields_within(x: torch.Tensor, lowest: int, highest: int) -> torch.Tensor:
+    """Where float32 x is zero or has its exponent field in [lowest, highest] (highest < 255, so
+    NaN/Inf are outside), element-wise."""
+    magnitude = x.view(torch.int32) & ~SIGN_MASK
+    field = magnitude >> MANTISSA_BITS
+    return (magnitude == 0) | ((field >= lowest) & (field <= highest))
 
 
 def _outside(k: torch.Tensor, low: int, high: int) -> torch.Tensor:
@@ -99,12 +130,11 @@ def scale_by_pow2(x: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
 def quantize_scaled(x: torch.Tensor, k: torch.Tensor, quantize: RoundFn, normal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(quantize(x * 2**-k) * 2**k, x * 2**-k), each product exact up to its final rounding: the
     block formats' scale-round-unscale. When 2**k and 2**-k are both normal (nearly always; `normal`:
-    the caller has checked it), one power of two serves both ways, since x / 2**k rounds exactly
-    like x * 2**-k."""
+    the caller has checked it), each is one exact power of two (a product, which is cheaper than
+    the division x / 2**k and rounds exactly like it)."""
     if normal or not needs(_any_outside(k, MIN_NORMAL_EXPONENT, -MIN_NORMAL_EXPONENT)):
-        factor = pow2(k)
-        scaled = x / factor
-        return quantize(scaled).mul_(factor), scaled
+        scaled = x * pow2(-k)
+        return quantize(scaled).mul_(pow2(k)), scaled
     scaled = scale_by_pow2(x, -k)
     return scale_by_pow2(quantize(scaled), k), scaled
 

@@ -13,6 +13,7 @@ from .bits import (
     MANTISSA_BITS,
     MIN_NORMAL_EXPONENT,
     ROUNDING_MODES,
+    assumes_ordinary,
     checks_rare_cases,
     exponent_field,
     needs,
@@ -93,10 +94,10 @@ def _blocked(part: torch.Tensor, n: int, block_size: int, fn: BlockFn) -> tuple[
     if padded != n:
         part = F.pad(part, (0, 0, 0, padded - n))
     blocks = part.reshape(part.shape[0], padded // block_size, block_size, part.shape[2])
-    return tuple(_unblocked(r.reshape(blocks.shape), n) for r in fn(blocks))
+    return tuple(unblocked(r.reshape(blocks.shape), n) for r in fn(blocks))
 
 
-def _unblocked(r: torch.Tensor, n: int) -> torch.Tensor:
+def unblocked(r: torch.Tensor, n: int) -> torch.Tensor:
     """Blocks [p, n_blocks, block, q] as [p, n, q], the padding dropped: a view, or while
     torch.compile traces, the whole blocks joined to the last one's first elements. (Inductor in
     torch 2.14 miscompiles a slice of the merged block axes read into a contiguous tensor when q
@@ -160,8 +161,9 @@ def shared_exponent_field(blocks: torch.Tensor, dim: int, lowest: int, highest: 
     """(largest exponent field over the finite elements along `dim`, the finite mask, whether the
     blocks are ordinary). Ordinary (see ordinary_fields, with the caller's range): zero blocks read
     `lowest` and no mask is needed. Otherwise the mask is None when a check rules NaN/Inf out (on
-    CPU). Where rare cases are assumed (accelerators), neither check's work is done."""
-    if checks_rare_cases(blocks.device):
+    CPU). Where rare cases are assumed (accelerators), neither check's work is done; where ordinary
+    blocks are assumed (bits.assume_ordinary), the blocks are taken as ordinary unchecked."""
+    if assumes_ordinary() or checks_rare_cases(blocks.device):
         magnitudes = blocks.abs().amax(dim=dim, keepdim=True)
         fields = ordinary_fields(magnitudes, lowest, highest)
         if fields is not None:
@@ -184,10 +186,13 @@ def ordinary_fields(magnitudes: torch.Tensor, lowest: int, highest: int) -> torc
     raised to `lowest`, when every nonzero magnitude's field lies in [lowest, highest]: the caller
     picks the range in which its scales need no rare-case fix, and an all-zero block gives zeros at
     any scale. None otherwise, and always where rare cases are assumed (accelerators): the caller
-    then takes its general path. One reduction and one host read replace the per-case checks."""
+    then takes its general path. One reduction and one host read replace the per-case checks.
+    Within bits.assume_ordinary, the fields unchecked."""
+    bits = magnitudes.view(torch.int32)
+    if assumes_ordinary():
+        return (bits >> MANTISSA_BITS).clamp_(min=lowest)
     if not checks_rare_cases(magnitudes.device) or not magnitudes.numel():
         return None
-    bits = magnitudes.view(torch.int32)
     least, most = torch.stack(torch.aminmax(bits.masked_fill(bits == 0, lowest << MANTISSA_BITS))).tolist()
     if least < lowest << MANTISSA_BITS or most >= (highest + 1) << MANTISSA_BITS:
         return None

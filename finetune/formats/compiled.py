@@ -1,7 +1,9 @@
 """Compiled quantize-dequantize kernels: `format_values` and its straight-through gradient run
 through torch.compile (inductor: C++/OpenMP on the CPU, Triton on CUDA/ROCm), giving the eager
 functions' bits. Traced, the formats take their branch-free, unchunked path (bits.checks_rare_cases,
-blocks._chunks), which gives the same bits as the checked, chunked one. This module owns the choice
+blocks._chunks), which gives the same bits as the checked, chunked one; on the CPU the block formats
+first take their ordinary path unchecked (bits.assume_ordinary) with a check of the input in the
+same pass, and the branch-free kernel runs only where that check fails. This module owns the choice
 eager/compiled per format (EAGER_FORMATS), the cache of compiled callables and whether a compiler
 is at hand at all."""
 
@@ -17,8 +19,12 @@ from typing import Any, Literal
 
 import torch
 
-from . import FloatSpec, FormatSpec, IntSpec, format_values, int_quantize_dequantize, quantize_dequantize
-from .bits import straight_through
+from . import BFPSpec, FloatSpec, FormatSpec, IntSpec, MXSpec, format_values, int_quantize_dequantize, quantize_dequantize
+from .bfp import ordinary_input as bfp_ordinary_input
+from .bits import assume_ordinary, straight_through
+from .blocks import block_axis
+from .mx import ordinary_input as mx_ordinary_input
+from .packed import all_groups, group_size, pack_mask, unpack_mask
 
 logger = logging.getLogger(__name__)
 
@@ -182,41 +188,96 @@ class _Key:
 
 
 class _Kernel:
-    """One format's compiled values (x, scale, zero point -> y) and gradient (x, incoming gradient,
-    scale, zero point -> gradient of x, the mask recomputed from x: a saved boolean mask costs
-    more, inductor stores booleans slowly on the CPU). Each has its own code object, because dynamo
-    keeps compiled graphs per code object and stops compiling one past its recompile limit."""
+    """One format's compiled kernels on inputs of one shape: the forward of a training step (x,
+    scale, zero point -> y and what its gradient needs) and the straight-through gradient. INT and
+    float formats compile their values alone, keep x and recompute the mask from it (a saved
+    boolean mask costs more: inductor stores booleans slowly on the CPU). Block formats write their
+    mask packed to a bit per element in the forward's pass (packed.py); on the CPU they first run a
+    kernel without the rare-case fixes and check in the same pass that x needed none (nearly always
+    so), running the general kernel only where it did. Each kernel has its own code object, because
+    dynamo keeps compiled graphs per code object and stops compiling one past its recompile limit."""
 
     def __init__(self, key: _Key, number: int) -> None:
         spec = key.spec
         self.dynamic_batch = key.shape[:1] == (None,)
+        self.blocked = isinstance(spec, (BFPSpec, MXSpec))
+        self.speculates = self.blocked and key.device.type == "cpu"
+        group = group_size(spec.block_size) if isinstance(spec, (BFPSpec, MXSpec)) else 0
 
-        def values(x: torch.Tensor, scale: torch.Tensor | None, zero_point: torch.Tensor | None) -> torch.Tensor:
-            return format_values(x, spec, scale, zero_point, with_mask=False)[0]
+        def values(x: torch.Tensor, scale: torch.Tensor | None, zero_point: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+            return (format_values(x, spec, scale, zero_point, with_mask=False)[0],)
 
-        def gradient(x: torch.Tensor, grad: torch.Tensor, scale: torch.Tensor | None,
+        def forward(x: torch.Tensor, scale: torch.Tensor | None, zero_point: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+            y, passes = format_values(x, spec, scale, zero_point, with_mask=True)
+            return y, None if passes is None else pack_mask(passes, block_axis(x, spec.axis), group)
+
+        def gradient(saved: torch.Tensor, grad: torch.Tensor, scale: torch.Tensor | None,
                      zero_point: torch.Tensor | None) -> torch.Tensor:
-            passes = format_values(x, spec, scale, zero_point, with_mask=True)[1]
+            if self.blocked:
+                passes = unpack_mask(saved, grad.shape, block_axis(grad, spec.axis), group)
+            else:
+                passes = format_values(saved, spec, scale, zero_point, with_mask=True)[1]
             return grad if passes is None else torch.where(passes, grad, 0.0)
 
-        self._values = torch.compile(_own_code(values, f"qdq_values_{number}"), dynamic=False, options=INDUCTOR_OPTIONS)
-        self._gradient = torch.compile(_own_code(gradient, f"qdq_gradient_{number}"), dynamic=False, options=INDUCTOR_OPTIONS)
+        def checked(fn: Callable[..., tuple[torch.Tensor | None, ...]]) -> Callable[..., tuple[torch.Tensor | None, ...]]:
+            def run(x: torch.Tensor, scale: torch.Tensor | None, zero_point: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+                return *fn(x, scale, zero_point), all_groups(_ordinary_input(x, spec), block_axis(x, spec.axis), group)
+            return run
+
+        def compiled(fn: types.FunctionType, name: str) -> Callable[..., Any]:
+            return torch.compile(_own_code(fn, f"qdq_{name}_{number}"), dynamic=False, options=INDUCTOR_OPTIONS)
+
+        self._gradient = compiled(gradient, "gradient")
+        if self.blocked:
+            self._forward = compiled(forward, "forward")
+        else:
+            self._values = compiled(values, "values")
+        if self.speculates:
+            self._ordinary_forward = compiled(checked(forward), "ordinary_forward")
 
     def values(self, x: torch.Tensor, scale: torch.Tensor | None, zero_point: torch.Tensor | None) -> torch.Tensor:
-        """The quantized values of float32 x (no autograd)."""
-        return self._values(self._batch_dynamic(x), scale, zero_point)
+        """The quantized values of float32 x (no autograd). A block format runs its forward, whose
+        packed mask costs little, rather than compile a kernel more."""
+        if self.blocked:
+            return self.forward(x, scale, zero_point)[0]
+        return self._values(self._batch_dynamic(x), scale, zero_point)[0]
 
-    def gradient(self, x: torch.Tensor, grad: torch.Tensor, scale: torch.Tensor | None,
-                 zero_point: torch.Tensor | None) -> torch.Tensor:
-        """The straight-through gradient of x for the incoming `grad`."""
-        return self._gradient(self._batch_dynamic(x), self._batch_dynamic(grad.contiguous(memory_format=_layout(x))),
-                              scale, zero_point)
+    def forward(self, x: torch.Tensor, scale: torch.Tensor | None,
+                zero_point: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The quantized values of float32 x and what `gradient` takes for it: x itself, or for a
+        block format its packed mask."""
+        x = self._batch_dynamic(x)
+        if not self.blocked:
+            return self._values(x, scale, zero_point)[0], x
+        if self.speculates:
+            return self._speculate(self._ordinary_forward, self._forward, x, scale, zero_point)
+        return self._forward(x, scale, zero_point)
+
+    def gradient(self, saved: torch.Tensor | None, grad: torch.Tensor, scale: torch.Tensor | None,
+                 zero_point: torch.Tensor | None, layout: torch.memory_format) -> torch.Tensor:
+        """The straight-through gradient for the incoming `grad`, from what `forward` returned."""
+        if saved is None:
+            return grad
+        grad = self._batch_dynamic(grad.contiguous(memory_format=layout))
+        return self._gradient(self._batch_dynamic(saved), grad, scale, zero_point)
+
+    @staticmethod
+    def _speculate(ordinary: Callable[..., Any], general: Callable[..., Any], *args: Any) -> tuple[Any, ...]:
+        """The ordinary kernel's results where its check found x ordinary, else the general one's."""
+        with assume_ordinary():
+            *results, is_ordinary = ordinary(*args)
+        return tuple(results) if bool(is_ordinary) else general(*args)
 
     def _batch_dynamic(self, t: torch.Tensor) -> torch.Tensor:
         """t with its batch axis marked dynamic where the kernel's is, so batches of any size share a graph."""
         if self.dynamic_batch:
             torch._dynamo.maybe_mark_dynamic(t, 0)
         return t
+
+
+def _ordinary_input(x: torch.Tensor, spec: FormatSpec) -> torch.Tensor:
+    """Where the block format `spec` takes its ordinary path on x, element-wise (see the formats' ordinary_input)."""
+    return bfp_ordinary_input(x, spec) if isinstance(spec, BFPSpec) else mx_ordinary_input(x, spec)
 
 
 def _layout(x: torch.Tensor) -> torch.memory_format:
@@ -264,16 +325,18 @@ def _shape(t: torch.Tensor | None) -> tuple[int, ...] | None:
 
 
 class _CompiledQDQ(torch.autograd.Function):
-    """Forward: the compiled values. Backward: the compiled straight-through gradient, from x."""
+    """Forward: the compiled forward. Backward: the compiled straight-through gradient, from what
+    the forward kept (x or a packed mask)."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, kernel: _Kernel, scale: torch.Tensor | None,
                 zero_point: torch.Tensor | None) -> torch.Tensor:
-        ctx.kernel = kernel
-        ctx.save_for_backward(x, scale, zero_point)
-        return kernel.values(x.detach(), scale, zero_point)
+        y, saved = kernel.forward(x.detach(), scale, zero_point)
+        ctx.kernel, ctx.layout = kernel, _layout(x)
+        ctx.save_for_backward(saved, scale, zero_point)
+        return y
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x, scale, zero_point = ctx.saved_tensors
-        return ctx.kernel.gradient(x.detach(), grad, scale, zero_point), None, None, None
+        saved, scale, zero_point = ctx.saved_tensors
+        return ctx.kernel.gradient(saved, grad, scale, zero_point, ctx.layout), None, None, None

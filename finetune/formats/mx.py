@@ -10,6 +10,7 @@ import torch
 from .bits import (
     EXPONENT_BIAS,
     compute_in_float32,
+    fields_within,
     power_of_two_below,
     quantize_scaled,
     round_half_even,
@@ -103,7 +104,7 @@ def mx_values(x: torch.Tensor, spec: MXSpec, with_mask: bool) -> tuple[torch.Ten
 
 def _mx_map(x: torch.Tensor, spec: MXSpec, with_mask: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The quantized values of x, and with `with_mask` also where no element saturated."""
-    max_value, offset = spec.element.max_value, EXPONENT_BIAS + spec.element.emax
+    max_value, offset = spec.element.max_value, _scale_offset(spec)
 
     def per_block(blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
         shared, finite, ordinary = shared_exponent_field(blocks, 2, *normal_scale_fields(offset))
@@ -116,6 +117,19 @@ def _mx_map(x: torch.Tensor, spec: MXSpec, with_mask: bool) -> tuple[torch.Tenso
     with torch.no_grad():
         y, *passes = map_blocks(x.detach(), spec.axis, spec.block_size, per_block)
     return y, passes[0] if with_mask else None
+
+
+def _scale_offset(spec: MXSpec) -> int:
+    """A block's scale is 2**(shared exponent field - this): its largest element spans the binade of
+    the element type's largest exponent."""
+    return EXPONENT_BIAS + spec.element.emax
+
+
+def ordinary_input(x: torch.Tensor, spec: MXSpec) -> torch.Tensor:
+    """Element-wise, whether an element of float32 x is zero or has an exponent field that gives a
+    scale normal both ways: where it holds for every element, it holds for every block's largest
+    one, and mx_values takes its ordinary path."""
+    return fields_within(x, *normal_scale_fields(_scale_offset(spec)))
 
 
 def quantize_element(v: torch.Tensor, spec: MXSpec) -> torch.Tensor:

@@ -14,7 +14,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from finetune.onnx.graphs import all_nodes, subgraphs
+from finetune.onnx.graphs import all_nodes, subgraphs, unique_name
 
 _EXPOSED = "_calibration"  # suffix of the outputs added to nodes
 
@@ -43,7 +43,7 @@ def _expose(graph: onnx.GraphProto, names: set[str], types: Mapping[str, int], t
                 body.output.append(_output_info(body, carried.get(name), types.get(name, onnx.TensorProto.FLOAT), taken))
             if node.op_type == "Scan":
                 _extend_scan_attributes(node)
-            found[name] = _unique(f"{name}{_EXPOSED}", taken)
+            found[name] = unique_name(f"{name}{_EXPOSED}", taken)
             node.output.append(found[name])
     return found
 
@@ -60,11 +60,11 @@ def _output_info(body: onnx.GraphProto, carried: str | None, elem_type: int, tak
     A body input goes out through an Identity: onnxruntime's Scan returned garbage for a scan
     output that names a body input directly."""
     if carried is None:
-        carried = _unique(f"empty{_EXPOSED}", taken)
+        carried = unique_name(f"empty{_EXPOSED}", taken)
         empty = numpy_helper.from_array(np.zeros([0], helper.tensor_dtype_to_np_dtype(elem_type)))
         body.node.append(helper.make_node("Constant", [], [carried], name=carried, value=empty))
     elif carried in {value.name for value in body.input}:
-        copy = _unique(f"{carried}{_EXPOSED}", taken)
+        copy = unique_name(f"{carried}{_EXPOSED}", taken)
         body.node.append(helper.make_node("Identity", [carried], [copy], name=copy))
         carried = copy
     return helper.make_tensor_value_info(carried, elem_type, None)
@@ -76,12 +76,3 @@ def _extend_scan_attributes(node: onnx.NodeProto) -> None:
         if attribute.name in ("scan_output_axes", "scan_output_directions") and attribute.ints:
             attribute.ints.append(0)
 
-
-def _unique(base: str, taken: set[str]) -> str:
-    """`base`, suffixed with a number when already taken; recorded as taken."""
-    name, k = base, 0
-    while name in taken:
-        k += 1
-        name = f"{base}_{k}"
-    taken.add(name)
-    return name

@@ -102,3 +102,13 @@ def _rename_in_subgraph(graph: onnx.GraphProto, renames: Mapping[str, str]) -> N
     for output in graph.output:
         if output.name in visible:  # a branch returning an outer value directly
             output.name = visible[output.name]
+
+
+def unique_name(base: str, taken: set[str]) -> str:
+    """`base`, suffixed with a number when already taken; recorded as taken (for the names a pass adds)."""
+    name, k = base, 0
+    while name in taken:
+        k += 1
+        name = f"{base}_{k}"
+    taken.add(name)
+    return name

@@ -21,7 +21,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from .domains import DEFAULT_DOMAINS
-from .graphs import node_reads
+from .graphs import node_reads, unique_name
 
 SCALE_RANGE = (1e-4, 1e4)  # s is clamped here: a near-empty channel must not blow a weight up to overflow
 LAST, CHANNEL = -1, 1  # where the input channels lie: MatMul / Gemm inputs (last axis), Conv inputs (axis 1)
@@ -69,7 +69,7 @@ class _Constants:
         """The name of node.input[index], an initializer only this node now reads."""
         name = node.input[index]
         if len(self.readers[name]) > 1 or name in {o.name for o in self.graph.output}:
-            copy = _unique(f"{name}_smoothed", set(self.tensors))
+            copy = unique_name(f"{name}_smoothed", set(self.tensors))
             self.tensors[copy] = numpy_helper.from_array(numpy_helper.to_array(self.tensors[name]), copy)
             self.graph.initializer.append(self.tensors[copy])
             self.readers[name].remove(node.name)
@@ -287,10 +287,10 @@ def _insert_muls(graph: onnx.GraphProto, muls: list[tuple[Group, np.ndarray]]) -
     before: dict[int, list[onnx.NodeProto]] = defaultdict(list)
     for group, inverse in muls:
         shape = (-1,) if group.axis == LAST else (-1, *[1] * (group.rank - 2))
-        factor = _unique(f"{group.value}_smooth_inverse", taken)
+        factor = unique_name(f"{group.value}_smooth_inverse", taken)
         graph.initializer.append(numpy_helper.from_array(inverse.reshape(shape).astype(np.float32), factor))
-        output = _unique(f"{group.value}_smoothed", taken)
-        name = _unique(f"{group.value}/SmoothQuant", taken)
+        output = unique_name(f"{group.value}_smoothed", taken)
+        name = unique_name(f"{group.value}/SmoothQuant", taken)
         before[min(nodes.index(layer) for layer in group.layers)].append(
             helper.make_node("Mul", [group.value, factor], [output], name=name))
         for layer in group.layers:
@@ -300,12 +300,3 @@ def _insert_muls(graph: onnx.GraphProto, muls: list[tuple[Group, np.ndarray]]) -
         del graph.node[:]
         graph.node.extend(rebuilt)
 
-
-def _unique(base: str, taken: set[str]) -> str:
-    """`base`, suffixed with a number when already taken; recorded as taken."""
-    name, k = base, 0
-    while name in taken:
-        k += 1
-        name = f"{base}_{k}"
-    taken.add(name)
-    return name

@@ -31,8 +31,6 @@ from finetune.lift import FakeQuantize, LiftedModule
 from .report import Warnings
 from .units import Layer, Unit
 
-INT32_MAX = 2.0**31 - 1
-
 
 @dataclass(frozen=True)
 class Site:
@@ -231,7 +229,7 @@ class LearnedScales:
         bias.scale.copy_(self._quantizer(site.input_quantizer).scale * weight_scale)
         value = self.module.get_parameter(site.bias).detach().double()
         ratio = value / broadcast_param(bias.scale, value, bias.spec.axis, bias.spec.block_size, torch.float64)
-        if bool((ratio.abs() > INT32_MAX).any()):
+        if bool(((ratio < bias.spec.qmin) | (ratio > bias.spec.qmax)).any()):
             self.warnings.add(site.bias, "learn_scales: the int32 bias re-quantized to s_input * the learned weight scale "
                               "saturates at the int32 range (its codes are clipped)", "tensor")
 

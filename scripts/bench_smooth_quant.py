@@ -27,12 +27,12 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_finetune import load_case_data, logits, prepare
+from bench_finetune import load_case_data, logits, prepare, scores
+from sweep_finetune import W4A8  # the W4A8 of the Fine-tuning page's curves
 
 from finetune.pipeline import quantize_and_finetune
 from finetune.quantize import quantize_model
 
-W4A8 = {"preset": "A8W8", "weight": {"dtype": "int4", "granularity": "tensor"}}  # as scripts/sweep_finetune.py
 PRESETS: dict[str, dict[str, Any]] = {"A8W8": {"preset": "A8W8"}, "XINT8": {"preset": "XINT8"}, "W4A8": W4A8,
                                       "MXFP4": {"preset": "MXFP4"}, "MX4": {"preset": "MX4"}}
 CALIBRATION = 256
@@ -84,9 +84,8 @@ def silero_rows() -> list[dict[str, Any]]:
 
 def _scores(model: Any, evaluation: dict[str, np.ndarray], reference: np.ndarray) -> dict[str, float]:
     """Held-out accuracy (%) and the mean squared error of the logits against the float model's."""
-    outputs = logits(model, evaluation["x"])
-    return {"accuracy": round(100 * float((outputs.argmax(1) == evaluation["y"]).mean()), 2),
-            "logit_mse": round(float(np.mean((outputs - reference) ** 2)), 5)}
+    measured = scores(logits(model, evaluation["x"]), reference, evaluation["y"])
+    return {"accuracy": round(measured["metric"], 2), "logit_mse": round(measured["logit_mse"], 5)}
 
 
 def main() -> None:

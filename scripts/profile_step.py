@@ -98,7 +98,7 @@ def float_step(model: torch.nn.Module) -> Iterator[None]:
     for parameter in frozen:
         parameter.requires_grad_(True)
     try:
-        with quantizers_disabled(model):
+        with quantizers_disabled(model, keep_ranges=False):
             yield
     finally:
         for parameter in frozen:

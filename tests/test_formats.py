@@ -32,6 +32,7 @@ from finetune.formats import (
     bfp_quantize_dequantize,
     float_quantize_dequantize,
     int_quantize_dequantize,
+    int_range_clamp,
     int_scale_zero_point,
     mx_quantize_dequantize,
     quantize_dequantize,
@@ -196,6 +197,22 @@ def test_bf16_rounds_to_nearest_even() -> None:
 def test_int_scale_zero_point_from_range(dtype: str, symmetric: bool, lo: float, hi: float, scale: float, zero_point: float) -> None:
     s, zp = int_scale_zero_point(torch.tensor(lo), torch.tensor(hi), IntSpec(dtype, symmetric=symmetric))
     assert s.item() == pytest.approx(scale, rel=1e-6) and zp.item() == zero_point
+
+
+@pytest.mark.parametrize(("spec", "scale", "zero_point"), [
+    (IntSpec("uint8", symmetric=False), torch.tensor(0.02), torch.tensor(0.0)),  # a removed Relu: 0 .. 5.1
+    (IntSpec("int8", symmetric=False), torch.tensor(0.05), torch.tensor(-28.0)),  # -5 .. 7.75
+    (IntSpec("int8", axis=1), torch.tensor([0.01, 0.1]), torch.tensor([0.0, 0.0])),  # per channel
+])
+def test_int_range_clamp_is_quantize_dequantize_without_rounding(spec: IntSpec, scale: torch.Tensor, zero_point: torch.Tensor) -> None:
+    """The clamp keeps every value the range holds as it is (no rounding) and clamps the others to
+    the range's ends, which are exactly the values the lowest and highest codes dequantize to."""
+    x = torch.linspace(-20.0, 20.0, 2001).reshape(-1, 1).repeat(1, 2) * 1.000123
+    clamped = int_range_clamp(x, scale, zero_point, spec)
+    ends = int_quantize_dequantize(torch.tensor([[-1e9, -1e9], [1e9, 1e9]]), scale, zero_point, spec)
+    assert torch.equal(clamped, torch.minimum(torch.maximum(x, ends[0]), ends[1]))
+    inside = (x > ends[0]) & (x < ends[1])
+    assert inside.any() and (~inside).any() and torch.equal(clamped[inside], x[inside])
 
 
 def test_power_of_two_scale_rounds_up() -> None:

@@ -191,4 +191,4 @@ def _bias_between(bias: FakeQuantize | None, activation: FakeQuantize | None, we
     scale = (activation.scale * weight.scale).reshape(bias.scale.shape)
     if torch.equal(scale, bias.scale):
         return bias
-    return FakeQuantize(bias.spec, scale, torch.zeros_like(scale), bias.source)
+    return FakeQuantize(bias.spec, scale, torch.zeros_like(scale), bias.source, on_parameter=True)

@@ -9,7 +9,16 @@ from .bits import RoundFn
 from .blocks import broadcast_param
 from .cost import bits_per_element
 from .floats import BF16, FP8_E4M3FN, FP8_E5M2, FP16, FloatSpec, float_codes, float_quantize_dequantize, float_values
-from .integer import INT_RANGES, IntSpec, dequantize_linear, int_codes, int_quantize_dequantize, int_scale_zero_point, int_values
+from .integer import (
+    INT_RANGES,
+    IntSpec,
+    dequantize_linear,
+    int_codes,
+    int_quantize_dequantize,
+    int_range_clamp,
+    int_scale_zero_point,
+    int_values,
+)
 from .mx import (
     MX_ELEMENTS,
     MXFP4,
@@ -66,6 +75,7 @@ __all__ = [
     "format_values",
     "int_codes",
     "int_quantize_dequantize",
+    "int_range_clamp",
     "int_scale_zero_point",
     "mx_quantize_dequantize",
     "quantize_dequantize",

@@ -97,6 +97,20 @@ def int_values(
     return y, inside
 
 
+def int_range_clamp(
+    x: torch.Tensor, scale: torch.Tensor | float, zero_point: torch.Tensor | float, spec: IntSpec
+) -> torch.Tensor:
+    """x clamped to the values the format can represent, (qmin - zp) * s .. (qmax - zp) * s, without
+    rounding: the part of a quantizer that stands in for a Relu or Clip which a quantizer (onnxruntime's,
+    with asymmetric activations) removed because the clamp does its work."""
+    code_dtype = torch.float64 if spec.dtype in WIDE_TYPES else torch.float32
+    s = broadcast_param(scale, x, spec.axis, spec.block_size, torch.float32)
+    zp = broadcast_param(zero_point, x, spec.axis, spec.block_size, code_dtype)
+    low = (spec.qmin - zp).to(torch.float32) * s
+    high = (spec.qmax - zp).to(torch.float32) * s
+    return torch.minimum(torch.maximum(x, low.to(x.dtype)), high.to(x.dtype))
+
+
 def int_codes(
     x: torch.Tensor, scale: torch.Tensor | float, zero_point: torch.Tensor | float, spec: IntSpec
 ) -> torch.Tensor:

@@ -244,6 +244,8 @@ class _Builder:
                 continue
             initializer, transform = self.initializers[attribute]
             quantizer, consumers = _readers(module, node)
+            if quantizer is not None:
+                module.get_submodule(quantizer).on_parameter = True
             sources[node.target] = ParamSource(initializer, quantizer, consumers, transform)
         return sources
 

@@ -7,14 +7,17 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from finetune.formats import FormatSpec, IntSpec, RoundFn, int_quantize_dequantize, quantize_dequantize
+from finetune.formats import FormatSpec, IntSpec, RoundFn, int_quantize_dequantize, int_range_clamp, quantize_dequantize
 from finetune.formats.compiled import kernels_enabled, quantize_dequantize_compiled
 
 
 class FakeQuantize(nn.Module):
     """Quantize-dequantize in one format with the scale and zero point of the ONNX node(s) it came
-    from; disabled it is the identity (the float reference), and `rounding` replaces the integer
-    rounding (AdaRound). Within formats.compiled.compiled_kernels(True) it runs compiled kernels
+    from; disabled it is the identity (the float reference), except that an integer quantizer of an
+    activation told to `keep_range` still clamps to its range: a quantizer may stand in for a Relu or
+    Clip that was removed because its clamp does the same (onnxruntime does so with asymmetric
+    activations), and the reference must keep that activation. `rounding` replaces the integer
+    rounding (AdaRound). `on_parameter` marks a quantizer of a weight or bias (set by the lifter). Within formats.compiled.compiled_kernels(True) it runs compiled kernels
     (on tensors of at least MIN_COMPILED_ELEMENTS). While its scale is learned (recon.scales),
     `learned` computes it instead, eager, with the scale's gradient."""
 
@@ -27,6 +30,7 @@ class FakeQuantize(nn.Module):
         scale: torch.Tensor | None = None,
         zero_point: torch.Tensor | None = None,
         source: tuple[str, ...] = (),
+        on_parameter: bool = False,
     ) -> None:
         super().__init__()
         if isinstance(spec, IntSpec):
@@ -36,6 +40,8 @@ class FakeQuantize(nn.Module):
         self.spec = spec
         self.source = source
         self.enabled = True
+        self.keep_range = False
+        self.on_parameter = on_parameter
         self.rounding: RoundFn | None = None
         self.learned: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.register_buffer("scale", None if scale is None else scale.to(torch.float32))
@@ -44,6 +50,8 @@ class FakeQuantize(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x quantized and dequantized, or x itself when disabled."""
         if not self.enabled:
+            if self.keep_range and isinstance(self.spec, IntSpec) and not self.on_parameter:
+                return int_range_clamp(x, self.scale, self.zero_point, self.spec)
             return x
         if self.learned is not None:
             return self.learned(x)

@@ -31,7 +31,6 @@ from finetune.onnx.io import load_model, save_model_atomic
 from finetune.onnx.session import require_loads
 
 from .adaround import check_int_weights
-from .bias import corrects_bias
 from .cache import ActivationCache
 from .callbacks import Checkpoint, builtin_callbacks, digest, run_fingerprint
 from .device import host_memory_kept, resolve_device
@@ -251,7 +250,6 @@ def _run(module: LiftedModule, reference: LiftedModule, units: list[Unit], origi
     floats = FloatStream(reference, units, inputs, cache, device, quantizers_off=reference is module)
     stream = QuantizedStream(plan, placeholders, inputs, cache, device)
     tuner = Tuner(config, fabric, units, job.callbacks, held_out)
-    tuner.corrects_bias = _corrects_bias(module, reference, units, config, warnings)
     checkpoint = job.resumption.checkpoint
     finished_weights = {}
     if checkpoint is not None:
@@ -273,20 +271,6 @@ def _run(module: LiftedModule, reference: LiftedModule, units: list[Unit], origi
         guard.release(cache)
     return tuner, {"float_pass_seconds": floats.seconds, "quantized_stream_seconds": stream.seconds, "samples": samples,
                    "held_out": checked}
-
-
-def _corrects_bias(module: LiftedModule, reference: LiftedModule, units: list[Unit], config: FastFinetune,
-                   warnings: Warnings) -> bool:
-    """Whether the run corrects biases: as the config says, but `auto` leaves it off, with a warning,
-    where weights are stored as codes and no float model is given: the float reference is then the
-    codes with the quantizers off, and correcting towards it took onnxruntime's quantize_static digits
-    CNN from 97 % to 57 % accuracy (with the float model given: 97.1 %)."""
-    coded = any(module.finetune_params[layer.weight].transform is not None for unit in units for layer in unit.layers)
-    if config.bias_correction == "auto" and corrects_bias(config) and reference is module and coded:
-        warnings.add("fast_finetune.bias_correction", "auto leaves bias correction off: the weights are stored as codes "
-                     "and no float model was given (pass it to correct biases)", "config")
-        return False
-    return corrects_bias(config)
 
 
 def _float_weights(module: LiftedModule, reference: LiftedModule, units: list[Unit],

@@ -88,7 +88,7 @@ class Tuner:
         self._factor = 1.0  # on the default rates: what lr: auto chose, or is trying
         self._listening = True  # whether callbacks hear steps and evaluations (not during lr: auto's tries)
         self.fabric = fabric  # holds the callbacks; over several processes, their process group
-        self.corrects_bias = corrects_bias(config)  # the run may turn it off (see api._corrects_bias)
+        self.corrects_bias = corrects_bias(config)
         self._bias_record: dict[str, Any] | None = None  # the bias correction of the unit being tuned (see bias)
         self._step_hooks = [hook for hook in (getattr(c, "on_step_end", None) for c in callbacks) if callable(hook)]
 

@@ -22,17 +22,20 @@ from .units import Unit
 
 
 @contextlib.contextmanager
-def quantizers_disabled(module: nn.Module) -> Iterator[None]:
-    """Every fake quantizer of `module` off (the identity) inside the block, as it was after."""
+def quantizers_disabled(module: nn.Module, keep_ranges: bool = True) -> Iterator[None]:
+    """Every fake quantizer of `module` off inside the block, as it was after: the float reference a
+    quantized model gives of itself. With `keep_ranges` integer activation quantizers still clamp to
+    their range (FakeQuantize.keep_range: the Relu/Clip a quantizer stands in for); without, every
+    quantizer is the identity (the float work of a step, for profiling)."""
     quantizers = [m for m in module.modules() if isinstance(m, FakeQuantize)]
-    states = [q.enabled for q in quantizers]
+    states = [(q.enabled, q.keep_range) for q in quantizers]
     for quantizer in quantizers:
-        quantizer.enabled = False
+        quantizer.enabled, quantizer.keep_range = False, keep_ranges
     try:
         yield
     finally:
-        for quantizer, state in zip(quantizers, states):
-            quantizer.enabled = state
+        for quantizer, (enabled, keep_range) in zip(quantizers, states):
+            quantizer.enabled, quantizer.keep_range = enabled, keep_range
 
 
 def float_input_key(unit: Unit) -> str:

@@ -136,7 +136,7 @@ def test_a_float_reference_must_quantize_to_the_stored_codes_up_to_rounding_ties
 def test_what_tuning_cannot_do_as_asked_is_reported(cnn: dict) -> None:
     """Each case where tuning goes on other than configured is a warning in the report: a batch
     larger than the data, a validation share of one batch that holds none out, weights stored as
-    codes tuned without their float model (and so, under auto, without bias correction)."""
+    codes tuned without their float model."""
     compact = quantize_model(cnn["path"], {"preset": "XINT8", "weight_storage": "compact"}, cnn["feeds"]).model
     _, report = finetune_model(compact, cnn["feeds"][:1], FastFinetune(iterations=1, batch_size=64))
     configs = [w for w in report["warnings"] if "config" in w]
@@ -145,9 +145,7 @@ def test_what_tuning_cannot_do_as_asked_is_reported(cnn: dict) -> None:
          "every training batch holds all 4 (lower batch_size, or give more data)"},
         {"config": "fast_finetune.validation_share", "reason": "0.2 of the 1 calibration batch(es) is less than one, so "
          "none is held out: units are kept on their training loss and the tuned model is not checked on data it did not "
-         "train on (give more batches, of fewer samples each)"},
-        {"config": "fast_finetune.bias_correction", "reason": "auto leaves bias correction off: the weights are stored "
-         "as codes and no float model was given (pass it to correct biases)"}]
+         "train on (give more batches, of fewer samples each)"}]
     assert report["held_out"] is None
     coded = [w for w in report["warnings"] if "tensor" in w]
     assert len(coded) == len(report["units"])

@@ -97,8 +97,7 @@ class FastFinetune(Section):
     `bias_correction` adds to each layer's bias the mean, per output channel over the training rows,
     of its float output minus its quantized output, before tuning and again after it, each kept only
     where the unit's held-out loss does not rise (see recon.bias; `auto`: on for the correction alone,
-    AdaRound and GPTQ, off for AdaQuant and where weights stored as codes have no float model, as
-    measured in docs/fine-tuning.md). It lives here, not at
+    AdaRound and GPTQ, off for AdaQuant, as measured in docs/fine-tuning.md). It lives here, not at
     the top level, because it needs what this stage alone has: the float targets and quantized inputs
     of each unit and the held-out batches that judge it; `iterations: 0` runs the correction alone
     (AMD Quark's `BiasCorrection`, which runs without fast finetune, maps to that)."""

@@ -277,32 +277,36 @@ def _float_weights(module: LiftedModule, reference: LiftedModule, units: list[Un
                    warnings: Warnings) -> dict[str, torch.Tensor]:
     """Float weights of the float model for units whose QDQ weights are stored as codes, so the
     optimisation starts from the real float values (by layer name and weight position); and the float
-    biases behind int32 codes, which bias correction's float pass reads (training keeps the codes)."""
+    biases behind int32 codes, which bias correction's float pass reads (training keeps the codes).
+    Every weight, coded or float, is checked to be the float model's (_check_same_codes)."""
     layers = {n.target: n for n in reference.graph.nodes if n.op == "call_module"}
     constant = constant_nodes(reference.graph)
     starts = {}
     for layer in (layer for unit in units for layer in unit.layers):
         bias = [(layer.bias, BIAS_INPUT[layer.op_type])] if layer.bias and layer.op_type in BIAS_INPUT else []
         for parameter, index in [(layer.weight, layer.weight_index), *bias]:
-            if module.finetune_params[parameter].transform is None or layer.name not in layers:
+            coded = module.finetune_params[parameter].transform is not None
+            if layer.name not in layers or not (coded or parameter == layer.weight):
                 continue
             node = layers[layer.name]
             name = parameter_behind(reference, node.args[index] if index < len(node.args) else None, constant)
             value = None if name is None else reference.get_parameter(name).detach()
             if value is not None and value.shape == module.get_parameter(parameter).shape:
                 if parameter == layer.weight:
-                    _check_same_codes(module, layer, value, warnings)
-                starts[parameter] = value
+                    _check_same_codes(module, layer, value, warnings, coded)
+                if coded:
+                    starts[parameter] = value
     if starts:
         logger.info("%d unit(s) stored as codes start from the float model's weights", len(starts))
     return starts
 
 
-def _check_same_codes(module: LiftedModule, layer: Layer, value: torch.Tensor, warnings: Warnings) -> None:
-    """Refuse a float model whose weight does not quantize to the stored codes: its targets would
-    belong to another model (the usual cause: the QDQ model was equalised before quantizing; input
-    smoothing, as SmoothQuant's, is carried into the float model before, see carry_smoothing). Only
-    a weight within TIE of a rounding tie may have the code beside its own; those are counted per
+def _check_same_codes(module: LiftedModule, layer: Layer, value: torch.Tensor, warnings: Warnings, coded: bool) -> None:
+    """Refuse a float model whose weight does not quantize to the codes of the quantized model's weight
+    (stored as codes, or as float): its targets would belong to another model (the usual cause: the
+    QDQ model was equalised or smoothed before quantizing; input smoothing written as a Mul, as NNCF's
+    SmoothQuant, is carried into the float model before, see carry_smoothing). Only a weight within
+    TIE of a rounding tie may have the code beside its own; for stored codes those are counted per
     layer in a warning (training starts from the float weights, so they may round either way)."""
     if layer.weight_quantizer is None:
         return
@@ -315,12 +319,13 @@ def _check_same_codes(module: LiftedModule, layer: Layer, value: torch.Tensor, w
         ties = differ & ((2 * value - ours - theirs).abs() <= 2 * TIE * value.abs())
     count, total = int(differ.sum()), differ.numel()
     if count > int(ties.sum()):
-        raise ValueError(f"the float model's weight of {layer.name} does not quantize to the codes the quantized model stores "
+        raise ValueError(f"the float model's weight of {layer.name} does not quantize to the codes of the quantized model's weight "
                          f"({count - int(ties.sum())} of {total} differ away from rounding ties): pass the float model it "
-                         "was quantized from (for a model quantized with cross_layer_equalization, the equalised one: "
-                         "QuantizeResult.float_model), or, where the quantizer equalised the weights itself (Quark's XINT8 "
-                         "and A8W8), tune without a float model")
-    if count:
+                         "was quantized from (for a model quantized with cross_layer_equalization or smooth_quant, the "
+                         "equalised or smoothed one: QuantizeResult.float_model), or tune without a float model (with "
+                         "weights stored as float, as from quantize's default storage, the quantized model holds them; "
+                         "Quark's XINT8 and A8W8 equalise the weights themselves)")
+    if count and coded:
         warnings.add(layer.name, f"{count} of {total} weight codes ({count / total:.3%}) differ from those the float model's "
                      "weight quantizes to, each at a rounding tie (another tool's arithmetic); tuning starts from the float "
                      "weights")

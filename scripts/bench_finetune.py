@@ -44,14 +44,25 @@ import onnxruntime as ort
 import torch
 
 from finetune.config import EarlyStop, FastFinetune, load_config
+from finetune.config.io import available_presets
 from finetune.lift import lift_model
 from finetune.onnx import attach_custom_ops
 from finetune.onnx.normalize import normalize_model
 from finetune.onnx.session import inference_session
 from finetune.quantize import quantize_model
 from finetune.recon import find_units, finetune_model
-from finetune.zoo import (digits_split, efficientnet_lite0, export_onnx, photo_crops, text_angle_classifier_onnx_path,
-                          text_angle_lines, text_lines, text_recognizer_onnx_path, train_digits_cnn, train_digits_transformer)
+from finetune.zoo import (
+    digits_split,
+    efficientnet_lite0,
+    export_onnx,
+    photo_crops,
+    text_angle_classifier_onnx_path,
+    text_angle_lines,
+    text_lines,
+    text_recognizer_onnx_path,
+    train_digits_cnn,
+    train_digits_transformer,
+)
 
 MODELS = ("digits", "transformer", "efficientnet", "textrec", "textcls")
 _INT8_TENSOR = {"format": "int", "dtype": "int8", "symmetric": True, "granularity": "tensor", "calibration": "minmax"}
@@ -67,6 +78,19 @@ PRESETS: dict[str, Any] = {
     "A8W8": "A8W8",
 }
 INT_PRESETS = ("INT4W_INT8A", "XINT8", "A8W8")  # AdaRound; the block formats get AdaQuant
+# Every bundled preset is a case too (`--presets bundled`: the "never worse" sweep), its algorithm by its weight format.
+BUNDLED = tuple(name for name in available_presets() if not load_config(name).fast_finetune)
+
+
+def preset_config(preset: str) -> Any:
+    """The quantize config of a case: this script's table, else the bundled preset of that name."""
+    return PRESETS.get(preset, preset)
+
+
+def preset_algorithm(preset: str) -> str:
+    """AdaRound for integer weights, AdaQuant for the others."""
+    integer = preset in INT_PRESETS or (preset not in PRESETS and load_config(preset).weight.format == "int")
+    return "adaround" if integer else "adaquant"
 # Blocks measured better for AdaQuant (digits transformer MX4: 90 % of the loss recovered vs 74 %) and
 # worse for AdaRound at these iteration counts (EfficientNet-Lite0 XINT8, 100 it: 80.5 % agreement vs
 # 85.5 %; digits CNN W4A8: logit MSE 0.27 vs 0.075), whose rounding variables need longer over a block.
@@ -230,14 +254,14 @@ def run_case(model: str, preset: str, directory: Path, iterations: int, adaquant
     float_path = directory / "float.onnx"
     float_outputs = logits(float_path, evaluation["x"])
     labels = evaluation.get("y")
-    algorithm = "adaround" if preset in INT_PRESETS else "adaquant"
+    algorithm = preset_algorithm(preset)
     unit = AUTO_UNIT[algorithm] if unit == "auto" else unit
     config = FastFinetune(algorithm=algorithm, iterations=iterations, seed=0, lr=adaquant_lr if algorithm == "adaquant" else None,
                           unit=unit, device=device, devices=devices, strategy="ddp_spawn",
                           early_stop=EarlyStop() if patience is None
                           else EarlyStop(enabled=patience > 0, patience=max(1, patience)))
     start = time.perf_counter()
-    quantized = quantize_model(float_path, load_config(PRESETS[preset]), calibration).model
+    quantized = quantize_model(float_path, load_config(preset_config(preset)), calibration).model
     quantize_seconds = time.perf_counter() - start
     start = time.perf_counter()
     tuned, report = finetune_model(quantized, calibration, config)
@@ -293,7 +317,8 @@ def run_case(model: str, preset: str, directory: Path, iterations: int, adaquant
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {','.join(MODELS)}")
-    parser.add_argument("--presets", default=",".join(PRESETS), help=f"comma-separated subset of {','.join(PRESETS)}")
+    parser.add_argument("--presets", default=",".join(PRESETS), help=f"comma-separated subset of {','.join(PRESETS)}, "
+                        "bundled preset names, or `bundled` for every bundled preset without fast_finetune")
     parser.add_argument("--iterations", type=int, default=500, help="iterations per unit (default 500)")
     parser.add_argument("--adaquant-lr", type=float, help="AdaQuant learning rate (default: the library's for the weight format)")
     parser.add_argument("--calibration", type=int, help="calibration samples for the digits models (default: the whole "
@@ -356,7 +381,8 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(memory_table([int(crops) for crops in args.memory.split(",")], args), indent=1))
         return
     models, presets = args.models.split(","), args.presets.split(",")
-    unknown = (set(models) - set(MODELS)) | (set(presets) - set(PRESETS))
+    presets = [name for preset in presets for name in (BUNDLED if preset == "bundled" else (preset,))]
+    unknown = (set(models) - set(MODELS)) | (set(presets) - set(PRESETS) - set(BUNDLED))
     if unknown:
         raise SystemExit(f"unknown model or preset: {sorted(unknown)}")
     with tempfile.TemporaryDirectory() as scratch:

@@ -26,7 +26,6 @@ from finetune.formats.compiled import EAGER_FORMATS, compiled_kernels, resolve_c
 from finetune.lift import FakeQuantize, LiftedModule, check_liftable, lift_model
 from finetune.lift.params import fold_computed_weights
 from finetune.onnx import attach_custom_ops
-from finetune.onnx.domains import BIAS_INPUT
 from finetune.onnx.io import load_model, save_model_atomic
 from finetune.onnx.session import require_loads
 
@@ -38,19 +37,14 @@ from .heldout import hold_out
 from .loop import Tuner, UnitResult
 from .parallel import make_fabric, sum_across
 from .partition import cut
+from .reference import SELF_REFERENCE, choose_reference, float_starts
 from .report import Warnings, write_report
 from .scales import scale_changes, scale_snapshot, with_learned_scales
 from .smoothing import carry_smoothing
 from .stream import FloatStream, QuantizedStream, cache_inputs
-from .units import Layer, Unit, constant_nodes, find_units, parameter_behind
+from .units import Unit, find_units
 
 logger = logging.getLogger(__name__)
-
-# How near a rounding tie (relative to the weight) a float weight may quantize to the code beside the
-# stored one: another tool's arithmetic (dividing in float64, multiplying by 1/scale) rounds such
-# weights the other way. onnxruntime's quantize_static and our own quantizer store exactly the codes
-# the float weights quantize to (int8, uint8, int16, per tensor and per channel, on the digits CNN).
-TIE = 2.0**-20
 
 
 def finetune_model(
@@ -154,7 +148,7 @@ def _tune(fabric: Fabric, job: _Job) -> tuple[onnx.ModelProto | None, dict[str, 
     if job.float_model is not None:
         for change in carry_smoothing(job.float_model, original):  # SmoothQuant: the float model in the codes' coordinates
             logger.info("float model smoothed as the quantized one: %s", change)
-    reference = _reference(module, job.float_model, units, warnings)
+    reference = choose_reference(module, job.float_model, units, warnings)
     with (_deterministic(config, device), host_memory_kept(device), ActivationCache(config.cache_budget_bytes) as cache,
           compiled_kernels(resolve_compile(config.compile, device.type)) as kernels):
         tuner, timing = _run(module, reference, units, original, job, fabric, cache, warnings, sources)
@@ -211,22 +205,6 @@ def _check_tunable(module: LiftedModule) -> None:
                              "before tuning it")
 
 
-def _reference(module: LiftedModule, float_model: onnx.ModelProto | None, units: list[Unit],
-               warnings: Warnings) -> LiftedModule:
-    """The lifted float model, or the QDQ module itself (to be run with its quantizers off: a
-    weight stored as codes then has its dequantized codes as float reference, which is reported)."""
-    if float_model is not None:
-        logger.info("float reference: the given float model")
-        return lift_model(float_model)
-    weights = [module.finetune_params[layer.weight] for unit in units for layer in unit.layers]
-    coded = sorted(source.initializer for source in weights if source.transform is not None)
-    logger.info("float reference: the quantized model with its quantizers disabled (no float model given)")
-    for name in coded:
-        warnings.add(name, "stored as quantized codes and no float model was given: its float reference is the dequantized "
-                     "codes (pass the float model, --float-model, to tune towards the real float weights)", "tensor")
-    return module
-
-
 def _run(module: LiftedModule, reference: LiftedModule, units: list[Unit], original: onnx.ModelProto, job: _Job,
          fabric: Fabric, cache: ActivationCache, warnings: Warnings, sources: dict[str, str | None]) -> tuple[Tuner, dict[str, float]]:
     """Cache the inputs (this process's share of the calibration batches), then tune unit after
@@ -244,7 +222,7 @@ def _run(module: LiftedModule, reference: LiftedModule, units: list[Unit], origi
     module.to(device)
     reference.to(device)
     held_out, guard = hold_out(module, reference, units, inputs, config, fabric, warnings)
-    starts = _float_weights(module, reference, units, warnings) if reference is not module else {}
+    starts = float_starts(module, reference, units) if reference is not module else {}
     plan = cut(module, units)
     placeholders = [n.name for n in module.graph.nodes if n.op == "placeholder"]
     floats = FloatStream(reference, units, inputs, cache, device, quantizers_off=reference is module)
@@ -271,64 +249,6 @@ def _run(module: LiftedModule, reference: LiftedModule, units: list[Unit], origi
         guard.release(cache)
     return tuner, {"float_pass_seconds": floats.seconds, "quantized_stream_seconds": stream.seconds, "samples": samples,
                    "held_out": checked}
-
-
-def _float_weights(module: LiftedModule, reference: LiftedModule, units: list[Unit],
-                   warnings: Warnings) -> dict[str, torch.Tensor]:
-    """Float weights of the float model for units whose QDQ weights are stored as codes, so the
-    optimisation starts from the real float values (by layer name and weight position); and the float
-    biases behind int32 codes, which bias correction's float pass reads (training keeps the codes).
-    Every weight, coded or float, is checked to be the float model's (_check_same_codes)."""
-    layers = {n.target: n for n in reference.graph.nodes if n.op == "call_module"}
-    constant = constant_nodes(reference.graph)
-    starts = {}
-    for layer in (layer for unit in units for layer in unit.layers):
-        bias = [(layer.bias, BIAS_INPUT[layer.op_type])] if layer.bias and layer.op_type in BIAS_INPUT else []
-        for parameter, index in [(layer.weight, layer.weight_index), *bias]:
-            coded = module.finetune_params[parameter].transform is not None
-            if layer.name not in layers or not (coded or parameter == layer.weight):
-                continue
-            node = layers[layer.name]
-            name = parameter_behind(reference, node.args[index] if index < len(node.args) else None, constant)
-            value = None if name is None else reference.get_parameter(name).detach()
-            if value is not None and value.shape == module.get_parameter(parameter).shape:
-                if parameter == layer.weight:
-                    _check_same_codes(module, layer, value, warnings, coded)
-                if coded:
-                    starts[parameter] = value
-    if starts:
-        logger.info("%d unit(s) stored as codes start from the float model's weights", len(starts))
-    return starts
-
-
-def _check_same_codes(module: LiftedModule, layer: Layer, value: torch.Tensor, warnings: Warnings, coded: bool) -> None:
-    """Refuse a float model whose weight does not quantize to the codes of the quantized model's weight
-    (stored as codes, or as float): its targets would belong to another model (the usual cause: the
-    QDQ model was equalised or smoothed before quantizing; input smoothing written as a Mul, as NNCF's
-    SmoothQuant, is carried into the float model before, see carry_smoothing). Only a weight within
-    TIE of a rounding tie may have the code beside its own; for stored codes those are counted per
-    layer in a warning (training starts from the float weights, so they may round either way)."""
-    if layer.weight_quantizer is None:
-        return
-    quantizer = module.get_submodule(layer.weight_quantizer)
-    with torch.no_grad():
-        stored = module.get_parameter(layer.weight)
-        value = value.to(stored.device)
-        ours, theirs = quantizer(value), quantizer(stored)
-        differ = ours != theirs
-        ties = differ & ((2 * value - ours - theirs).abs() <= 2 * TIE * value.abs())
-    count, total = int(differ.sum()), differ.numel()
-    if count > int(ties.sum()):
-        raise ValueError(f"the float model's weight of {layer.name} does not quantize to the codes of the quantized model's weight "
-                         f"({count - int(ties.sum())} of {total} differ away from rounding ties): pass the float model it "
-                         "was quantized from (for a model quantized with cross_layer_equalization or smooth_quant, the "
-                         "equalised or smoothed one: QuantizeResult.float_model), or tune without a float model (with "
-                         "weights stored as float, as from quantize's default storage, the quantized model holds them; "
-                         "Quark's XINT8 and A8W8 equalise the weights themselves)")
-    if count and coded:
-        warnings.add(layer.name, f"{count} of {total} weight codes ({count / total:.3%}) differ from those the float model's "
-                     "weight quantizes to, each at a rounding tie (another tool's arithmetic); tuning starts from the float "
-                     "weights")
 
 
 @contextlib.contextmanager
@@ -374,7 +294,7 @@ def _report(config: FastFinetune, device: torch.device, self_reference: bool, tu
         "algorithm": config.algorithm,
         "config": to_dict(config),
         "device": str(device),
-        "float_reference": "quantized model with quantizers disabled" if self_reference else "float model",
+        "float_reference": SELF_REFERENCE if self_reference else "float model",
         "samples": timing["samples"],
         "units": [dataclasses.asdict(r) for r in results],
         "kept": sum(r.status == "kept" for r in results),

@@ -66,6 +66,18 @@ def test_bench_finetune_change_error_is_that_of_paired_differences() -> None:
     assert bench.hits(outputs, outputs, np.array([0, 0])).tolist() == [False, True]
 
 
+def test_bench_finetune_takes_every_bundled_preset_with_its_weight_formats_algorithm() -> None:
+    """`--presets bundled` (the never-worse sweep) is every bundled preset that does not tune by
+    itself; integer weights get AdaRound, the others AdaQuant, as the script's own table says."""
+    bench = script("bench_finetune")
+    assert "MX4" in bench.BUNDLED and "A16W8" in bench.BUNDLED
+    assert "MX4_ADAQUANT" not in bench.BUNDLED and "XINT8_ADAROUND" not in bench.BUNDLED
+    algorithms = {name: bench.preset_algorithm(name) for name in bench.BUNDLED}
+    assert algorithms["INT4_BLOCK32"] == algorithms["A16W8"] == "adaround"
+    assert algorithms["MXFP4"] == algorithms["BF16"] == algorithms["BFP16"] == "adaquant"
+    assert bench.preset_algorithm("INT4W_INT8A") == "adaround" and bench.preset_config("INT4W_INT8A")["cross_layer_equalization"]
+
+
 def test_bench_finetune_reads_sequence_scores_as_greedy_ctc() -> None:
     """Repeats merge, blanks (class 0) split them and drop out; two readings agree only when whole."""
     bench = script("bench_finetune")

@@ -114,14 +114,18 @@ def _conv_qdq(model: onnx.ModelProto, conv: str) -> dict[str, str]:
             "bias_codes": inputs[2].input[0]}
 
 
-@pytest.mark.parametrize("storage", ["float", "compact"])
-def test_export_writes_the_learned_scale_and_requantized_int32_bias(digits: dict, storage: str) -> None:
+@pytest.mark.parametrize(("storage", "bias_correction"), [("float", False), ("compact", False), ("float", True)])
+def test_export_writes_the_learned_scale_and_requantized_int32_bias(digits: dict, storage: str, bias_correction: bool) -> None:
     """Per-channel int4 weights (stored float behind Q/DQ, or as int4 codes): the tuned graph holds
     the learned weight scales, the bias scale s_input * s_weight with int32 codes re-encoded to
-    it, and onnxruntime gives the lifted tuned model's outputs (up to the float sums' order)."""
+    it, and onnxruntime gives the lifted tuned model's outputs (up to the float sums' order). With
+    bias correction too, whose corrections land on the int32 grid the learned scale leaves."""
     quantized = quantize_model(digits["path"], {**W4A8_CHANNEL, "weight_storage": storage}, digits["small"]).model
     float_model = digits["path"] if storage == "compact" else None  # codes alone are their own float reference
-    tuned, report = finetune_model(quantized, digits["small"], FastFinetune(**LEARN), float_model=float_model)
+    config = FastFinetune(**LEARN, bias_correction=bias_correction)
+    tuned, report = finetune_model(quantized, digits["small"], config, float_model=float_model)
+    finals = [u["bias_correction"]["final"]["status"] for u in report["units"] if u.get("bias_correction")]
+    assert ("kept" in finals) == bias_correction  # the correction after tuning, on the learned scale's grid
     module = lift_model(tuned)
     changed = 0
     for conv in (n.name for n in tuned.graph.node if n.op_type == "Conv"):

@@ -14,6 +14,7 @@ Schema (YAML keys are the dataclass field names; `preset:` is the one extra key,
     tensor_overrides: {"input.1": {...}}            # FormatChoice (or null) per tensor
     exclude_nodes: ["/head/.*"]                     # exact names or full-match regular expressions
     dual_quant: false
+    fold_batch_norm: true  # fold each BatchNormalization into the Conv/Gemm before it (onnx.batchnorm)
     cross_layer_equalization: false  # rescale Conv pairs to equal channel ranges before quantizing
     smooth_quant: null     # or {alpha: 0.5}: SmoothQuant of MatMul/Gemm/Conv inputs before quantizing (config.smooth)
     weight_storage: float  # float | compact
@@ -57,6 +58,7 @@ class QuantConfig(Section):
     tensor_overrides: dict[str, FormatChoice | None] = field(default_factory=dict)
     exclude_nodes: tuple[str, ...] = ()
     dual_quant: bool = False
+    fold_batch_norm: bool = True
     cross_layer_equalization: bool = False
     smooth_quant: SmoothQuant | None = None
     weight_storage: Literal["float", "compact"] = "float"

@@ -145,6 +145,7 @@ class _Translation:
             },
             "exclude_nodes": self.exclude_nodes(),
             "dual_quant": self.attempt(self.dual_quant, False),
+            "fold_batch_norm": self.attempt(self.fold_batch_norm, True),
             "cross_layer_equalization": self.attempt(self.cross_layer_equalization, False),
             "smooth_quant": self.attempt(self.smooth_quant, None),
             "weight_storage": self.attempt(self.weight_storage, "float"),
@@ -323,6 +324,13 @@ class _Translation:
         block = _mapping(self.extra.get("AutoMixprecision"), "extra_options.AutoMixprecision")
         self.origins["dual_quant"] = "extra_options.AutoMixprecision.DualQuantNodes"
         return block.get("DualQuantNodes", False)
+
+    def fold_batch_norm(self) -> bool:
+        """Quark folds batch norms into the layers before them when extra_options.FoldBatchNorm says so,
+        which defaults to optimize_model (itself on by default)."""
+        optimize = self.flag("optimize_model", True)
+        self.origins["fold_batch_norm"] = "extra_options.FoldBatchNorm" if "FoldBatchNorm" in self.extra else "optimize_model"
+        return self.flag("FoldBatchNorm", optimize)
 
     def cross_layer_equalization(self) -> bool:
         """include_cle runs finetune's equalisation; the CLE options only describe it (CLE_OPTIONS)."""

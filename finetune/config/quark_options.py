@@ -60,6 +60,7 @@ TOP_MAPPED = (
     "quant_format", "calibrate_method", "activation_type", "weight_type", "op_types_to_quantize",
     "extra_op_types_to_quantize", "nodes_to_exclude", "per_channel", "include_fast_ft", "include_auto_mp",
     "include_cle", "include_sq", "specific_tensor_precision", "enable_npu_cnn", "enable_dpu", "extra_options",
+    "optimize_model",
 )
 TOP_NO_EFFECT = (
     "execution_providers", "use_external_data_format", "debug_mode", "print_summary",
@@ -75,7 +76,7 @@ TOP_ACCEPTED_ONLY: dict[str, tuple[Any, ...]] = {
     ),
     **dict.fromkeys(
         (
-            "reduce_range", "optimize_model", "use_dynamic_quant", "enable_npu_transformer", "convert_fp16_to_fp32", "convert_nchw_to_nhwc",
+            "reduce_range", "use_dynamic_quant", "enable_npu_transformer", "convert_fp16_to_fp32", "convert_nchw_to_nhwc",
             "include_rotation", "crypto_mode",
         ),
         _OFF,
@@ -89,7 +90,7 @@ EXTRA_MAPPED = (
     "Int32Bias", "QuantizeBias", "BFPAttributes", "MXAttributes", "RefineBlockAxis", "MixedPrecisionTensor",
     "TensorQuantOverrides", "AutoMixprecision", "EnableDualQuantNodePairs", "FastFinetune", "SmoothAlpha", "OpTypesToQuantize",
     "ExtraOpTypesToQuantize", "QuantizeAllOpTypes", "WeightsOnly", "AddQDQPairToWeight", "BF16QDQToCast", "UseGPTQ",
-    "GPTQParams", "BiasCorrection",
+    "GPTQParams", "BiasCorrection", "FoldBatchNorm",
     *NPU_ALIGN_OPTIONS,
 )
 EXTRA_NO_EFFECT = (
@@ -141,7 +142,7 @@ EXTRA_ACCEPTED_ONLY: dict[str, tuple[Any, ...]] = {
             "NPULimitationCheck", "MaxLoopNum", "AdjustShiftCut", "AdjustShiftBias", "AdjustShiftRead",
             "AdjustShiftWrite", "AdjustHardSigmoid", "AdjustShiftSwish", "AlignTranspose", "AlignReshape",
             "ReplaceClip6Relu", "RemoveQDQConvClip", "RemoveQDQConvRelu", "RemoveQDQConvLeakyRelu",
-            "RemoveQDQConvPRelu", "RemoveQDQConvGelu", "RemoveQDQMulAdd", "RemoveQDQInstanceNorm", "RemoveFusedQDQ", "FoldBatchNorm", "BF16WithClip",
+            "RemoveQDQConvPRelu", "RemoveQDQConvGelu", "RemoveQDQMulAdd", "RemoveQDQInstanceNorm", "RemoveFusedQDQ", "BF16WithClip",
             "FoldRelu", "AlignEltwiseQuantType", "EnableVaimlBF16", "UseMatMulNBits",
             "ConvertFP16ToFP32", "ConvertNCHWToNHWC", "CryptoMode",
         ),

@@ -13,6 +13,7 @@ import onnx
 from finetune.config import QuantConfig, available_presets, load_config
 from finetune.notices import Notice, warn
 from finetune.onnx import attach_custom_ops
+from finetune.onnx.batchnorm import fold_batch_norms
 from finetune.onnx.equalize import equalize_model
 from finetune.onnx.fold import fold_constants
 from finetune.onnx.io import load_model
@@ -37,7 +38,7 @@ class QuantizeResult:
 
     model: onnx.ModelProto
     summary: dict[str, Any]
-    float_model: onnx.ModelProto  # the float graph the QDQ model was built from (normalised, equalised, smoothed)
+    float_model: onnx.ModelProto  # the float graph the QDQ model was built from (normalised, folded, equalised, smoothed)
 
 
 def quantize_model(
@@ -57,6 +58,9 @@ def quantize_model(
     for change in fold_constants(normalized, notices=notices):  # a weight computed from constants (Transpose(W)) becomes one to quantize and tune
         logger.info(change)
         changes.append(change)
+    if config.fold_batch_norm:
+        normalized, folded = fold_batch_norms(normalized, notices)
+        changes += folded
     if config.cross_layer_equalization:
         normalized, equalized = equalize_model(normalized, notices)
         changes += equalized

@@ -43,7 +43,8 @@ def choose_reference(module: LiftedModule, float_model: onnx.ModelProto | None, 
             logger.info("float reference: the given float model")
             return reference
         warnings.add("float model", f"the weights of {len(differing)} layer(s), first {differing[0]}, do not quantize "
-                     "as the quantized model's float weights do (it was equalised or smoothed before quantizing): the "
+                     "as the quantized model's float weights do (its batch norms were folded, or it was equalised or smoothed, "
+                     "before quantizing): the "
                      "float model is set aside and tuning goes towards the quantized model's own float weights, which "
                      "compute the same function", "model")
     weights = [module.finetune_params[layer.weight] for unit in units for layer in unit.layers]
@@ -107,9 +108,9 @@ def differs(module: LiftedModule, layer: Layer, value: torch.Tensor, warnings: W
     if away and coded:
         raise ValueError(f"the float model's weight of {layer.name} does not quantize to the codes the quantized model stores "
                          f"({away} of {total} differ away from rounding ties): pass the float model it was quantized from "
-                         "(for a model quantized with cross_layer_equalization or smooth_quant, the equalised or smoothed "
-                         "one: QuantizeResult.float_model), or, where the quantizer equalised the weights itself (AMD "
-                         "Quark's configs on Conv pairs), tune without a float model")
+                         "(for a model quantized with fold_batch_norm, cross_layer_equalization or smooth_quant, the "
+                         "folded, equalised or smoothed one: QuantizeResult.float_model), or, where the quantizer changed "
+                         "the weights itself (AMD Quark equalises Conv pairs), tune without a float model")
     if count and not away and coded:
         warnings.add(layer.name, f"{count} of {total} weight codes ({count / total:.3%}) differ from those the float model's "
                      "weight quantizes to, each at a rounding tie (another tool's arithmetic); tuning starts from the float "

@@ -119,6 +119,10 @@ def test_quantize_folds_batch_norms_unless_told_not_to() -> None:
     assert any(c.startswith("fold_batch_norm: 1 ") for c in result.summary["normalization"])
     kept = quantize_model(model, {"preset": "XINT8", "fold_batch_norm": False}, data)
     assert "BatchNormalization" in {n.op_type for n in kept.model.graph.node}
+    with pytest.raises(ValueError, match=r"exclude_nodes\[0\] 'bn' matches no node.*fold_batch_norm folded the model's "
+                                         r"BatchNormalization nodes .* or set fold_batch_norm: false"):
+        quantize_model(model, {"preset": "XINT8", "exclude_nodes": ["bn"]}, data)
+    assert quantize_model(model, {"preset": "XINT8", "exclude_nodes": ["bn"], "fold_batch_norm": False}, data).model
 
 
 @pytest.mark.parametrize(("options", "folds"), [

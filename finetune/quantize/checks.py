@@ -33,7 +33,7 @@ ONE_ELEMENT = "one element: block formats leave a one-element tensor as it is (a
 def check_plan(model: onnx.ModelProto, config: QuantConfig, uses: list[Use], changes: list[str], notices: list[Notice]) -> None:
     """Raise a ValueError for what cannot work, and add notices (WARNING) for what the run does
     other than the config says, before any calibration."""
-    check_names(model, config, notices)
+    check_names(model, config, notices, any(c.startswith("fold_batch_norm:") for c in changes))
     check_opset(model, uses, changes)
     check_weights_finite(model, uses)
     warn(logger, notices, format_notices(model, uses, config.weight_storage == "compact"))
@@ -70,10 +70,11 @@ def check_weights_finite(model: onnx.ModelProto, uses: list[Use]) -> None:
         raise ValueError(f"NaN or Inf in weights to quantize: {', '.join(bad)}; fix the float model's weights")
 
 
-def check_names(model: onnx.ModelProto, config: QuantConfig, notices: list[Notice]) -> None:
+def check_names(model: onnx.ModelProto, config: QuantConfig, notices: list[Notice], folded: bool = False) -> None:
     """Every override and exclusion must name something the (normalised) model has: a ValueError
-    listing each that does not, with the closest name; a tensor override no quantized node reads
-    and an op type override of a valid op type the model lacks change nothing (notices)."""
+    listing each that does not, with the closest name (and, where batch norms were `folded`, that
+    their nodes and the layers' outputs before them are gone); a tensor override no quantized node
+    reads and an op type override of a valid op type the model lacks change nothing (notices)."""
     graph = model.graph
     nodes = [node.name for node in graph.node]
     tensors = {name for node in graph.node for name in (*node.input, *node.output) if name}
@@ -89,7 +90,9 @@ def check_names(model: onnx.ModelProto, config: QuantConfig, notices: list[Notic
           for op_type in config.op_type_overrides if not onnx.defs.has(op_type)),
     ]
     if unmatched:
-        raise ValueError(f"the config names what the model does not have: {'; '.join(unmatched)}")
+        hint = ("; fold_batch_norm folded the model's BatchNormalization nodes into the layers before them (their "
+                "outputs now come from those layers): name those, or set fold_batch_norm: false") if folded else ""
+        raise ValueError(f"the config names what the model does not have: {'; '.join(unmatched)}{hint}")
     warn(logger, notices, _names_without_effect(model, config))
 
 

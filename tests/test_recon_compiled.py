@@ -29,6 +29,7 @@ def test_compiled_kernels_tune_to_the_bytes_of_eager_ones(digits: dict, preset: 
     held-out measurements. The digits CNN's tensors are below the size a run compiles for: every one
     compiles here."""
     monkeypatch.setattr("finetune.formats.compiled.MIN_COMPILED_ELEMENTS", 0)
+    monkeypatch.setattr("finetune.formats.compiled.PAYBACK_ELEMENT_CALLS", 0)
     quantized = quantize_model(digits["path"], preset, digits["data"]).model
     runs = {}
     for setting in (False, True):
@@ -38,6 +39,24 @@ def test_compiled_kernels_tune_to_the_bytes_of_eager_ones(digits: dict, preset: 
     assert compiled.SerializeToString() == plain.SerializeToString()
     assert report["held_out"]["batches"] == 1
     assert [u["best_iteration"] for u in report["units"]] == [u["best_iteration"] for u in plain_report["units"]]
-    assert plain_report["kernels"] == {"compiled": False, "eager_formats": {}, "kernels": 0, "kernels_over_limit": 0}
+    assert plain_report["kernels"] == {"compiled": False, "eager_formats": {}, "kernels": 0, "kernels_over_limit": 0,
+                                       "shapes_left_eager_as_too_few_calls": 0}
     assert report["kernels"]["compiled"] is True and report["kernels"]["kernels"] > 0
     assert set(report["kernels"]["eager_formats"]) == eager
+
+
+def test_a_run_compiles_only_the_shapes_its_iterations_pay_for(digits: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A shape is compiled only where elements x iterations reach PAYBACK_ELEMENT_CALLS (a cold compile
+    costs seconds a short run never wins back): set between the digits CNN's tensor sizes x 20
+    iterations, the small shapes stay eager and are counted, the large compile, and the bytes are
+    those of the eager run."""
+    monkeypatch.setattr("finetune.formats.compiled.MIN_COMPILED_ELEMENTS", 0)
+    monkeypatch.setattr("finetune.formats.compiled.PAYBACK_ELEMENT_CALLS", 20 * 4096)
+    quantized = quantize_model(digits["path"], "MX4", digits["data"]).model
+    runs = {setting: finetune_model(quantized, digits["data"], FastFinetune(algorithm="adaquant", iterations=20, seed=5,
+                                                                             compile=setting)) for setting in (False, True)}
+    (plain, _), (compiled, report) = runs[False], runs[True]
+    assert compiled.SerializeToString() == plain.SerializeToString()
+    kernels = report["kernels"]
+    assert kernels["kernels"] > 0 and kernels["shapes_left_eager_as_too_few_calls"] > 0
+

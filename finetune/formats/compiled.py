@@ -49,6 +49,14 @@ INDUCTOR_OPTIONS = {"emulate_precision_casts": True}
 # took 5.7 ms compiled against 5.0 ms eager at MX4, 2.2 against 2.1 ms at XINT8.
 MIN_COMPILED_ELEMENTS = 1 << 16
 
+# A kernel is compiled for a new shape only where the run's calls can pay for the compile: elements x
+# calls ahead (a unit's iterations) at least this. A cold compile of a block format's kernels took 7.5-8 s
+# per shape, and saved 6-17 ns per element and call (MX4, BFP16, forward + backward at 0.6M and 6.4M
+# elements, one thread on 2 loaded cores); at 8 s and 8 ns that is 1e9. PP-OCR's angle classifier
+# (54 layers of distinct shapes up to 0.6M elements at batch 16) otherwise spent 6 of its 6.3 minutes
+# of a 20-iteration run compiling. A kernel compiled earlier in the process is used whatever the size.
+PAYBACK_ELEMENT_CALLS = 10**9
+
 # Compiled kernels held at most: each is one graph (two where an input of batch 1 came too); past it a
 # kernel runs eager, so a model of many shapes cannot compile without end.
 MAX_KERNELS = 256
@@ -96,24 +104,26 @@ class KernelUse:
 
     compiled: bool
     eager_formats: dict[str, str]
+    calls_ahead: int | None = None  # how often each kernel will run (None: unknown, compile every shape)
     used: set[_Key] = field(default_factory=set)
     over_limit: int = 0
+    not_worth: set[_Key] = field(default_factory=set)
 
     def summary(self) -> dict[str, Any]:
         """The report's entry."""
         return {"compiled": self.compiled, "eager_formats": dict(self.eager_formats), "kernels": len(self.used),
-                "kernels_over_limit": self.over_limit}
+                "kernels_over_limit": self.over_limit, "shapes_left_eager_as_too_few_calls": len(self.not_worth)}
 
 
 _use: KernelUse | None = None  # set by compiled_kernels while a run wants compiled kernels
 
 
 @contextmanager
-def compiled_kernels(enabled: bool) -> Iterator[KernelUse]:
-    """Within this block, quantize_dequantize_compiled compiles (when `enabled`); yields the record
-    of what it did."""
+def compiled_kernels(enabled: bool, calls_ahead: int | None = None) -> Iterator[KernelUse]:
+    """Within this block, quantize_dequantize_compiled compiles (when `enabled`) the shapes whose
+    `calls_ahead` pay for it (PAYBACK_ELEMENT_CALLS; None: every shape); yields the record of what it did."""
     global _use
-    previous, _use = _use, KernelUse(enabled, {})
+    previous, _use = _use, KernelUse(enabled, {}, calls_ahead)
     try:
         yield _use
     finally:
@@ -297,10 +307,14 @@ _kernels: dict[_Key, _Kernel] = {}
 
 
 def _kernel(spec: FormatSpec, x: torch.Tensor, scale: torch.Tensor | None, zero_point: torch.Tensor | None) -> _Kernel | None:
-    """The compiled kernel for these inputs, made on first use; None past MAX_KERNELS."""
+    """The compiled kernel for these inputs, made on first use; None where the run's calls would not
+    pay for compiling it, and past MAX_KERNELS."""
     key = _Key(spec, _shape_key(spec, x), x.stride(), x.device, _shape(scale), _shape(zero_point))
     kernel = _kernels.get(key)
     if kernel is None:
+        if _use is not None and _use.calls_ahead is not None and x.numel() * _use.calls_ahead < PAYBACK_ELEMENT_CALLS:
+            _use.not_worth.add(key)
+            return None
         if len(_kernels) >= MAX_KERNELS:
             if _use is not None:
                 _use.over_limit += 1

@@ -150,7 +150,7 @@ def _tune(fabric: Fabric, job: _Job) -> tuple[onnx.ModelProto | None, dict[str, 
             logger.info("float model smoothed as the quantized one: %s", change)
     reference = choose_reference(module, job.float_model, units, warnings)
     with (_deterministic(config, device), host_memory_kept(device), ActivationCache(config.cache_budget_bytes) as cache,
-          compiled_kernels(resolve_compile(config.compile, device.type)) as kernels):
+          compiled_kernels(resolve_compile(config.compile, device.type), max(1, config.iterations)) as kernels):
         tuner, timing = _run(module, reference, units, original, job, fabric, cache, warnings, sources)
         cache_stats = {"peak_bytes_in_memory": cache.peak_in_memory, "peak_bytes_on_disk": cache.peak_on_disk,
                        "spilled_arrays": cache.spilled}

@@ -52,6 +52,7 @@ def test_a_run_compiles_only_the_shapes_its_iterations_pay_for(digits: dict, mon
     those of the eager run."""
     monkeypatch.setattr("finetune.formats.compiled.MIN_COMPILED_ELEMENTS", 0)
     monkeypatch.setattr("finetune.formats.compiled.PAYBACK_ELEMENT_CALLS", 20 * 4096)
+    monkeypatch.setattr("finetune.formats.compiled._kernels", {})  # none compiled earlier in the process
     quantized = quantize_model(digits["path"], "MX4", digits["data"]).model
     runs = {setting: finetune_model(quantized, digits["data"], FastFinetune(algorithm="adaquant", iterations=20, seed=5,
                                                                              compile=setting)) for setting in (False, True)}

@@ -17,9 +17,10 @@ class FakeQuantize(nn.Module):
     activation told to `keep_range` still clamps to its range: a quantizer may stand in for a Relu or
     Clip that was removed because its clamp does the same (onnxruntime does so with asymmetric
     activations), and the reference must keep that activation. `rounding` replaces the integer
-    rounding (AdaRound). `on_parameter` marks a quantizer of a weight or bias (set by the lifter). Within formats.compiled.compiled_kernels(True) it runs compiled kernels
-    (on tensors of at least MIN_COMPILED_ELEMENTS). While its scale is learned (recon.scales),
-    `learned` computes it instead, eager, with the scale's gradient."""
+    rounding (AdaRound). `on_parameter` marks a quantizer of a weight or bias (set by the lifter).
+    Within formats.compiled.compiled_kernels(True) it runs compiled kernels (on tensors of at least
+    MIN_COMPILED_ELEMENTS). While its scale is learned (recon.scales), `learned` computes it
+    instead, eager, with the scale's gradient."""
 
     scale: torch.Tensor | None
     zero_point: torch.Tensor | None

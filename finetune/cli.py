@@ -52,6 +52,7 @@ def quantize(args: argparse.Namespace) -> None:
     config = with_finetune(config, _finetune_overrides(args, config))
     if args.resume and config.fast_finetune is None:
         raise ValueError("--resume continues a fine-tuning run: add --finetune, or a config with a fast_finetune section")
+    float_path = _float_model_path(args.output, args.model) if config.weight_storage == "compact" else None
     data = _calibration_data(args)
     name = args.output.name if config.auto_mixed_precision is not None else _report_name(args.output)  # the search adds .automp
     result = quantize_and_finetune(args.model, config, data, args.output.parent, name, resume=args.resume, model_path=args.output)
@@ -59,6 +60,9 @@ def quantize(args: argparse.Namespace) -> None:
         return  # another process of a data-parallel run: the first one writes and reports
     summary_path = args.output.with_name(args.output.name + ".summary.json")
     write_text_atomic(summary_path, json.dumps(result.summary, indent=1))
+    if result.float_model is not None and float_path is not None:  # quantized only: tuning had it already
+        save_model_atomic(result.float_model, float_path)
+        logger.info("wrote %s, the float model the codes were made from (tune --float-model takes it)", float_path)
     save_run_config(config, _config_path(args.output))
     print(format_summary(result.summary))
     if result.auto_mp_report is not None:
@@ -73,6 +77,13 @@ def quantize(args: argparse.Namespace) -> None:
 
         print(format_report(result.report))
     logger.info("wrote %s, %s and %s", args.output, summary_path, _config_path(args.output))
+
+
+def _float_model_path(output: Path, source: Path) -> Path:
+    """Where `quantize` writes, with weights stored as codes, the float graph they were made from
+    (normalised, batch norms folded, equalised, smoothed): what `tune --float-model` takes in a second
+    step, as the codes alone lose the float values. Checked before any work, as the output is."""
+    return check_output(output.with_name(output.name + ".float.onnx"), source)
 
 
 def tune(args: argparse.Namespace) -> None:

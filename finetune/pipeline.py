@@ -30,6 +30,7 @@ class PipelineResult:
     report: dict[str, Any] | None
     auto_mp_report: dict[str, Any] | None = None
     auto_mp_config: QuantConfig | None = None  # the config the search chose (node overrides): quantizes to `model` again
+    float_model: onnx.ModelProto | None = None  # the float graph the quantizer built from (quantize_model alone)
 
 
 def quantize_and_finetune(
@@ -57,7 +58,7 @@ def quantize_and_finetune(
         quantized = quantize_model(model, config, data)
         if model_path is not None:
             save_model_atomic(quantized.model, model_path)
-        return PipelineResult(quantized.model, quantized.summary, None)
+        return PipelineResult(quantized.model, quantized.summary, None, float_model=quantized.float_model)
     from finetune.recon import finetune_model, resolve_device  # lightning takes seconds to import: only when tuning
 
     if data is None:  # what tuning needs is checked before the quantizer's calibration pass

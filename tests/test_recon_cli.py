@@ -338,3 +338,25 @@ def test_bench_finetune_smoke_run_on_digits(tmp_path: Path) -> None:
         assert case["activation_cache_peak_mb_in_memory"] > 0 and case["activation_cache_peak_mb_on_disk"] == 0
         assert 0 < case["seconds_per_unit_iteration"] and case["activation_seconds_ort_rerun_per_unit"] > 0
         assert 90 <= case["float"] <= 100 and case["after"] >= 80
+
+
+def test_quantize_with_codes_writes_the_float_model_tune_takes(digits: dict, tmp_path: Path, cli: Callable[..., Outcome]) -> None:
+    """Weights stored as codes lose their float values: `quantize` writes the float graph they were
+    made from beside the output (`<output>.float.onnx`), and `tune --float-model` takes it as the
+    reference with nothing set aside. With float storage the QDQ model holds the weights: none is written."""
+    out = tmp_path / "q.onnx"
+    result = cli("quantize", str(digits["path"]), "--config", "XINT8", "--data", str(digits["data"]), "--weight-storage",
+                 "compact", "-o", str(out))
+    assert result.returncode == 0, result.stderr
+    float_path = out.with_name("q.onnx.float.onnx")
+    assert "Conv" in {node.op_type for node in onnx.load(float_path).graph.node}
+    assert not any(node.op_type == "QuantizeLinear" for node in onnx.load(float_path).graph.node)
+    tuned = tmp_path / "t.onnx"
+    result = cli("tune", str(out), "--float-model", str(float_path), "--data", str(digits["data"]), "--iterations", "5",
+                 "-o", str(tuned))
+    assert result.returncode == 0, result.stderr
+    report = json.loads(tuned.with_name("t.onnx.finetune.json").read_text())
+    assert report["float_reference"] == "float model" and not [w for w in report["warnings"] if "model" in w]
+    plain = tmp_path / "p.onnx"
+    assert cli("quantize", str(digits["path"]), "--config", "XINT8", "--data", str(digits["data"]), "-o", str(plain)).returncode == 0
+    assert not plain.with_name("p.onnx.float.onnx").exists()

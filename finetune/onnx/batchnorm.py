@@ -12,6 +12,7 @@ weight or bias is shared, or it is in training mode."""
 from __future__ import annotations
 
 import logging
+from collections import Counter
 
 import numpy as np
 import onnx
@@ -22,11 +23,12 @@ from finetune.notices import Notice
 from .domains import DEFAULT_DOMAINS
 from .fold import drop_unused_initializers
 from .graphs import all_nodes, node_reads, unique_name
-from .normalize import infer_shapes
+from .normalize import infer_shapes, keep_only
 
 logger = logging.getLogger(__name__)
 
 FOLDED_INTO = ("Conv", "Gemm")
+FOLD_CHANGE = "fold_batch_norm:"  # how the list of changes starts its entry, which the quantizer's checks read
 
 
 def fold_batch_norms(model: onnx.ModelProto, notices: list[Notice] | None = None) -> tuple[onnx.ModelProto, list[str]]:
@@ -38,10 +40,7 @@ def fold_batch_norms(model: onnx.ModelProto, notices: list[Notice] | None = None
     graph = result.graph
     initializers = {t.name: t for t in graph.initializer}
     producers = {output: node for node in graph.node for output in node.output}
-    readers: dict[str, int] = {}
-    for node in all_nodes(graph):
-        for name in node_reads(node):
-            readers[name] = readers.get(name, 0) + 1
+    readers = Counter(name for node in all_nodes(graph) for name in node_reads(node))
     outputs = {o.name for o in graph.output}
     taken = {name for node in all_nodes(graph) for name in (*node.input, *node.output)} | set(initializers)
     folded = [bn for bn in list(graph.node) if _fold(bn, producers, initializers, readers, outputs, taken)]
@@ -50,10 +49,8 @@ def fold_batch_norms(model: onnx.ModelProto, notices: list[Notice] | None = None
     if not folded:
         return result, []
     removed = {id(bn) for bn in folded}
-    kept = [node for node in graph.node if id(node) not in removed]
-    del graph.node[:]
-    graph.node.extend(kept)
-    changes = [f"fold_batch_norm: {len(folded)} BatchNormalization node(s) folded into the Conv/Gemm before them",
+    keep_only(graph.node, lambda node: id(node) not in removed)
+    changes = [f"{FOLD_CHANGE} {len(folded)} BatchNormalization node(s) folded into the Conv/Gemm before them",
                *drop_unused_initializers(result)]
     for change in changes:
         logger.info(change)
@@ -61,7 +58,7 @@ def fold_batch_norms(model: onnx.ModelProto, notices: list[Notice] | None = None
 
 
 def _fold(bn: onnx.NodeProto, producers: dict[str, onnx.NodeProto], initializers: dict[str, onnx.TensorProto],
-          readers: dict[str, int], outputs: set[str], taken: set[str]) -> bool:
+          readers: Counter[str], outputs: set[str], taken: set[str]) -> bool:
     """Fold `bn` into its producer in place (the producer then writes bn's output) where nothing
     else changes; whether it did."""
     if bn.op_type != "BatchNormalization" or bn.domain not in DEFAULT_DOMAINS or len([o for o in bn.output if o]) != 1:

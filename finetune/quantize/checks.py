@@ -17,6 +17,7 @@ from finetune.config import QuantConfig
 from finetune.config.schema import did_you_mean
 from finetune.formats import BFPSpec, MXSpec
 from finetune.notices import Notice, warn
+from finetune.onnx.batchnorm import FOLD_CHANGE
 from finetune.onnx.domains import DEFAULT_DOMAINS
 from finetune.onnx.fold import static_shapes
 from finetune.onnx.normalize import OPSET_KEPT, default_opset
@@ -33,7 +34,7 @@ ONE_ELEMENT = "one element: block formats leave a one-element tensor as it is (a
 def check_plan(model: onnx.ModelProto, config: QuantConfig, uses: list[Use], changes: list[str], notices: list[Notice]) -> None:
     """Raise a ValueError for what cannot work, and add notices (WARNING) for what the run does
     other than the config says, before any calibration."""
-    check_names(model, config, notices, any(c.startswith("fold_batch_norm:") for c in changes))
+    check_names(model, config, notices, any(c.startswith(FOLD_CHANGE) for c in changes))
     check_opset(model, uses, changes)
     check_weights_finite(model, uses)
     warn(logger, notices, format_notices(model, uses, config.weight_storage == "compact"))

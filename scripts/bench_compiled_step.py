@@ -21,8 +21,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
+from bench_formats import median_time  # a sibling script: python puts scripts/ on the path
 
 from finetune.lift import lift_model
 from finetune.quantize import quantize_model
@@ -46,15 +46,11 @@ def stepper(model: torch.nn.Module, x: torch.Tensor, target: torch.Tensor) -> tu
 
 
 def median_ms(step: Callable[[], None], steps: int) -> float:
-    """Median wall milliseconds of `steps` steps after 10 warm-up steps."""
-    for _ in range(10):
+    """Median wall milliseconds of `steps` steps after 10 warm-up steps (bench_formats.median_time
+    takes the last of them)."""
+    for _ in range(9):
         step()
-    seconds = []
-    for _ in range(steps):
-        begin = time.perf_counter()
-        step()
-        seconds.append(time.perf_counter() - begin)
-    return float(np.median(seconds) * 1e3)
+    return median_time(step, steps) * 1e3
 
 
 def case(model_name: str, preset: str, directory: Path, steps: int) -> dict[str, Any]:

@@ -1,6 +1,6 @@
-"""Learned INT weight scales (fast_finetune.learn_scales, recon.scales): LSQ's gradient, power-of-two
-scales, export of the learned scale with its re-quantized int32 bias, compact codes re-encoded,
-refusals, and reproducibility."""
+"""Learned INT weight and activation scales (fast_finetune.learn_scales, recon.scales): LSQ's
+gradient, power-of-two scales, export of the learned scales with their re-quantized int32 biases,
+compact codes re-encoded, refusals, and reproducibility."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from finetune.formats import IntSpec, int_quantize_dequantize
 from finetune.lift import FakeQuantize, lift_model
 from finetune.quantize import quantize_model
 from finetune.recon import finetune_model
-from finetune.recon.scales import LearnedScale, lsq_quantize_dequantize
+from finetune.recon.scales import LearnedScale, _learned_fn, lsq_quantize_dequantize
 from finetune.zoo import digits_split
 
 from .recon_helpers import export_digits_cnn, one_thread, run  # noqa: F401  (one_thread: autouse fixture)
@@ -26,6 +26,8 @@ from .test_recon_callbacks import stopped_run
 
 INT8 = {"format": "int", "dtype": "int8", "symmetric": True, "granularity": "tensor", "calibration": "minmax"}
 W4A8_CHANNEL = {"activation": INT8, "weight": {**INT8, "dtype": "int4", "granularity": "channel"}}
+W4A4_CHANNEL = {**W4A8_CHANNEL, "activation": {**INT8, "dtype": "int4"}}
+UINT8_ASYMMETRIC = {**INT8, "dtype": "uint8", "symmetric": False}
 LEARN = {"algorithm": "adaquant", "iterations": 30, "learn_scales": "weights", "scale_lr": 0.05}
 
 
@@ -53,7 +55,7 @@ def test_the_scale_gradient_is_lsqs() -> None:
     spec = IntSpec("int4", axis=0)
     s = x.abs().amax(1) / 6  # some weights clip, at either end
     quantizer = FakeQuantize(spec, s)
-    learned = LearnedScale(quantizer, x)
+    learned = LearnedScale(quantizer, x.numel())
     upstream = torch.randn(3, 20, generator=generator)
     y = lsq_quantize_dequantize(x, learned.value(), learned.zero_point(), spec)
     assert torch.equal(y, int_quantize_dequantize(x, s, torch.zeros(3), spec))
@@ -67,12 +69,68 @@ def test_an_asymmetric_zero_point_gets_lsq_plus_gradient_and_stays_an_integer() 
     is an integer in the code range for any offset."""
     x = torch.tensor([[-5.0, -0.1, 0.2, 9.0]])
     spec = IntSpec("uint8", symmetric=False)
-    learned = LearnedScale(FakeQuantize(spec, torch.tensor(0.02), torch.tensor(100.0)), x)
+    learned = LearnedScale(FakeQuantize(spec, torch.tensor(0.02), torch.tensor(100.0)), x.numel())
     y = lsq_quantize_dequantize(x, learned.value(), learned.zero_point(), spec)
     y.sum().backward()
     assert learned.zp.grad.item() == pytest.approx(-2 * 0.02 / np.sqrt(4 * 255))
     learned.zp.data.fill_(200.7)
     assert learned.zero_point().item() == 255.0
+
+
+def test_an_activation_scale_gradient_is_lsqs_scaled_by_the_row_size() -> None:
+    """An activation's learned scale takes LSQ's gradient scaled by 1 / sqrt(elements of one row *
+    qmax), the row size read from its first call; its values are QuantizeLinear's."""
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(4, 3, 5, generator=generator) * 3
+    spec = IntSpec("int8")
+    learned = LearnedScale(FakeQuantize(spec, torch.tensor(0.02)), None)
+    y = _learned_fn(learned, activation=True)(x)
+    assert torch.equal(y, int_quantize_dequantize(x, torch.tensor(0.02), torch.tensor(0.0), spec))
+    upstream = torch.randn(4, 3, 5, generator=generator)
+    (y * upstream).sum().backward()
+    v = (x / 0.02).numpy()
+    local = np.where(v <= spec.qmin, spec.qmin, np.where(v >= spec.qmax, spec.qmax, np.round(v) - v)).astype(np.float64)
+    expected = (local * upstream.numpy()).sum() * 0.02 / np.sqrt(15 * spec.qmax)
+    assert learned.t.grad.item() == pytest.approx(expected, rel=1e-5)
+
+
+@pytest.mark.parametrize("activation", [W4A4_CHANNEL["activation"], UINT8_ASYMMETRIC], ids=["int4", "uint8 asymmetric"])
+def test_learned_activation_scales_go_into_the_graph_with_their_biases(digits: dict, activation: dict) -> None:
+    """Blocks learning every scale (learn_scales: all): the activation quantizers inside each block
+    learn theirs; the tuned graph holds them, each Conv's int32 bias scale is its input scale times
+    its weight scale with codes re-encoded, and onnxruntime gives the lifted tuned model's outputs."""
+    quantized = quantize_model(digits["path"], {**W4A8_CHANNEL, "activation": activation}, digits["small"]).model
+    tuned, report = finetune_model(quantized, digits["small"], FastFinetune(**{**LEARN, "learn_scales": "all"}, unit="block"))
+    rows = [row for row in report["learned_scales"] if row["of"] == "activation"]
+    assert rows and any(row["ratio_min"] != 1.0 for row in rows)
+    assert any(row["bias_requantized"] for row in rows)
+    module = lift_model(tuned)
+    moved = 0
+    for conv in (n.name for n in tuned.graph.node if n.op_type == "Conv"):
+        names = _conv_qdq(tuned, conv)
+        moved += not np.array_equal(_initializer(quantized, names["input"]), _initializer(tuned, names["input"]))
+        bias_scale = _initializer(tuned, names["bias"])
+        assert np.array_equal(bias_scale, (_initializer(tuned, names["input"]) * _initializer(tuned, names["weight"])).astype(np.float32))
+        codes = _initializer(tuned, names["bias_codes"])
+        bias = next(module.get_parameter(n) for n, s in module.finetune_params.items() if s.initializer == names["bias_codes"])
+        assert np.array_equal(codes, np.round(bias.detach().numpy() / bias_scale))
+    assert moved
+    with torch.no_grad():
+        simulated = module(torch.from_numpy(digits["x"])).numpy()
+    difference = np.abs(simulated - run(tuned, digits["x"]))  # the bound of the weight-scale test below
+    assert np.mean(difference > 1e-5) <= 0.05 and difference.max() <= 0.05 * np.abs(simulated).max()
+
+
+def test_a_layer_unit_learns_the_activation_scale_it_outputs_with_include_output_quant(digits: dict) -> None:
+    """A layer unit's input quantizer lies outside it: learning activation scales layer by layer
+    needs include_output_quant (each layer learns the quantizer of its output), else it is an error."""
+    quantized = quantize_model(digits["path"], W4A4_CHANNEL, digits["small"]).model
+    config = {**LEARN, "learn_scales": "activations"}
+    with pytest.raises(ValueError, match="learn_scales: activations: no unit has an INT activation quantizer"):
+        finetune_model(quantized, digits["small"], FastFinetune(**config))
+    _, report = finetune_model(quantized, digits["small"], FastFinetune(**config, include_output_quant=True))
+    assert {row["of"] for row in report["learned_scales"]} == {"activation"}
+    assert any(row["ratio_min"] != 1.0 for row in report["learned_scales"])
 
 
 def _shrink_weight_scales(model: onnx.ModelProto, factor: float) -> None:
@@ -154,7 +212,7 @@ def test_learning_scales_needs_adaquant_and_an_int_weight(digits: dict) -> None:
     with pytest.raises(ConfigError, match="learn_scales.*adaquant"):
         FastFinetune(learn_scales="weights")
     quantized = quantize_model(digits["path"], "MX4", None).model
-    with pytest.raises(ValueError, match="no tuned weight has an INT format"):
+    with pytest.raises(ValueError, match="learn_scales: weights: no unit has an INT weight quantizer"):
         finetune_model(quantized, digits["small"], FastFinetune(**LEARN))
 
 

@@ -79,8 +79,9 @@ DESCRIPTIONS: dict[str, str] = {
     "FastFinetune.gptq": "GPTQ's settings (algorithm `gptq`, or `gptq_init`).",
     "FastFinetune.gptq_init": "Start AdaRound or AdaQuant from GPTQ's weights.",
     "FastFinetune.learn_scales": "AdaQuant only: `weights` learns the scale (and an asymmetric zero point) of each tuned "
-                                 "INT weight with LSQ's gradient (power-of-two scales stay powers of two); written into "
-                                 "the QDQ graph, int32 biases re-quantized to it.",
+                                 "INT weight with LSQ's gradient (power-of-two scales stay powers of two), `activations` "
+                                 "those of the INT activation quantizers inside each unit, `all` both; written into "
+                                 "the QDQ graph, int32 biases re-quantized to them.",
     "FastFinetune.scale_lr": "Adam learning rate of the learned log-scales (`learn_scales`), decaying with AdaQuant's.",
     "FastFinetune.compile": "Run the quantize-dequantize kernels through torch.compile (same bits); `auto`: where a compiler "
                             "is at hand, `true`: fail without one, `false`: eager.",

@@ -93,7 +93,8 @@ class FastFinetune(Section):
     back when tuning made it worse (0: every batch trains, early stopping reads the training loss,
     each unit ends at its last step, and the checks read the training rows).
     `learn_scales: weights` (AdaQuant only) learns the scale (and an asymmetric zero point) of each
-    tuned INT weight beside the weight, LSQ-style, at `scale_lr` (see recon.scales).
+    tuned INT weight beside the weight, LSQ-style, at `scale_lr`; `activations` those of the INT
+    activation quantizers inside each unit; `all` both (see recon.scales).
     `bias_correction` adds to each layer's bias the mean, per output channel over the training rows,
     of its float output minus its quantized output, before tuning and again after it, each kept only
     where the unit's held-out loss does not rise (see recon.bias; `auto`: on for the correction alone,
@@ -126,7 +127,7 @@ class FastFinetune(Section):
     gptq: GPTQ = field(default_factory=GPTQ)
     gptq_init: bool = False
     compile: Literal["auto", True, False] = "auto"
-    learn_scales: Literal[False, "weights"] = False
+    learn_scales: Literal[False, "weights", "activations", "all"] = False
     scale_lr: float = field(default=1e-3, metadata={"above": 0, "max": MAX_LR})
     bias_correction: Literal["auto", True, False] = "auto"
 

@@ -157,7 +157,7 @@ def _tune(fabric: Fabric, job: _Job) -> tuple[onnx.ModelProto | None, dict[str, 
     report = _report(config, device, reference is module, tuner, [*warnings, *tuner.warnings], timing, cache_stats)
     report["kernels"] = kernels.summary()
     if config.learn_scales:  # learned scales quantize eager: the kernels carry no scale gradient
-        report["learned_scales"] = scale_changes(module, units, untuned_scales)
+        report["learned_scales"] = scale_changes(module, units, untuned_scales, config)
         report["kernels"]["eager_formats"]["a learned scale"] = EAGER_FORMATS["a learned scale"]
     if not fabric.is_global_zero:
         return None, report

@@ -214,7 +214,8 @@ class Tuner:
         loss, against 40 % at a constant rate)."""
         config = self.config
         roundings, trainable, frozen = self._trainables(unit, module)
-        scales = LearnedScales(unit, module, config, self.warnings)  # learn_scales: the weight scales beside the weights
+        layers = [layer for each in self.units for layer in each.layers]  # int32 biases may follow a learned input scale
+        scales = LearnedScales(unit, module, config, layers, self.warnings)  # learn_scales: the scales beside the weights
         parallel = self.fabric.world_size > 1  # gradients are summed by hand: see parallel
         model = train if parallel else self.fabric.setup_module(train)
         adam = HostAdam if self.fabric.device.type == "cpu" else torch.optim.Adam

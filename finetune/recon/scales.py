@@ -1,16 +1,19 @@
-"""Learned INT weight scales (LSQ, Esser et al. 2019) beside AdaQuant's weights.
+"""Learned INT scales (LSQ, Esser et al. 2019) beside AdaQuant's weights: of the weights
+(`learn_scales: weights`), of the activations (`activations`), or both (`all`).
 
-With `learn_scales: weights`, the scale of each tuned INT weight quantizer (per tensor, channel or
-block) becomes s = s0 * exp(t) with a trainable t that starts at 0 (so s starts at s0 exactly and
-stays positive); a power-of-two scale becomes s = s0 * 2^round(t), rounded with a straight-through
-estimator, so every value it takes is an exact power of two. An asymmetric format's zero point
-learns an integer offset the same way, kept in the code range. The quantize-dequantize runs LSQ's
-form, round(clamp(x / s, qmin - zp, qmax - zp)) * s, whose values are QuantizeLinear's bit for bit
-and whose scale gradient is LSQ's: round(x/s) - x/s inside the range, the clamp bound outside it
-(the clipping gradient), scaled by 1 / sqrt(elements per scale * qmax). That path is eager: the
-compiled kernels carry no scale gradient. An int32 bias whose scale is s_input * s_weight follows
-the learned weight scale (re-quantized on the new grid, saturating at the int32 range); export
-writes the learned scales, zero points and re-encoded codes into the QDQ graph (export_scales)."""
+The scale of each learned INT quantizer (per tensor, channel or block) becomes s = s0 * exp(t) with
+a trainable t that starts at 0 (so s starts at s0 exactly and stays positive); a power-of-two scale
+becomes s = s0 * 2^round(t), rounded with a straight-through estimator, so every value it takes is
+an exact power of two. An asymmetric format's zero point learns an integer offset the same way, kept
+in the code range. The quantize-dequantize runs LSQ's form, round(clamp(x / s, qmin - zp, qmax -
+zp)) * s, whose values are QuantizeLinear's bit for bit and whose scale gradient is LSQ's: round(x/s)
+- x/s inside the range, the clamp bound outside it (the clipping gradient), scaled by 1 / sqrt(elements
+per scale * qmax), the elements of one row for an activation. That path is eager: the compiled kernels
+carry no scale gradient. An activation quantizer is learned by the unit whose nodes call it (a layer
+unit's input quantizer is outside it: with `include_output_quant` the layer before learns it). An
+int32 bias whose scale is s_input * s_weight follows either learned scale (re-quantized on the new
+grid, saturating at the int32 range); export writes the learned scales, zero points and re-encoded
+codes into the QDQ graph (export_scales)."""
 
 from __future__ import annotations
 
@@ -29,28 +32,39 @@ from finetune.formats.blocks import broadcast_param
 from finetune.lift import FakeQuantize, LiftedModule
 
 from .report import Warnings
-from .units import Layer, Unit
+from .units import Layer, Unit, constant_nodes
+
+# What each learn_scales value learns.
+LEARNS = {"weights": ("weight",), "activations": ("activation",), "all": ("weight", "activation")}
 
 
 @dataclass(frozen=True)
-class Site:
-    """One weight whose scale is learned: its quantizer, and the int32 bias quantizer (None: none)
-    whose scale is the input quantizer's times the weight's and so follows it."""
+class TiedBias:
+    """An int32 bias quantizer whose scale is its layer's input quantizer's times its weight
+    quantizer's, so it follows either when learned."""
 
-    weight: str
+    bias: str
+    quantizer: str
+    input_quantizer: str
     weight_quantizer: str
-    bias: str | None = None
-    bias_quantizer: str | None = None
-    input_quantizer: str | None = None
 
-    def buffers(self, spec: IntSpec) -> tuple[str, ...]:
+
+@dataclass(frozen=True)
+class Learning:
+    """What one unit learns: its quantizers (`kinds`: weight or activation, by quantizer name) and
+    the int32 biases tied to them."""
+
+    kinds: dict[str, str]
+    biases: tuple[TiedBias, ...]
+
+    def buffers(self, module: LiftedModule) -> tuple[str, ...]:
         """The quantizer buffers learning changes (what a revert or a checkpoint must hold)."""
-        names = [f"{self.weight_quantizer}.scale"]
-        if not spec.symmetric:
-            names.append(f"{self.weight_quantizer}.zero_point")
-        if self.bias_quantizer is not None:
-            names.append(f"{self.bias_quantizer}.scale")
-        return tuple(names)
+        names = []
+        for name in self.kinds:
+            names.append(f"{name}.scale")
+            if not module.get_submodule(name).spec.symmetric:
+                names.append(f"{name}.zero_point")
+        return (*names, *(f"{tied.quantizer}.scale" for tied in self.biases))
 
 
 def lsq_quantize_dequantize(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, spec: IntSpec) -> torch.Tensor:
@@ -97,10 +111,11 @@ class _Pow2Step(torch.autograd.Function):
 
 
 class LearnedScale(nn.Module):
-    """The trainable scale (and asymmetric zero point) of one weight quantizer; `value()` and
-    `zero_point()` are what it quantizes with now."""
+    """The trainable scale (and asymmetric zero point) of one quantizer; `value()` and
+    `zero_point()` are what it quantizes with now. `elements` is how many values share a scale
+    (None until an activation's first call, `observe`, tells)."""
 
-    def __init__(self, quantizer: FakeQuantize, weight: torch.Tensor) -> None:
+    def __init__(self, quantizer: FakeQuantize, elements: int | None) -> None:
         super().__init__()
         spec = quantizer.spec
         self.spec = spec
@@ -108,7 +123,14 @@ class LearnedScale(nn.Module):
         self.register_buffer("base_zero_point", quantizer.zero_point.detach().clone())
         self.t = nn.Parameter(torch.zeros_like(self.base))
         self.zp = nn.Parameter(torch.zeros_like(self.base)) if not spec.symmetric else None
-        self.factor = 1.0 / math.sqrt(weight.numel() / self.base.numel() * max(spec.qmax, 1.0))
+        self.factor, self.observed = 1.0, False
+        if elements is not None:
+            self.observe(elements)
+
+    def observe(self, elements: int) -> None:
+        """LSQ's gradient scale, 1 / sqrt(values per scale * qmax), from the values quantized at once."""
+        self.factor = 1.0 / math.sqrt(max(elements / self.base.numel(), 1.0) * max(self.spec.qmax, 1.0))
+        self.observed = True
 
     def value(self) -> torch.Tensor:
         """The scale now: s0 * exp(t), or s0 * 2^round(t) for a power-of-two format."""
@@ -124,40 +146,66 @@ class LearnedScale(nn.Module):
         return torch.clamp(self.base_zero_point + offset, self.spec.qmin, self.spec.qmax)
 
 
-def learned_sites(module: LiftedModule, unit: Unit) -> tuple[list[Site], list[tuple[str, str]]]:
-    """The weights of `unit` whose scales can be learned, and (layer, why not) for the others."""
-    sites, skipped = [], []
-    for layer in unit.layers:
-        site, why = _site(module, layer)
-        if site is not None:
-            sites.append(site)
-        else:
-            skipped.append((layer.name, why))
-    return sites, skipped
-
-
-def _site(module: LiftedModule, layer: Layer) -> tuple[Site | None, str]:
-    """The layer's Site, or None with the reason its weight scale stays."""
-    if layer.weight_quantizer is None:
-        return None, "its weight is not quantized"
-    quantizer = module.get_submodule(layer.weight_quantizer)
+def _why_not(quantizer: FakeQuantize) -> str:
+    """Why the quantizer's scale cannot be learned ("" where it can)."""
     spec = quantizer.spec
     if not isinstance(spec, IntSpec):
-        return None, f"its weight format ({type(spec).__name__}) has no scale to learn (INT formats only)"
+        return f"its format ({type(spec).__name__}) has no scale to learn (INT formats only)"
     if spec.dtype in ("int32", "uint32"):
-        return None, "32-bit weight codes are not learned (their codes are not exact in float32)"
-    site = Site(layer.weight, layer.weight_quantizer)
+        return "32-bit codes are not learned (they are not exact in float32)"
+    return ""
+
+
+def unit_learning(module: LiftedModule, unit: Unit, learns: tuple[str, ...], layers: list[Layer]) -> tuple[Learning, list[tuple[str, str]]]:
+    """What `unit` learns and (where, why not) for what it cannot; `layers`: every tuned layer of
+    the model, whose int32 biases may be tied to an activation scale the unit learns."""
+    kinds, skipped = {}, []
+    if "weight" in learns:
+        for layer in unit.layers:
+            why = _why_not(module.get_submodule(layer.weight_quantizer)) if layer.weight_quantizer else "its weight is not quantized"
+            if why:
+                skipped.append((layer.name, f"its weight scale stays: {why}"))
+            else:
+                kinds[layer.weight_quantizer] = "weight"
+    if "activation" in learns:
+        for name, why in activation_quantizers(module, unit):
+            if why:
+                skipped.append((name, f"its activation scale stays: {why}"))
+            else:
+                kinds[name] = "activation"
+    biases = tuple(tied for layer in layers if (tied := _tied_bias(module, layer)) is not None
+                   and (tied.input_quantizer in kinds or tied.weight_quantizer in kinds))
+    return Learning(kinds, biases), skipped
+
+
+def activation_quantizers(module: LiftedModule, unit: Unit) -> list[tuple[str, str]]:
+    """The activation quantizers the unit's nodes call (each module is called once, by one node),
+    with why each one's scale cannot be learned ("" where it can)."""
+    mine, constant = set(unit.nodes), constant_nodes(module.graph)
+    found = []
+    for node in module.graph.nodes:
+        if node.name not in mine or node.op != "call_module" or node in constant:
+            continue
+        quantizer = module.get_submodule(node.target)
+        if isinstance(quantizer, FakeQuantize) and not quantizer.on_parameter:
+            found.append((node.target, _why_not(quantizer)))
+    return found
+
+
+def _tied_bias(module: LiftedModule, layer: Layer) -> TiedBias | None:
+    """The layer's int32 bias quantizer where its scale is s_input * s_weight, else None."""
     bias_quantizer = module.finetune_params[layer.bias].quantizer if layer.bias else None
-    if bias_quantizer is None:
-        return site, ""
     input_quantizer = _input_quantizer(module, layer)
+    if bias_quantizer is None or input_quantizer is None or layer.weight_quantizer is None:
+        return None
+    weight = module.get_submodule(layer.weight_quantizer)
     bias_scale = module.get_submodule(bias_quantizer).scale
-    if input_quantizer is None or bias_scale is None:
-        return site, ""  # a bias on its own grid, not tied to the weight's scale
-    derived = module.get_submodule(input_quantizer).scale * quantizer.scale
+    if not isinstance(weight.spec, IntSpec) or bias_scale is None:
+        return None
+    derived = module.get_submodule(input_quantizer).scale * weight.scale
     if derived.shape != bias_scale.shape or not torch.equal(derived, bias_scale):
-        return site, ""
-    return replace(site, bias=layer.bias, bias_quantizer=bias_quantizer, input_quantizer=input_quantizer), ""
+        return None  # a bias on its own grid, not tied to the scales
+    return TiedBias(layer.bias, bias_quantizer, input_quantizer, layer.weight_quantizer)
 
 
 def _input_quantizer(module: LiftedModule, layer: Layer) -> str | None:
@@ -171,77 +219,99 @@ def _input_quantizer(module: LiftedModule, layer: Layer) -> str | None:
 
 
 def with_learned_scales(module: LiftedModule, units: list[Unit], config: FastFinetune, warnings: Warnings) -> list[Unit]:
-    """The units with the quantizer buffers they learn (none unless learn_scales); a layer whose
-    weight scale cannot be learned is a warning, and a model with none at all an error."""
+    """The units with the quantizer buffers they learn (none unless learn_scales); a quantizer whose
+    scale cannot be learned is a warning, and a model with none at all an error."""
     if not config.learn_scales:
         return units
+    learns = LEARNS[config.learn_scales]
+    layers = [layer for unit in units for layer in unit.layers]
     result = []
     for unit in units:
-        sites, skipped = learned_sites(module, unit)
-        for layer, why in skipped:
-            warnings.add(layer, f"learn_scales: its weight scale stays: {why}")
-        buffers = [name for site in sites for name in site.buffers(module.get_submodule(site.weight_quantizer).spec)]
-        result.append(replace(unit, scales=tuple(buffers)))
+        learning, skipped = unit_learning(module, unit, learns, layers)
+        for where, why in skipped:
+            warnings.add(where, f"learn_scales: {why}")
+        result.append(replace(unit, scales=learning.buffers(module)))
     if not any(unit.scales for unit in result):
-        raise ValueError("fast_finetune.learn_scales: no tuned weight has an INT format, so there is no scale to learn "
-                         "(BFP, MX and float formats have none): set learn_scales: false")
+        raise ValueError(f"fast_finetune.learn_scales: {config.learn_scales}: no unit has an INT {' or '.join(learns)} "
+                         "quantizer, so there is no scale to learn (BFP, MX and float formats have none; a layer unit's "
+                         "input quantizer lies outside it: use unit: block or include_output_quant) or set learn_scales: false")
     return result
 
 
 class LearnedScales:
-    """While entered, the unit's weight quantizers (and the int32 bias quantizers tied to them)
+    """While entered, the unit's learned quantizers (and the int32 bias quantizers tied to them)
     quantize with the learned scales; on exit the learned values are written into their buffers.
     `groups` are the optimizer's parameter groups (none when the unit learns no scale)."""
 
-    def __init__(self, unit: Unit, module: LiftedModule, config: FastFinetune, warnings: Warnings) -> None:
-        self.unit, self.module, self.warnings = unit, module, warnings
-        self.sites = learned_sites(module, unit)[0] if unit.scales else []
-        self.scales = [LearnedScale(module.get_submodule(site.weight_quantizer), module.get_parameter(site.weight))
-                       for site in self.sites]
-        parameters = [p for scale in self.scales for p in scale.parameters()]
+    def __init__(self, unit: Unit, module: LiftedModule, config: FastFinetune, layers: list[Layer], warnings: Warnings) -> None:
+        self.module, self.warnings = module, warnings
+        learns = LEARNS[config.learn_scales] if config.learn_scales and unit.scales else ()
+        self.learning = unit_learning(module, unit, learns, layers)[0]
+        self.scales = {name: LearnedScale(self._quantizer(name), self._elements(name, kind))
+                       for name, kind in self.learning.kinds.items()}
+        parameters = [p for scale in self.scales.values() for p in scale.parameters()]
         self.groups = [{"params": parameters, "lr": config.scale_lr}] if parameters else []
 
     def __enter__(self) -> Self:
-        for site, scale in zip(self.sites, self.scales):
-            self._quantizer(site.weight_quantizer).learned = _weight_fn(scale)
-            if site.bias_quantizer is not None:
-                bias = self._quantizer(site.bias_quantizer)
-                bias.learned = _bias_fn(bias, self._quantizer(site.input_quantizer), scale)
+        for name, scale in self.scales.items():
+            self._quantizer(name).learned = _learned_fn(scale, self.learning.kinds[name] == "activation")
+        for tied in self.learning.biases:
+            bias = self._quantizer(tied.quantizer)
+            bias.learned = _bias_fn(bias, self._current(tied.input_quantizer), self._current(tied.weight_quantizer))
         return self
 
     def __exit__(self, *_: object) -> None:
         with torch.no_grad():
-            for site, scale in zip(self.sites, self.scales):
-                weight = self._quantizer(site.weight_quantizer)
-                weight.learned = None
-                weight.scale.copy_(scale.value())
-                weight.zero_point.copy_(scale.zero_point())
-                if site.bias_quantizer is not None:
-                    self._harden_bias(site, weight.scale)
+            for name, scale in self.scales.items():
+                quantizer = self._quantizer(name)
+                quantizer.learned = None
+                quantizer.scale.copy_(scale.value())
+                quantizer.zero_point.copy_(scale.zero_point())
+            for tied in self.learning.biases:
+                self._harden_bias(tied)
 
-    def _quantizer(self, name: str | None) -> FakeQuantize:
+    def _quantizer(self, name: str) -> FakeQuantize:
         return self.module.get_submodule(name)
 
-    def _harden_bias(self, site: Site, weight_scale: torch.Tensor) -> None:
+    def _elements(self, name: str, kind: str) -> int | None:
+        """Values per quantization of a weight quantizer (its weight's size); None for an activation."""
+        if kind == "activation":
+            return None
+        source = next(value for value, parameter in self.module.finetune_params.items() if parameter.quantizer == name)
+        return self.module.get_parameter(source).numel()
+
+    def _current(self, name: str) -> Callable[[], torch.Tensor]:
+        """The quantizer's scale now: learned, or its buffer."""
+        scale = self.scales.get(name)
+        return (lambda: scale.value().detach()) if scale is not None else (lambda: self._quantizer(name).scale)
+
+    def _harden_bias(self, tied: TiedBias) -> None:
         """The bias quantizer's scale becomes s_input * s_weight; a warning where its codes saturate."""
-        bias = self._quantizer(site.bias_quantizer)
+        bias = self._quantizer(tied.quantizer)
         bias.learned = None
-        bias.scale.copy_(self._quantizer(site.input_quantizer).scale * weight_scale)
-        value = self.module.get_parameter(site.bias).detach().double()
+        bias.scale.copy_(self._quantizer(tied.input_quantizer).scale * self._quantizer(tied.weight_quantizer).scale)
+        value = self.module.get_parameter(tied.bias).detach().double()
         ratio = value / broadcast_param(bias.scale, value, bias.spec.axis, bias.spec.block_size, torch.float64)
         if bool(((ratio < bias.spec.qmin) | (ratio > bias.spec.qmax)).any()):
-            self.warnings.add(site.bias, "learn_scales: the int32 bias re-quantized to s_input * the learned weight scale "
-                              "saturates at the int32 range (its codes are clipped)", "tensor")
+            self.warnings.add(tied.bias, "learn_scales: the int32 bias re-quantized to s_input * s_weight with the learned "
+                              "scale saturates at the int32 range (its codes are clipped)", "tensor")
 
 
-def _weight_fn(scale: LearnedScale) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The weight quantizer's forward while its scale is learned."""
-    return lambda x: compute_in_float32(lambda xf: lsq_quantize_dequantize(xf, scale.value(), scale.zero_point(), scale.spec), x)
+def _learned_fn(scale: LearnedScale, activation: bool) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A learned quantizer's forward; an activation's first call sets the gradient scale from its row size."""
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        if activation and not scale.observed:
+            scale.observe(x[0].numel() if x.dim() > 1 else 1)
+        return compute_in_float32(lambda xf: lsq_quantize_dequantize(xf, scale.value(), scale.zero_point(), scale.spec), x)
+
+    return forward
 
 
-def _bias_fn(bias: FakeQuantize, input_quantizer: FakeQuantize, scale: LearnedScale) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The int32 bias quantizer's forward: its grid is s_input * the learned weight scale (no gradient to the scale)."""
-    return lambda x: int_quantize_dequantize(x, input_quantizer.scale * scale.value().detach(), bias.zero_point, bias.spec)
+def _bias_fn(bias: FakeQuantize, input_scale: Callable[[], torch.Tensor], weight_scale: Callable[[], torch.Tensor]
+             ) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The int32 bias quantizer's forward: its grid is s_input * s_weight as learned now (no gradient to either)."""
+    return lambda x: int_quantize_dequantize(x, input_scale() * weight_scale(), bias.zero_point, bias.spec)
 
 
 def scale_snapshot(module: LiftedModule, units: list[Unit]) -> dict[str, torch.Tensor]:
@@ -249,17 +319,21 @@ def scale_snapshot(module: LiftedModule, units: list[Unit]) -> dict[str, torch.T
     return {name: module.get_buffer(name).detach().clone() for unit in units for name in unit.scales}
 
 
-def scale_changes(module: LiftedModule, units: list[Unit], before: dict[str, torch.Tensor]) -> list[dict[str, Any]]:
-    """Per unit and learned weight scale: new / old over its channels or blocks (min, mean, max),
-    and how many zero points moved (the report's `learned_scales`)."""
+def scale_changes(module: LiftedModule, units: list[Unit], before: dict[str, torch.Tensor], config: FastFinetune
+                  ) -> list[dict[str, Any]]:
+    """Per unit and learned scale: new / old over its channels or blocks (min, mean, max), how many
+    zero points moved, and whether int32 biases followed (the report's `learned_scales`)."""
     rows = []
+    layers = [layer for unit in units for layer in unit.layers]
     for unit in units:
-        for site in learned_sites(module, unit)[0] if unit.scales else []:
-            key = f"{site.weight_quantizer}.scale"
+        learning = unit_learning(module, unit, LEARNS[config.learn_scales], layers)[0] if unit.scales else Learning({}, ())
+        for name, kind in learning.kinds.items():
+            key = f"{name}.scale"
             ratio = (module.get_buffer(key).detach().double() / before[key].double()).cpu()
-            zero_key = f"{site.weight_quantizer}.zero_point"
+            zero_key = f"{name}.zero_point"
             moved = int((module.get_buffer(zero_key) != before[zero_key]).sum()) if zero_key in before else 0
-            rows.append({"unit": unit.name, "weight": site.weight, "scales": ratio.numel(), "ratio_min": float(ratio.min()),
-                         "ratio_mean": float(ratio.mean()), "ratio_max": float(ratio.max()), "zero_points_moved": moved,
-                         "bias_requantized": site.bias_quantizer is not None})
+            followed = any(name in (tied.input_quantizer, tied.weight_quantizer) for tied in learning.biases)
+            rows.append({"unit": unit.name, "quantizer": name, "of": kind, "scales": ratio.numel(),
+                         "ratio_min": float(ratio.min()), "ratio_mean": float(ratio.mean()), "ratio_max": float(ratio.max()),
+                         "zero_points_moved": moved, "bias_requantized": followed})
     return rows

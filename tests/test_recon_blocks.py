@@ -17,7 +17,9 @@ from finetune.lift import FakeQuantize, lift_model
 from finetune.quantize import quantize_model
 from finetune.recon import cut, find_units, finetune_model
 from finetune.recon.qdrop import dropped_quantization
-from finetune.zoo import export_onnx
+from finetune.recon.report import Warnings
+from finetune.recon.units import MAX_BLOCK_LAYERS
+from finetune.zoo import export_onnx, text_detector_onnx_path, text_recognizer_onnx_path
 
 from .lift_helpers import (
     CNN_INPUT,
@@ -121,6 +123,33 @@ def test_a_partial_last_batch_trains_on_sequence_first_values(models: dict[str, 
     assert all(w["reason"].startswith("5 of the 15 rows of its inputs (slices along their leading axis) are left out of its "
                                       "training batches") for w in units)
     assert [r.message.split(":")[0].removeprefix("unit ") for r in caplog.records if "are left out of its training" in r.message] == sequence_first
+
+
+@pytest.mark.parametrize(("path", "shape"), [(text_detector_onnx_path, (1, 3, 64, 64)), (text_recognizer_onnx_path, (1, 3, 48, 64))],
+                         ids=["detector", "recogniser"])
+def test_paddle_models_are_not_one_block(path, shape: tuple[int, ...]) -> None:
+    """PP-OCRv4's detector and recogniser (paddle2onnx names every node p2o.<Op>.<n>: one shared
+    prefix, no module path) were each one block of all their layers. Now no block holds more than
+    MAX_BLOCK_LAYERS, and the detector's feature-pyramid span (no single value live across it) is
+    tuned layer by layer, each layer a warning."""
+    module = lift_model(quantize_model(path(), "MX6", feeds(shape, (1,))).model)
+    warnings = Warnings()
+    units = find_units(module, OP_TYPES, unit="block", warnings=warnings)
+    layers = sum(len(u.layers) for u in units)
+    assert layers > 40 and len(units) > 10 and max(len(u.layers) for u in units) <= MAX_BLOCK_LAYERS
+    assert len({u.name for u in units}) == len(units)  # two blocks named p2o shared their cached values
+    kept_single = [w for w in warnings if "a block holds at most" in w["reason"]]
+    assert len(kept_single) == (54 if path is text_detector_onnx_path else 0)
+
+
+def test_the_detector_tunes_over_blocks_and_onnxruntime_runs_it() -> None:
+    """PP-OCRv4's detector at MX6, AdaQuant over blocks for 2 iterations on 64x64 pages: every unit
+    runs (it stopped on two units sharing a name), and the tuned model runs in onnxruntime."""
+    batches = feeds((1, 3, 64, 64), (2, 2))
+    quantized = quantize_model(text_detector_onnx_path(), "MX6", batches).model
+    tuned, report = finetune_model(quantized, batches, FastFinetune(algorithm="adaquant", unit="block", iterations=2))
+    assert len(report["units"]) > 10
+    assert run(tuned, batches[0]["x"]).shape == (2, 1, 64, 64)
 
 
 def test_a_layer_that_cannot_join_a_block_is_a_warning(caplog: pytest.LogCaptureFixture) -> None:

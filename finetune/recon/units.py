@@ -7,7 +7,8 @@ blocks: a residual block, a transformer layer), reconstructed together at the bl
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -264,6 +265,13 @@ def _is_fake_quantize(module: nn.Module) -> bool:
 # --- blocks ---------------------------------------------------------------------------------------
 
 
+# The most layers one block holds. Blocks of real models have 1-5 (EfficientNet-Lite0's MBConv with
+# squeeze-excite, PP-OCR's classifier) or 11 (two SVTR mixing layers in PP-OCRv4's recogniser); the
+# span from the first tap of a feature pyramid to the neck that reads it (54 of the 64 layers of
+# PP-OCRv4's detector) is no block: its layers are tuned one by one.
+MAX_BLOCK_LAYERS = 16
+
+
 def scope(layer: str) -> str:
     """The block a layer belongs to by its name: the exporter's module path without the layer's own
     module and op (/_blocks.3/_expand_conv/Conv -> /_blocks.3, /encoder/layers.0/linear1/MatMul ->
@@ -301,6 +309,12 @@ def _blocks(module: LiftedModule, layers: list[Unit], constant: set[fx.Node], wa
         if start is None:
             units.extend(group)
             continue
+        if len(group) > MAX_BLOCK_LAYERS:
+            _stay_single(group, f"no single value is live across the {len(group)} layers around it (a feature pyramid, "
+                         f"or a shortcut over many layers, keeps several), and a block holds at most {MAX_BLOCK_LAYERS}",
+                         warnings)
+            units.extend(group)
+            continue
         entry, exit_ = order[start], order[end if following is None else following]
         members = [n for n in graph_order[graph_order.index(entry) + 1 : graph_order.index(exit_) + 1] if n.op != "placeholder"]
         outside = {i.name for n in members for i in n.all_input_nodes if i not in constant} - {n.name for n in [entry, *members]}
@@ -312,7 +326,15 @@ def _blocks(module: LiftedModule, layers: list[Unit], constant: set[fx.Node], wa
             units.extend(group)
         else:
             units.append(_block_unit(module, entry, members, group))
-    return units
+    return _named_apart(units)
+
+
+def _named_apart(units: list[Unit]) -> list[Unit]:
+    """The units, each block whose scope name another unit shares (paddle2onnx's p2o prefix is every
+    layer's) renamed after its layers, so names (and the cache keys made of them) are unique."""
+    counts = Counter(unit.name for unit in units)
+    return [replace(unit, name="+".join(layer.name for layer in unit.layers)) if counts[unit.name] > 1 and unit.op_type == "block"
+            else unit for unit in units]
 
 
 def _stay_single(group: list[Unit], why: str, warnings: Warnings) -> None:
@@ -334,10 +356,15 @@ def _shape_values(module: LiftedModule, constant: set[fx.Node]) -> set[fx.Node]:
 
 def _scope_runs(layers: list[Unit]) -> list[list[Unit]]:
     """Runs of consecutive layers with the same scope; top-level layers (scope "") stand alone, as
-    a plain sequential network has no blocks."""
+    a plain sequential network has no blocks, and so does every layer when all share one scope: an
+    exporter's prefix (paddle2onnx's p2o/Conv/12) names no module, and read as a scope it made
+    PP-OCR's detector and recogniser one block each."""
+    scopes = [scope(layer.name) for layer in layers]
+    if len(set(scopes)) == 1:
+        scopes = [""] * len(layers)
     runs: list[list[Unit]] = []
-    for layer in layers:
-        if runs and scope(layer.name) and scope(runs[-1][-1].name) == scope(layer.name):
+    for k, layer in enumerate(layers):
+        if runs and scopes[k] and scopes[k - 1] == scopes[k]:
             runs[-1].append(layer)
         else:
             runs.append([layer])

@@ -16,7 +16,7 @@ from finetune.config import ConfigError, FastFinetune
 from finetune.lift import FakeQuantize, lift_model
 from finetune.quantize import quantize_model
 from finetune.recon import cut, find_units, finetune_model
-from finetune.recon.qdrop import dropped_quantization
+from finetune.recon.qdrop import dropped_quantization, mixed
 from finetune.recon.report import Warnings
 from finetune.recon.units import MAX_BLOCK_LAYERS
 from finetune.zoo import export_onnx, text_detector_onnx_path, text_recognizer_onnx_path
@@ -198,3 +198,23 @@ def test_inside_a_block_each_activation_quantizer_drops_per_element(models: dict
     assert torch.equal(outputs[0], outputs[1]) and torch.equal(torch.where(kept, quantized, x), outputs[0])
     assert 0.2 < kept[quantized != x].float().mean() < 0.3
     assert torch.equal(quantizer(x), quantized)  # hooks gone after training
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_qdrop_mixing_is_where_bit_for_bit_in_value_and_gradient(dtype: torch.dtype) -> None:
+    """QDrop selects between the quantized and float values through their bits on the CPU (where
+    branches on coin flips): the same bits as torch.where, signed zeros, infinities and NaN
+    payloads included, and the same gradients (+0 where a side was not taken)."""
+    generator = torch.Generator().manual_seed(0)
+    values = [torch.randn(4, 3, 17, generator=generator).to(dtype) for _ in range(3)]
+    values[0].view(-1)[:4] = torch.tensor([-0.0, float("inf"), float("nan"), -float("inf")]).to(dtype)
+    values[1].view(-1)[:4] = torch.tensor([0.0, -0.0, 1.0, float("nan")]).to(dtype)
+    keep = torch.rand(4, 3, 17, generator=generator) < 0.5
+    keep.view(-1)[:4] = torch.tensor([True, False, True, False])
+    results = []
+    for select in (torch.where, mixed):
+        quantized, float_value = values[0].clone().requires_grad_(), values[1].clone().requires_grad_()
+        out = select(keep, quantized, float_value)
+        (out * values[2]).sum().backward()
+        results.append([t.detach().view(torch.uint8) for t in (out, quantized.grad, float_value.grad)])
+    assert all(torch.equal(a, b) for a, b in zip(*results))

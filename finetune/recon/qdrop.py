@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -68,7 +69,7 @@ class Batches:
             keep = self.masks.draw((self.size, *x.shape[1:]))
             if not held.all():
                 keep = keep[torch.from_numpy(np.flatnonzero(held)).to(keep.device, non_blocking=True)]
-            x = torch.where(keep, x, float_x[0])
+            x = mixed(keep, x, float_x[0])
         return self._assemble([x, *sides]), target
 
     def sample(self, count: int) -> tuple[torch.Tensor, ...]:
@@ -158,7 +159,7 @@ def dropped_quantization(train: torch.nn.Module, config: FastFinetune, k: int, d
     def mix(_module: torch.nn.Module, args: tuple[torch.Tensor, ...], quantized: torch.Tensor) -> torch.Tensor:
         if not torch.is_grad_enabled():  # a held-out evaluation (recon.watch): plain quantized values, no draw
             return quantized
-        return torch.where(masks.draw(tuple(quantized.shape)), quantized, args[0])
+        return mixed(masks.draw(tuple(quantized.shape)), quantized, args[0])
 
     hooks = [quantizer.register_forward_hook(mix) for quantizer in quantizers]
     try:
@@ -263,6 +264,42 @@ def _row_axis(one: torch.Tensor, two: torch.Tensor) -> RowAxis | None:
         if torch.allclose(first, one.unflatten(axis, (outer, size // outer)), rtol=1e-4, atol=1e-6):
             return RowAxis(axis, outer, size // outer)
     raise _NoRowAxis
+
+
+# Integer types as wide as each float type, to select between floats by their bits.
+SAME_WIDTH_INT = {torch.float32: torch.int32, torch.float64: torch.int64, torch.float16: torch.int16, torch.bfloat16: torch.int16}
+
+
+def mixed(keep: torch.Tensor, quantized: torch.Tensor, float_value: torch.Tensor) -> torch.Tensor:
+    """torch.where(keep, quantized, float_value), bit for bit in value and gradient. On the CPU it
+    selects by bit operations: torch.where branches on each element, and QDrop's masks are coin
+    flips, so it mispredicts half of them (1.7 ms against 0.8 ms for a 16x3x48x192 batch, one
+    thread, where QDrop's mixing was a tenth of a step)."""
+    if keep.device.type != "cpu" or quantized.dtype not in SAME_WIDTH_INT or float_value.dtype != quantized.dtype:
+        return torch.where(keep, quantized, float_value)
+    return _BitSelect.apply(keep, quantized, float_value)
+
+
+class _BitSelect(torch.autograd.Function):
+    """Select floats by a mask through their bits: f ^ ((q ^ f) & m), m all ones where kept; the
+    gradients are the incoming one's bits and-ed with m and with ~m (where's gradients: +0 elsewhere)."""
+
+    @staticmethod
+    def forward(ctx: Any, keep: torch.Tensor, quantized: torch.Tensor, float_value: torch.Tensor) -> torch.Tensor:
+        integer = SAME_WIDTH_INT[quantized.dtype]
+        ones = keep.to(integer).neg_()  # -1: every bit set
+        f = float_value.view(integer)
+        selected = (quantized.view(integer) ^ f).bitwise_and_(ones).bitwise_xor_(f).view(quantized.dtype)
+        ctx.save_for_backward(ones)
+        return selected
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor | None, torch.Tensor | None]:
+        (ones,) = ctx.saved_tensors
+        bits = grad.view(ones.dtype)
+        towards_quantized = (bits & ones).view(grad.dtype) if ctx.needs_input_grad[1] else None
+        towards_float = (bits & ones.bitwise_not()).view(grad.dtype) if ctx.needs_input_grad[2] else None
+        return None, towards_quantized, towards_float
 
 
 def qdrop_threshold(drop_ratio: float) -> int:

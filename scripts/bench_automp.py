@@ -12,12 +12,15 @@ OCP ladder MXFP4/MXFP6_E2M3/MXFP8_E4M3 and the INT ladder INT4W8A/A8W8/A16W8; Ef
 on MX4/MX6/MX9, calibrated on crops of four of the bundled photos and judged by top-1 agreement
 with the float model on crops of the other three (never the same photo); magika on MX4/MX6/MX9,
 calibrated on every other standard-library file and judged by top-1 accuracy against the type the
-extension implies on the rest.
+extension implies on the rest; PP-OCRv4's text detector (DBNet) on MX4/MX6/MX9, calibrated on 32
+rendered pages and judged on 64 others by the IoU of its text mask with the float model's
+(bench_finetune.mask_iou).
 
     python scripts/bench_automp.py --models digits,transformer                 # minutes
     python scripts/bench_automp.py --models efficientnet --targets 0.86,0.7,0.52 --eval-crops 64
     python scripts/bench_automp.py --models efficientnet --efficientnet-ladders mx-tensor --eval-crops 48 --finetune-iterations 0
     python scripts/bench_automp.py --models magika --ladders mx
+    python scripts/bench_automp.py --models textdet --ladders mx --iou-targets 0.9 --finetune-iterations 0
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from finetune.config import FastFinetune
 from finetune.files import write_text_atomic
 from finetune.quantize import quantize_model
 from finetune.zoo import (digits_split, efficientnet_lite0, export_onnx, magika_config, magika_onnx_path, magika_samples, photo_crops,
-                          train_digits_cnn, train_digits_transformer)
+                          text_detector_onnx_path, text_pages, train_digits_cnn, train_digits_transformer)
 
 INT4W8A = {"activation": {"format": "int", "dtype": "int8", "symmetric": True, "calibration": "minmax"},
            "weight": {"format": "int", "dtype": "int4", "symmetric": True, "granularity": "channel", "calibration": "minmax"}}
@@ -74,6 +77,15 @@ def magika_case() -> tuple[Path, list, list]:
     calibration = [{"bytes": features[0::2][i:i + 32]} for i in range(0, len(features[0::2]), 32)]
     held, truth = features[1::2], labels[1::2]
     return magika_onnx_path(), calibration, [(held[i:i + 64], truth[i:i + 64]) for i in range(0, len(held), 64)]
+
+
+def textdet_case() -> tuple[Path, list, list]:
+    """PP-OCRv4's text detector, bench_finetune's calibration pages (in batches of 4) and 64 others."""
+    from bench_finetune import PAGE_CALIBRATION, PAGE_EVALUATION  # a script beside this one
+
+    calibration = [{"x": b} for b in np.split(text_pages(PAGE_CALIBRATION, seed=1), PAGE_CALIBRATION // 4)]
+    evaluation = [{"x": b} for b in np.split(text_pages(PAGE_EVALUATION, seed=2), PAGE_EVALUATION // 16)]
+    return text_detector_onnx_path(), calibration, evaluation
 
 
 def prepare(path: Path, calibration: list, evaluation: list, ladder: list, metric: str, goal: dict[str, float]) -> PreparedSearch:
@@ -159,12 +171,13 @@ def _uniform_line(uniform: list[dict], bits: float) -> float:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default="digits,transformer", help="digits, transformer, efficientnet, magika")
+    parser.add_argument("--models", default="digits,transformer", help="digits, transformer, efficientnet, magika, textdet")
     parser.add_argument("--ladders", default="mx,mxfp,int", help="for the digits models and magika: mx, mxfp, int, mx-tensor "
                         "(the MX ladder with each layer's activation and weight searched apart)")
     parser.add_argument("--efficientnet-ladders", default="mx", help="for EfficientNet-Lite0: mx, mx-tensor")
     parser.add_argument("--drops", default="0.005,0.01,0.02", help="digits, magika: allowed top-1 accuracy drops from float")
     parser.add_argument("--targets", default="0.86,0.7,0.52", help="EfficientNet-Lite0: top-1 agreement targets")
+    parser.add_argument("--iou-targets", default="0.9", help="textdet: mask IoU targets")
     parser.add_argument("--calibration-crops", type=int, default=32)
     parser.add_argument("--eval-crops", type=int, default=64)
     parser.add_argument("--curve-points", type=int, default=4, help="prefixes of the search's move order measured for the curve")
@@ -181,6 +194,10 @@ def main(argv: list[str] | None = None) -> None:
                 case = efficientnet_case(Path(folder), args.calibration_crops, args.eval_crops)
                 goals = [{"target": target} for target in map(float, args.targets.split(","))]
                 cases = [(ladder, "top1_agreement", goals) for ladder in args.efficientnet_ladders.split(",")]
+            elif model == "textdet":
+                case = textdet_case()
+                goals = [{"target": target} for target in map(float, args.iou_targets.split(","))]
+                cases = [(ladder, "bench_finetune:mask_iou", goals) for ladder in args.ladders.split(",")]
             else:
                 case = magika_case() if model == "magika" else digits_case(model, Path(folder))
                 drops = [{"max_drop": drop} for drop in map(float, args.drops.split(","))]

@@ -11,7 +11,9 @@ recogniser `textrec` (from the `bench` extra's rapidocr-onnxruntime, whose model
 used: `pip install --no-deps rapidocr-onnxruntime` suffices; metric: whole-line agreement of the
 greedy CTC reading with the float model's, on text lines rendered here) and its text-angle classifier
 `textcls` from the same package (metric: top-1 agreement with the float model on rendered lines, half of
-them upside down). Each (model, preset) case runs
+them upside down) and its text detector `textdet` (DBNet; metric: IoU of the text mask, probability
+above 0.3 as PP-OCR thresholds it, with the float model's, pooled over rendered pages). Each (model,
+preset) case runs
 in its own process, so its peak RSS is its own. AdaRound tunes layers and AdaQuant blocks unless
 --unit says otherwise (see AUTO_UNIT for the measurements behind that).
 
@@ -20,6 +22,7 @@ in its own process, so its peak RSS is its own. AdaRound tunes layers and AdaQua
     python scripts/bench_finetune.py --memory 64,256,1024 --iterations 2   # peak RSS against the cache budget
     python scripts/bench_finetune.py --models textrec --presets A8W8 --iterations 300 --no-ort-rerun   # 64 lines
     python scripts/bench_finetune.py --models textcls --presets MX4 --iterations 1000 --unit layer   # 32 lines
+    python scripts/bench_finetune.py --models textdet --presets MX4 --iterations 200 --no-ort-rerun   # 32 pages
     python scripts/bench_finetune.py --models digits,transformer --presets MX4,XINT8 --iterations 1000 \
         --calibration 256 --compare-quark /path/to/quark-venv/bin/python    # side by side with AMD Quark
 """
@@ -58,13 +61,15 @@ from finetune.zoo import (
     photo_crops,
     text_angle_classifier_onnx_path,
     text_angle_lines,
+    text_detector_onnx_path,
     text_lines,
+    text_pages,
     text_recognizer_onnx_path,
     train_digits_cnn,
     train_digits_transformer,
 )
 
-MODELS = ("digits", "transformer", "efficientnet", "textrec", "textcls")
+MODELS = ("digits", "transformer", "efficientnet", "textrec", "textcls", "textdet")
 _INT8_TENSOR = {"format": "int", "dtype": "int8", "symmetric": True, "granularity": "tensor", "calibration": "minmax"}
 PRESETS: dict[str, Any] = {
     "MX4": "MX4",
@@ -111,6 +116,9 @@ PHOTO_EVALUATION = 1000
 TEXT_CALIBRATION, TEXT_EVALUATION = 64, 256
 # The text-angle classifier (PP-OCR mobile v2.0, same package): the issue's case is 32 calibration lines.
 ANGLE_CALIBRATION = 32
+# The text detector (PP-OCRv4 DBNet, same package): 256x256 pages, 32 to calibrate in batches of 4 (so one batch is
+# held out), 64 to judge the mask; PP-OCR's threshold on the text probability.
+PAGE_CALIBRATION, PAGE_EVALUATION, TEXT_MASK_THRESHOLD = 32, 64, 0.3
 
 
 def log(message: str) -> None:
@@ -132,6 +140,10 @@ def prepare(model: str, directory: Path, calibration: int | None, evaluation: in
         shutil.copyfile(text_recognizer_onnx_path(), directory / "float.onnx")
         batches = torch.from_numpy(text_lines(calibration or TEXT_CALIBRATION, seed=1)).split(16)
         np.savez(directory / "eval.npz", x=text_lines(TEXT_EVALUATION, seed=2))
+    elif model == "textdet":
+        shutil.copyfile(text_detector_onnx_path(), directory / "float.onnx")
+        batches = torch.from_numpy(text_pages(calibration or PAGE_CALIBRATION, seed=1)).split(4)
+        np.savez(directory / "eval.npz", x=text_pages(PAGE_EVALUATION, seed=2))
     elif model == "textcls":
         shutil.copyfile(text_angle_classifier_onnx_path(), directory / "float.onnx")
         batches = torch.from_numpy(text_angle_lines(calibration or ANGLE_CALIBRATION, seed=1)).split(16)
@@ -192,10 +204,21 @@ def change_standard_error(before_hits: np.ndarray, after_hits: np.ndarray) -> fl
     return float(100 * differences.std(ddof=1) / len(differences) ** 0.5)
 
 
+def mask_iou(outputs: np.ndarray, float_outputs: np.ndarray, labels: np.ndarray | None = None) -> float:
+    """IoU of the text masks (probability above TEXT_MASK_THRESHOLD) with the float model's, pooled
+    over every page (1 where neither has text): an automatic mixed precision metric too."""
+    mine, theirs = outputs > TEXT_MASK_THRESHOLD, float_outputs > TEXT_MASK_THRESHOLD
+    union = int((mine | theirs).sum())
+    return int((mine & theirs).sum()) / union if union else 1.0
+
+
 def hits(outputs: np.ndarray, float_outputs: np.ndarray, labels: np.ndarray | None) -> np.ndarray:
     """Per item, whether the model is right: its top-1 is the label, or the float model's top-1
     when there are no labels; for sequence scores (items, steps, classes), whether its greedy CTC
-    reading equals the float model's."""
+    reading equals the float model's; for probability maps (items, 1, height, width), the item's
+    mask IoU with the float model's (a share, not a yes or no)."""
+    if outputs.ndim == 4:
+        return np.array([mask_iou(a, b) for a, b in zip(outputs, float_outputs, strict=True)])
     if outputs.ndim == 3:
         return np.array([a == b for a, b in zip(ctc_reading(outputs), ctc_reading(float_outputs), strict=True)])
     return outputs.argmax(1) == (float_outputs.argmax(1) if labels is None else labels)
@@ -213,7 +236,11 @@ def ctc_reading(scores: np.ndarray) -> list[tuple[int, ...]]:
 
 def scores(outputs: np.ndarray, float_outputs: np.ndarray, labels: np.ndarray | None) -> dict[str, float]:
     """The metric (percent held-out accuracy, or top-1 agreement with the float model when there
-    are no labels), the agreement itself, and the mean squared logit error against the float model."""
+    are no labels, or the pooled mask IoU for probability maps), the agreement itself, and the mean
+    squared logit error against the float model."""
+    if outputs.ndim == 4:
+        iou = 100 * mask_iou(outputs, float_outputs)
+        return {"metric": iou, "agreement": iou, "logit_mse": float(((outputs - float_outputs) ** 2).mean())}
     agreement = float(100 * hits(outputs, float_outputs, None).mean())
     metric = float(100 * hits(outputs, float_outputs, labels).mean())
     return {"metric": metric, "agreement": agreement, "logit_mse": float(((outputs - float_outputs) ** 2).mean())}
@@ -278,8 +305,8 @@ def run_case(model: str, preset: str, directory: Path, iterations: int, adaquant
         "model": model, "preset": preset, "algorithm": algorithm, "unit": unit, "iterations_per_unit": iterations,
         "lr": config.lr, "unit_lrs": sorted({u["lr"] for u in report["units"] if u["lr"] is not None}),
         "lr_search": report["lr_search"], "best_iterations": [u["best_iteration"] for u in report["units"]],
-        "metric": "accuracy %" if labels is not None else ("line agreement with float %" if float_outputs.ndim == 3
-                                                           else "top-1 agreement with float %"),
+        "metric": "accuracy %" if labels is not None else {3: "line agreement with float %", 4: "mask IoU with float %"}.get(
+            float_outputs.ndim, "top-1 agreement with float %"),
         "float": float_metric, "before": before["metric"], "after": after["metric"],
         "recovered_fraction": round((after["metric"] - before["metric"]) / loss, 9) if loss >= 2 else None,  # 12/15 digits is 0.8
         "agreement_before": before["agreement"], "agreement_after": after["agreement"],
@@ -323,7 +350,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--adaquant-lr", type=float, help="AdaQuant learning rate (default: the library's for the weight format)")
     parser.add_argument("--calibration", type=int, help="calibration samples for the digits models (default: the whole "
                         f"training split, 1348) and text lines for textrec (default {TEXT_CALIBRATION}) and textcls "
-                        f"(default {ANGLE_CALIBRATION})")
+                        f"(default {ANGLE_CALIBRATION}) and pages for textdet (default {PAGE_CALIBRATION})")
     parser.add_argument("--photo-calibration", type=int, default=PHOTO_CALIBRATION,
                         help=f"calibration crops for EfficientNet-Lite0 (default {PHOTO_CALIBRATION})")
     parser.add_argument("--photo-evaluation", type=int, default=PHOTO_EVALUATION,

@@ -88,6 +88,21 @@ def test_bench_finetune_reads_sequence_scores_as_greedy_ctc() -> None:
     assert bench.hits(other, steps, None).tolist() == [True, False]
 
 
+def test_bench_finetune_scores_probability_maps_by_mask_iou() -> None:
+    """Text masks are probabilities above 0.3: IoU pooled over pages for the metric, per page for
+    the paired change; pages where neither model finds text agree."""
+    bench = script("bench_finetune")
+    reference = np.zeros((2, 1, 2, 4))
+    reference[0, 0, 0, :2] = 0.9  # two text pixels on the first page, none on the second
+    outputs = reference.copy()
+    outputs[0, 0, 1, 0] = 0.31  # one more
+    assert bench.mask_iou(outputs, reference) == pytest.approx(2 / 3)
+    assert bench.hits(outputs, reference, None).tolist() == [pytest.approx(2 / 3), 1.0]
+    assert bench.scores(outputs, reference, None)["metric"] == pytest.approx(100 * 2 / 3)
+    outputs[0, 0, 1, 0] = 0.3  # at the threshold: not text
+    assert bench.mask_iou(outputs, reference) == 1.0
+
+
 @pytest.mark.slow
 def test_demo_quantizes_tunes_and_scores_both_cases(tmp_path: Path) -> None:
     """The README's main job at a few iterations: each case writes its models, config and report,

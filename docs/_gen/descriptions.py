@@ -82,6 +82,9 @@ DESCRIPTIONS: dict[str, str] = {
                                  "INT weight with LSQ's gradient (power-of-two scales stay powers of two), `activations` "
                                  "those of the INT activation quantizers inside each unit, `all` both; written into "
                                  "the QDQ graph, int32 biases re-quantized to them.",
+    "FastFinetune.learn_equalization": "AdaQuant only: learn a per-channel scale between two layers of a unit that only ReLU, "
+                                       "max pooling and activation quantizers separate (equalisation for block formats), "
+                                       "folded into both layers' float weights.",
     "FastFinetune.scale_lr": "Adam learning rate of the learned log-scales (`learn_scales`), decaying with AdaQuant's.",
     "FastFinetune.compile": "Run the quantize-dequantize kernels through torch.compile (same bits); `auto`: where a compiler "
                             "is at hand, `true`: fail without one, `false`: eager.",

@@ -94,7 +94,9 @@ class FastFinetune(Section):
     each unit ends at its last step, and the checks read the training rows).
     `learn_scales: weights` (AdaQuant only) learns the scale (and an asymmetric zero point) of each
     tuned INT weight beside the weight, LSQ-style, at `scale_lr`; `activations` those of the INT
-    activation quantizers inside each unit; `all` both (see recon.scales).
+    activation quantizers inside each unit; `all` both (see recon.scales). `learn_equalization`
+    (AdaQuant only) learns a per-channel scale between two layers of a unit that only ReLU, max
+    pooling and activation quantizers separate, folded into both (see recon.prescale).
     `bias_correction` adds to each layer's bias the mean, per output channel over the training rows,
     of its float output minus its quantized output, before tuning and again after it, each kept only
     where the unit's held-out loss does not rise (see recon.bias; `auto`: on for the correction alone,
@@ -129,6 +131,7 @@ class FastFinetune(Section):
     compile: Literal["auto", True, False] = "auto"
     learn_scales: Literal[False, "weights", "activations", "all"] = False
     scale_lr: float = field(default=1e-3, metadata={"above": 0, "max": MAX_LR})
+    learn_equalization: bool = False
     bias_correction: Literal["auto", True, False] = "auto"
 
     @property
@@ -145,6 +148,8 @@ class FastFinetune(Section):
                 raise ConfigError("lr", "algorithm gptq takes no learning rate (it rounds each unit's weights in one pass)")
             if self.gptq_init:
                 raise ConfigError("gptq_init", "starts adaround or adaquant from GPTQ's weights; algorithm gptq is GPTQ alone")
+        if self.learn_equalization and self.algorithm != "adaquant":
+            raise ConfigError("learn_equalization", "applies to algorithm adaquant only (the scales are learned beside the weights)")
         if self.learn_scales and self.algorithm != "adaquant":
             raise ConfigError("learn_scales", "applies to algorithm adaquant only (the scale is learned beside the weights)")
         if self.update_bias and self.algorithm != "adaquant":

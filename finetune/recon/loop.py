@@ -31,6 +31,7 @@ from .gptq import quantize_unit
 from .heldout import local_chunks
 from .optimizers import CosineTail, HostAdam
 from .parallel import Rows, sum_across, sum_gradients
+from .prescale import LearnedPrescales
 from .qdrop import Batches, dropped_quantization
 from .rates import RateSearch, search_rate, unit_lr
 from .report import Warnings
@@ -66,6 +67,7 @@ class UnitResult:
     best_iteration: int | None = None  # the step of the held-out evaluation the kept unit ended at (None: none held out)
     lr: float | None = None  # the learning rate it was tuned with (None: GPTQ, or not tuned)
     bias_correction: dict[str, Any] | None = None  # layers corrected or not (why), and each correction's losses (see bias)
+    equalization: list[dict[str, Any]] | None = None  # learn_equalization: each layer pair's learned scales (see prescale)
 
 
 class Tuner:
@@ -90,6 +92,7 @@ class Tuner:
         self.fabric = fabric  # holds the callbacks; over several processes, their process group
         self.corrects_bias = corrects_bias(config)
         self._bias_record: dict[str, Any] | None = None  # the bias correction of the unit being tuned (see bias)
+        self._equalization_record: list[dict[str, Any]] | None = None  # its learned equalization (see prescale)
         self._step_hooks = [hook for hook in (getattr(c, "on_step_end", None) for c in callbacks) if callable(hook)]
 
     def __enter__(self) -> Self:
@@ -147,7 +150,7 @@ class Tuner:
             raise ValueError(f"unit {k + 1}/{len(self.units)} {unit.name}: its reconstruction loss before tuning is "
                              f"{before.training}, so its weights, its quantized inputs or its float targets hold NaN or Inf; "
                              "check the model's weights and the calibration data")
-        self._bias_record = None
+        self._bias_record = self._equalization_record = None
         skip = data.problem or self._skip_reason(unit)
         if skip:
             self.warnings.add(unit.name, f"not tuned: {skip}")
@@ -216,10 +219,11 @@ class Tuner:
         roundings, trainable, frozen = self._trainables(unit, module)
         layers = [layer for each in self.units for layer in each.layers]  # int32 biases may follow a learned input scale
         scales = LearnedScales(unit, module, config, layers, self.warnings)  # learn_scales: the scales beside the weights
+        prescales = LearnedPrescales(unit, module, config)  # learn_equalization: per-channel scales between layer pairs
         parallel = self.fabric.world_size > 1  # gradients are summed by hand: see parallel
         model = train if parallel else self.fabric.setup_module(train)
         adam = HostAdam if self.fabric.device.type == "cpu" else torch.optim.Adam
-        optimizer = self.fabric.setup_optimizers(adam([{"params": trainable}, *scales.groups], lr=self.lr(k, module)))
+        optimizer = self.fabric.setup_optimizers(adam([{"params": trainable}, *scales.groups, *prescales.groups], lr=self.lr(k, module)))
         schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, config.iterations) if not roundings else None
         device = self.fabric.device
         rows = Rows.of(self.fabric, inputs.main, targets, inputs.rowed[1:], self.held_out)
@@ -233,6 +237,7 @@ class Tuner:
         try:
             with contextlib.ExitStack() as installed:
                 installed.enter_context(scales)
+                installed.enter_context(prescales)
                 for rounding, _ in roundings:
                     installed.enter_context(rounding)
                 if unit.op_type == "block" and not installed.enter_context(
@@ -242,7 +247,7 @@ class Tuner:
                                       "do not train on the one-process mixture")
                 read_every = steps_per_read(device)
                 annealing = Annealing(config.iterations) if roundings else None
-                learned = [p for group in scales.groups for p in group["params"]]  # restored with the weights
+                learned = [p for group in (*scales.groups, *prescales.groups) for p in group["params"]]  # restored with the weights
                 watch = self._watch(train, inputs, targets, held, rows, roundings, [*trainable, *learned])
                 losses: list[torch.Tensor] = []
                 step, end, stopping = 0, config.iterations, False
@@ -267,6 +272,7 @@ class Tuner:
         finally:
             for parameter in frozen:
                 parameter.requires_grad_(True)
+        self._equalization_record = prescales.ratios or None
         return step, best
 
     def _watch(self, train: nn.Module, inputs: UnitInputs, targets: CachedValue, held: frozenset[int], rows: Rows,
@@ -394,7 +400,7 @@ class Tuner:
                     k + 1, len(self.units), unit.name, before.training, after.training, held, status, worse, iterations, seconds)
         result = UnitResult(unit.name, unit.op_type, before.training, after.training, status, iterations, seconds, tried,
                             before.held_out, after.held_out, best, self.lr(k, module) if iterations else None,
-                            self._bias_record)
+                            self._bias_record, self._equalization_record)
         self.results.append(result)
         self.fabric.call("on_unit_end", tuner=self, index=k, unit=unit, result=result, module=module)
         return result

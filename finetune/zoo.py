@@ -268,7 +268,7 @@ def text_pages(count: int, seed: int = 0, size: int = TEXT_PAGE_SIZE) -> np.ndar
         draw = ImageDraw.Draw(image)
         for _ in range(int(rng.integers(2, 7))):
             font = ImageFont.load_default(size=int(rng.integers(14, 31)))
-            words = ["".join(rng.choice(list(TEXT_ALPHABET), int(rng.integers(2, 8)))) for _ in range(int(rng.integers(1, 5)))]
+            words = _random_words(rng, int(rng.integers(1, 5)), 7)
             ink = tuple(int(v) for v in rng.integers(0, 90, 3))
             draw.text((int(rng.integers(0, size // 2)), int(rng.integers(0, size - 32))), " ".join(words), font=font, fill=ink)
         pages[i] = (np.asarray(image, dtype=np.float32).transpose(2, 0, 1) / 255 - mean) / std
@@ -284,6 +284,11 @@ def text_angle_lines(count: int, seed: int = 0) -> np.ndarray:
     return lines
 
 
+def _random_words(rng: np.random.Generator, count: int, longest: int) -> list[str]:
+    """`count` words of 2 to `longest` letters and digits drawn from `rng` (the text the renderers write)."""
+    return ["".join(rng.choice(list(TEXT_ALPHABET), int(rng.integers(2, longest + 1)))) for _ in range(count)]
+
+
 def text_lines(count: int, seed: int = 0, width: int = TEXT_LINE_WIDTH) -> np.ndarray:
     """`count` text lines rendered here (Pillow's default font at 24-34 px, random words of letters
     and digits on light backgrounds, dark ink, offsets), as the recogniser expects: (count, 3, 48,
@@ -294,7 +299,7 @@ def text_lines(count: int, seed: int = 0, width: int = TEXT_LINE_WIDTH) -> np.nd
     lines = np.empty((count, 3, TEXT_LINE_HEIGHT, width), dtype=np.float32)
     for i in range(count):
         font = ImageFont.load_default(size=int(rng.integers(24, 35)))
-        words = ["".join(rng.choice(list(TEXT_ALPHABET), int(rng.integers(2, 9)))) for _ in range(8)]
+        words = _random_words(rng, 8, 8)
         left = int(rng.integers(0, 12))
         while len(words) > 1 and left + font.getlength(" ".join(words)) > width - 4:
             words.pop()

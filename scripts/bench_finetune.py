@@ -238,12 +238,13 @@ def scores(outputs: np.ndarray, float_outputs: np.ndarray, labels: np.ndarray | 
     """The metric (percent held-out accuracy, or top-1 agreement with the float model when there
     are no labels, or the pooled mask IoU for probability maps), the agreement itself, and the mean
     squared logit error against the float model."""
+    logit_mse = float(((outputs - float_outputs) ** 2).mean())
     if outputs.ndim == 4:
         iou = 100 * mask_iou(outputs, float_outputs)
-        return {"metric": iou, "agreement": iou, "logit_mse": float(((outputs - float_outputs) ** 2).mean())}
+        return {"metric": iou, "agreement": iou, "logit_mse": logit_mse}
     agreement = float(100 * hits(outputs, float_outputs, None).mean())
     metric = float(100 * hits(outputs, float_outputs, labels).mean())
-    return {"metric": metric, "agreement": agreement, "logit_mse": float(((outputs - float_outputs) ** 2).mean())}
+    return {"metric": metric, "agreement": agreement, "logit_mse": logit_mse}
 
 
 # --- one case -------------------------------------------------------------------------------------

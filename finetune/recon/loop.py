@@ -217,8 +217,7 @@ class Tuner:
         loss, against 40 % at a constant rate)."""
         config = self.config
         roundings, trainable, frozen = self._trainables(unit, module)
-        layers = [layer for each in self.units for layer in each.layers]  # int32 biases may follow a learned input scale
-        scales = LearnedScales(unit, module, config, layers, self.warnings)  # learn_scales: the scales beside the weights
+        scales = LearnedScales(unit, module, config, self.units, self.warnings)  # learn_scales: the scales beside the weights
         prescales = LearnedPrescales(unit, module, config)  # learn_equalization: per-channel scales between layer pairs
         parallel = self.fabric.world_size > 1  # gradients are summed by hand: see parallel
         model = train if parallel else self.fabric.setup_module(train)

@@ -89,8 +89,8 @@ def _consumer(module: LiftedModule, start: fx.Node, producer: Layer, consumers: 
         if user.target in consumers and consumers[user.target].input_index < len(user.args) \
                 and user.args[consumers[user.target].input_index] is current:
             return consumers[user.target], bias_reader
-        if is_add(target) and bias_reader is None and _bias_argument(user, producer) is not None:
-            bias_reader = _bias_argument(user, producer)
+        if is_add(target) and bias_reader is None and (found := _bias_argument(user, producer)) is not None:
+            bias_reader = found
         elif not (isinstance(target, HOMOGENEOUS) or (isinstance(target, FakeQuantize) and not target.on_parameter)):
             return None
         current = user

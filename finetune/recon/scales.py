@@ -156,9 +156,9 @@ def _why_not(quantizer: FakeQuantize) -> str:
     return ""
 
 
-def unit_learning(module: LiftedModule, unit: Unit, learns: tuple[str, ...], layers: list[Layer]) -> tuple[Learning, list[tuple[str, str]]]:
-    """What `unit` learns and (where, why not) for what it cannot; `layers`: every tuned layer of
-    the model, whose int32 biases may be tied to an activation scale the unit learns."""
+def unit_learning(module: LiftedModule, unit: Unit, learns: tuple[str, ...], units: list[Unit]) -> tuple[Learning, list[tuple[str, str]]]:
+    """What `unit` learns and (where, why not) for what it cannot; `units`: every unit of the run,
+    whose layers' int32 biases may be tied to an activation scale this unit learns."""
     kinds, skipped = {}, []
     if "weight" in learns:
         for layer in unit.layers:
@@ -173,6 +173,9 @@ def unit_learning(module: LiftedModule, unit: Unit, learns: tuple[str, ...], lay
                 skipped.append((name, f"its activation scale stays: {why}"))
             else:
                 kinds[name] = "activation"
+    if not kinds:
+        return Learning({}, ()), skipped
+    layers = [layer for each in units for layer in each.layers]
     biases = tuple(tied for layer in layers if (tied := _tied_bias(module, layer)) is not None
                    and (tied.input_quantizer in kinds or tied.weight_quantizer in kinds))
     return Learning(kinds, biases), skipped
@@ -195,8 +198,10 @@ def activation_quantizers(module: LiftedModule, unit: Unit) -> list[tuple[str, s
 def _tied_bias(module: LiftedModule, layer: Layer) -> TiedBias | None:
     """The layer's int32 bias quantizer where its scale is s_input * s_weight, else None."""
     bias_quantizer = module.finetune_params[layer.bias].quantizer if layer.bias else None
-    input_quantizer = _input_quantizer(module, layer)
-    if bias_quantizer is None or input_quantizer is None or layer.weight_quantizer is None:
+    if bias_quantizer is None or layer.weight_quantizer is None:
+        return None
+    input_quantizer = _input_quantizer(module, layer)  # a walk over the graph: only for a quantized bias
+    if input_quantizer is None:
         return None
     weight = module.get_submodule(layer.weight_quantizer)
     bias_scale = module.get_submodule(bias_quantizer).scale
@@ -224,10 +229,9 @@ def with_learned_scales(module: LiftedModule, units: list[Unit], config: FastFin
     if not config.learn_scales:
         return units
     learns = LEARNS[config.learn_scales]
-    layers = [layer for unit in units for layer in unit.layers]
     result = []
     for unit in units:
-        learning, skipped = unit_learning(module, unit, learns, layers)
+        learning, skipped = unit_learning(module, unit, learns, units)
         for where, why in skipped:
             warnings.add(where, f"learn_scales: {why}")
         result.append(replace(unit, scales=learning.buffers(module)))
@@ -243,10 +247,10 @@ class LearnedScales:
     quantize with the learned scales; on exit the learned values are written into their buffers.
     `groups` are the optimizer's parameter groups (none when the unit learns no scale)."""
 
-    def __init__(self, unit: Unit, module: LiftedModule, config: FastFinetune, layers: list[Layer], warnings: Warnings) -> None:
+    def __init__(self, unit: Unit, module: LiftedModule, config: FastFinetune, units: list[Unit], warnings: Warnings) -> None:
         self.module, self.warnings = module, warnings
         learns = LEARNS[config.learn_scales] if config.learn_scales and unit.scales else ()
-        self.learning = unit_learning(module, unit, learns, layers)[0]
+        self.learning = unit_learning(module, unit, learns, units)[0]
         self.scales = {name: LearnedScale(self._quantizer(name), self._elements(name, kind))
                        for name, kind in self.learning.kinds.items()}
         parameters = [p for scale in self.scales.values() for p in scale.parameters()]
@@ -324,9 +328,8 @@ def scale_changes(module: LiftedModule, units: list[Unit], before: dict[str, tor
     """Per unit and learned scale: new / old over its channels or blocks (min, mean, max), how many
     zero points moved, and whether int32 biases followed (the report's `learned_scales`)."""
     rows = []
-    layers = [layer for unit in units for layer in unit.layers]
     for unit in units:
-        learning = unit_learning(module, unit, LEARNS[config.learn_scales], layers)[0] if unit.scales else Learning({}, ())
+        learning = unit_learning(module, unit, LEARNS[config.learn_scales] if unit.scales else (), units)[0]
         for name, kind in learning.kinds.items():
             key = f"{name}.scale"
             ratio = (module.get_buffer(key).detach().double() / before[key].double()).cpu()

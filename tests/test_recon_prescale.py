@@ -73,6 +73,10 @@ def test_a_tuned_model_with_learned_equalization_runs_in_onnxruntime(digits: dic
     assert np.mean(difference > 1e-5) <= 0.05 and difference.max() <= 0.05 * np.abs(simulated).max()
 
 
-def test_learned_equalization_needs_adaquant() -> None:
+def test_learned_equalization_needs_adaquant_and_a_pair(digits: dict) -> None:
+    """AdaQuant only; and a run where no unit holds a pair (layer units hold one layer each) is
+    refused before any work rather than left unchanged in silence."""
     with pytest.raises(ConfigError, match="learn_equalization.*adaquant"):
         FastFinetune(learn_equalization=True)
+    with pytest.raises(ValueError, match="learn_equalization: no unit holds two layers"):
+        finetune_model(digits["quantized"], digits["small"], FastFinetune(**{**EQUALIZE, "unit": "layer"}))

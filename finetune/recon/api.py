@@ -37,6 +37,7 @@ from .heldout import hold_out
 from .loop import Tuner, UnitResult
 from .parallel import make_fabric, sum_across
 from .partition import cut
+from .prescale import check_pairs
 from .reference import SELF_REFERENCE, choose_reference, float_starts
 from .report import Warnings, write_report
 from .scales import scale_changes, scale_snapshot, with_learned_scales
@@ -144,6 +145,7 @@ def _tune(fabric: Fabric, job: _Job) -> tuple[onnx.ModelProto | None, dict[str, 
     if config.algorithm == "adaround" and config.iterations:  # iterations 0: bias correction alone
         check_int_weights(module, units)
     units = with_learned_scales(module, units, config, warnings)
+    check_pairs(module, units, config)
     untuned_scales = scale_snapshot(module, units)
     if job.float_model is not None:
         for change in carry_smoothing(job.float_model, original):  # SmoothQuant: the float model in the codes' coordinates

@@ -106,6 +106,15 @@ def _bias_argument(node: fx.Node, producer: Layer) -> tuple[str, int] | None:
     return None
 
 
+def check_pairs(module: LiftedModule, units: list[Unit], config: FastFinetune) -> None:
+    """Refuse learn_equalization where no unit holds a pair: the option would change nothing."""
+    if config.learn_equalization and not any(pairs_of(module, unit) for unit in units):
+        raise ValueError("fast_finetune.learn_equalization: no unit holds two layers joined only by ReLU, LeakyReLU, max "
+                         "pooling or activation quantizers (ReLU6, SiLU, hard-swish and reshapes do not commute with a "
+                         "per-channel scale; layer units hold one layer: use unit: block), so there is nothing to learn: "
+                         "set learn_equalization: false")
+
+
 class LearnedPrescales:
     """While entered, each pair's weights and producer bias are read through its learned scales
     (forward pre-hooks); on exit the scales are folded into them and the hooks removed. `groups`

@@ -50,3 +50,18 @@ def describe(entries: Iterable[Mapping[str, str]]) -> list[str]:
         shown = ", ".join(names[:NAMES_SHOWN]) + (f" and {len(names) - NAMES_SHOWN} more" if len(names) > NAMES_SHOWN else "")
         lines.append(f"{subject} {shown}: {reason}" if len(names) == 1 else f"{len(names)} {subject}s ({shown}): {reason}")
     return lines
+
+
+class Warnings(list[dict[str, str]]):
+    """What a fine-tuning run left out, kept back or undid: each logged at WARNING and kept as an
+    entry {"unit": name, "reason": why} of its report's "warnings" list, so nothing degrades unseen."""
+
+    def add(self, name: str, reason: str, subject: Subject = "unit") -> None:
+        """Log one warning about a unit (or a layer; or another subject: a config key, the model)
+        and keep it for the report, as the quantizer's summary keeps its notices."""
+        notice = Notice(subject, name, reason)
+        warn(_logger, None, [notice])
+        self.append(notice.as_dict())
+
+
+_logger = logging.getLogger(__name__)

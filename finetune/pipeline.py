@@ -16,7 +16,6 @@ import onnxruntime
 import torch
 
 from finetune.config import QuantConfig, load_config, save_config, to_dict
-from finetune.lift import check_liftable
 from finetune.onnx.io import save_model_atomic
 from finetune.quantize import quantize_model
 
@@ -59,12 +58,11 @@ def quantize_and_finetune(
         if model_path is not None:
             save_model_atomic(quantized.model, model_path)
         return PipelineResult(quantized.model, quantized.summary, None, float_model=quantized.float_model)
-    from finetune.recon import finetune_model, resolve_device  # lightning takes seconds to import: only when tuning
+    from finetune.recon import finetune_model, preflight  # lightning takes seconds to import: only when tuning
 
     if data is None:  # what tuning needs is checked before the quantizer's calibration pass
         raise ValueError("fast finetune needs calibration data: pass --data (or data= in Python)")
-    resolve_device(config.fast_finetune.device)
-    check_liftable(model)  # every op tuning cannot lift, named at once, before calibrating
+    preflight(model, config.fast_finetune)
     quantized = quantize_model(model, dataclasses.replace(without_finetune(config), bf16_as_cast=False), data)
     float_model = quantized.float_model
     tuned, report = finetune_model(quantized.model, data, config.fast_finetune, float_model, output_dir, name, callbacks, resume,

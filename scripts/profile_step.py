@@ -30,11 +30,11 @@ import numpy as np
 import torch
 
 from finetune.config import FastFinetune
+from finetune.lift.fake_quant import quantizers_disabled
 from finetune.quantize import quantize_model
 from finetune.recon import finetune_model
-from finetune.recon.loop import Tuner
-from finetune.recon.qdrop import Batches
-from finetune.recon.stream import quantizers_disabled
+from finetune.recon.data.batches import Batches
+from finetune.recon.optimisation import Optimisation
 from finetune.zoo import digits_split, export_onnx, train_digits_cnn, train_digits_transformer
 
 CASES = {"digits:MX4": ("digits", "MX4", "adaquant", "block"), "digits:MXFP4": ("digits", "MXFP4", "adaquant", "block"),
@@ -45,9 +45,9 @@ SHOWN = 15  # rows of each table
 @contextlib.contextmanager
 def timed_steps(seconds: list[float], around: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
                 ) -> Iterator[None]:
-    """Time every step: the drawing of its batch (Batches.next) and Tuner._step, each inside a
+    """Time every step: the drawing of its batch (Batches.next) and Optimisation._step, each inside a
     fresh `around()`; one entry per step in `seconds`."""
-    step, draw = Tuner._step, Batches.next
+    step, draw = Optimisation._step, Batches.next
     drawing: list[float] = []
 
     def timed(function: Any, into: list[float]) -> Any:
@@ -60,33 +60,33 @@ def timed_steps(seconds: list[float], around: Callable[[], contextlib.AbstractCo
         return wrapped
 
     stepping: list[float] = []
-    Tuner._step, Batches.next = timed(step, stepping), timed(draw, drawing)  # type: ignore[method-assign]
+    Optimisation._step, Batches.next = timed(step, stepping), timed(draw, drawing)  # type: ignore[method-assign]
     try:
         yield
     finally:
-        Tuner._step, Batches.next = step, draw  # type: ignore[method-assign]
+        Optimisation._step, Batches.next = step, draw  # type: ignore[method-assign]
         seconds.extend(a + b for a, b in zip(drawing, stepping))
 
 
 @contextlib.contextmanager
 def alternating_steps(quantized: list[float], plain: list[float]) -> Iterator[None]:
-    """Time every step (Tuner._step), every other one a float step (see float_step): the quantized
+    """Time every step (Optimisation._step), every other one a float step (see float_step): the quantized
     steps' seconds go to `quantized`, the others' to `plain`."""
-    step = Tuner._step
+    step = Optimisation._step
 
-    def alternating(tuner: Tuner, model: torch.nn.Module, *args: Any) -> Any:
+    def alternating(optimisation: Optimisation, model: torch.nn.Module, *args: Any) -> Any:
         off = len(quantized) > len(plain)
         begin = time.perf_counter()
         with float_step(model) if off else contextlib.nullcontext():
-            result = step(tuner, model, *args)
+            result = step(optimisation, model, *args)
         (plain if off else quantized).append(time.perf_counter() - begin)
         return result
 
-    Tuner._step = alternating  # type: ignore[method-assign]
+    Optimisation._step = alternating  # type: ignore[method-assign]
     try:
         yield
     finally:
-        Tuner._step = step  # type: ignore[method-assign]
+        Optimisation._step = step  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager

@@ -31,7 +31,8 @@ import torch
 from finetune.config import FastFinetune
 from finetune.quantize import quantize_model
 from finetune.recon import finetune_model
-from finetune.recon.loop import Tuner
+from finetune.recon.optimisation import Optimisation
+from finetune.recon.tuner import Tuner
 from finetune.zoo import digits_split, export_onnx, train_digits_cnn, train_digits_transformer
 
 CASES = (("digits", "MX4", "adaquant", "block"), ("digits", "XINT8", "adaround", "layer"), ("transformer", "MX4", "adaquant", "block"))
@@ -56,16 +57,16 @@ class Counter:
 
 @contextlib.contextmanager
 def counting(counter: Counter, device: torch.device) -> Iterator[None]:
-    """Count inside every step (Tuner._step, with its batch drawn, and the reading of its losses)."""
+    """Count inside every step (Optimisation._step, with its batch drawn, and the reading of its losses: Tuner.hear_steps)."""
     patched: list[tuple[Any, str, Any]] = []
 
     def patch(owner: Any, name: str, wrapper: Any) -> None:
         patched.append((owner, name, getattr(owner, name)))
         setattr(owner, name, wrapper)
 
-    step, hear = Tuner._step, Tuner._hear_steps
+    step, hear = Optimisation._step, Tuner.hear_steps
 
-    def counted_step(self: Tuner, model: Any, optimizer: Any, batch: Any, *args: Any) -> Any:
+    def counted_step(self: Optimisation, model: Any, optimizer: Any, batch: Any, *args: Any) -> Any:
         counter.steps += 1
         counter.inside = True
         try:
@@ -80,8 +81,8 @@ def counting(counter: Counter, device: torch.device) -> Iterator[None]:
         finally:
             counter.inside = False
 
-    patch(Tuner, "_step", counted_step)
-    patch(Tuner, "_hear_steps", counted_hear)
+    patch(Optimisation, "_step", counted_step)
+    patch(Tuner, "hear_steps", counted_hear)
     if device.type == "cpu":
         for name in READING:
             original = getattr(torch.Tensor, name)

@@ -15,7 +15,7 @@ import torch
 
 from finetune.lift import LiftedModule
 from finetune.recon import ActivationCache, Unit, cut
-from finetune.recon.stream import QuantizedStream, cache_inputs, record_unit_input
+from finetune.recon.data.streams import QuantizedStream, cache_inputs, record_unit_input
 from finetune.zoo import train_digits_cnn
 
 

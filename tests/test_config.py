@@ -14,6 +14,7 @@ from finetune.config import (
     AUTO,
     DEFAULT_OP_TYPES,
     GPTQ,
+    AdaQuant,
     PRESET_DIR,
     ConfigError,
     FastFinetune,
@@ -76,8 +77,8 @@ def test_every_preset_file_loads_and_the_required_ones_exist() -> None:
         assert isinstance(load_config(name), QuantConfig)
 
 
-def test_top_level_configs_dir_is_the_package_presets() -> None:
-    top = Path(__file__).parent.parent / "configs"
+def test_top_level_presets_dir_is_the_package_presets() -> None:
+    top = Path(__file__).parent.parent / "presets"
     assert top.resolve() == PRESET_DIR.resolve()
 
 
@@ -230,7 +231,8 @@ def test_preset_cycle_is_an_error(tmp_path: Path) -> None:
         ({"fast_finetune": {"drop_ratio": 1.5}}, ["fast_finetune.drop_ratio", "<= 1"]),
         ({"fast_finetune": {"data_size": 0}}, ["fast_finetune.data_size", ">= 1"]),
         ({"fast_finetune": {"unit": "model"}}, ["fast_finetune.unit", "layer, block"]),
-        ({"fast_finetune": {"update_bias": True}}, ["fast_finetune.update_bias", "adaquant"]),
+        ({"fast_finetune": {"adaquant": {"update_bias": True}}}, ["fast_finetune.adaquant.update_bias", "adaquant only"]),
+        ({"fast_finetune": {"adaquant": {"learn_scale": "all"}}}, ["fast_finetune.adaquant.learn_scale", "learn_scales"]),
         ({"fast_finetune": {"early_stop": {"min_delta": -1}}}, ["fast_finetune.early_stop.min_delta", ">= 0"]),
         ({"fast_finetune": {"device": "gpu0"}}, ["fast_finetune.device", "cpu, cuda, cuda:N, hip or hip:N"]),
         ({"fast_finetune": {"device": "cuda:x"}}, ["fast_finetune.device", "'cuda:x'"]),
@@ -338,7 +340,7 @@ COMPLEX = {
         "data_size": 64,
         "early_stop": {"enabled": True, "patience": 5},
         "device": "cuda:1",
-        "update_bias": True,
+        "adaquant": {"update_bias": True, "learn_scales": "weights"},
         "op_types": ["Conv"],
         "unit": "block",
         "cache_budget_bytes": 1000,
@@ -515,7 +517,7 @@ def test_quark_fast_finetune_block() -> None:
         data_size=100,
         early_stop={"enabled": True},
         drop_ratio=0.25,
-        update_bias=True,
+        adaquant={"update_bias": True},
         include_output_quant=True,
         op_types=("Conv", "Gemm"),
     )
@@ -682,3 +684,18 @@ def test_override_dataclass_keeps_unset_keys() -> None:
     override = Override(weight=None)
     assert override.apply("a", "w", "auto") == ("a", None, "auto")
     assert to_dict(override) == {"weight": None}
+
+
+def test_adaquant_keys_at_the_top_level_are_still_read_with_a_warning_naming_their_new_place() -> None:
+    """update_bias, learn_scales, scale_lr and learn_equalization moved into fast_finetune.adaquant: the old
+    keys still load (a mapping, a YAML file or a keyword), each named with its new key, and are saved there."""
+    with pytest.warns(FutureWarning, match=r"fast_finetune.update_bias is now fast_finetune.adaquant.update_bias, "
+                                           r"fast_finetune.scale_lr is now fast_finetune.adaquant.scale_lr"):
+        config = load_config({"fast_finetune": {"algorithm": "adaquant", "update_bias": True, "scale_lr": 0.01}})
+    assert config.fast_finetune.adaquant == AdaQuant(update_bias=True, scale_lr=0.01)
+    assert "update_bias" not in to_dict(config.fast_finetune) and to_dict(config.fast_finetune)["adaquant"]["update_bias"]
+    with pytest.warns(FutureWarning, match="learn_scales is now fast_finetune.adaquant.learn_scales"):
+        assert FastFinetune(algorithm="adaquant", learn_scales="all").adaquant.learn_scales == "all"
+    with pytest.warns(FutureWarning), pytest.raises(ConfigError, match="adaquant.learn_equalization: applies to algorithm "
+                                                                        "adaquant only"):
+        load_config({"fast_finetune": {"learn_equalization": True}})

@@ -37,9 +37,10 @@ from finetune.lift.ops.conv import Conv
 from finetune.lift.padding import SpatialPadding
 from finetune.quantize import quantize_model
 from finetune.recon import finetune_model
-from finetune.recon.cache import ActivationCache
-from finetune.recon.gptq import _gemm_layout, _matmul_layout, gptq, input_hessian
-from finetune.recon.sides import UnitInputs
+from finetune.recon.data.cache import ActivationCache
+from finetune.recon.data.rows import UnitInputs
+from finetune.recon.methods.gptq_layouts import _gemm_layout, _matmul_layout, input_hessian
+from finetune.recon.methods.gptq_solver import gptq
 from finetune.zoo import digits_split
 
 from .recon_helpers import one_thread, run  # noqa: F401  (one_thread: autouse fixture)
@@ -214,7 +215,7 @@ def test_gptq_weights_are_exactly_representable(spec: object, scale: torch.Tenso
 
 def conv_output_from_rows(conv: Conv, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """The Conv's output computed as GPTQ sees the layer: its weight matrix times its input rows."""
-    from finetune.recon.gptq import _conv_layout
+    from finetune.recon.methods.gptq_layouts import _conv_layout
 
     layout = _conv_layout(conv, w.shape)
     rows = torch.cat(list(layout.rows((x, w))), dim=1)  # [groups, n * positions, columns]

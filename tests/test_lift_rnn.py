@@ -18,11 +18,11 @@ from torch import nn
 
 from finetune.export import export_model
 from finetune.lift import LiftError, lift_model
+from finetune.notices import Warnings
 from finetune.pipeline import quantize_and_finetune
 from finetune.quantize import quantize_model, quantizer_presets
-from finetune.recon.report import Warnings
-from finetune.recon.sides import SideInput
 from finetune.recon.units import find_units
+from finetune.recon.units.sides import SideInput
 
 from .lift_helpers import onnx_model, randomized, run_ort, run_torch, tensor
 

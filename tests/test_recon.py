@@ -22,14 +22,16 @@ from finetune.config import FastFinetune
 from finetune.formats import IntSpec, broadcast_param
 from finetune.lift import FakeQuantize, lift_model
 from finetune.quantize import quantize_model
-from finetune.recon import api as recon_api
+from finetune.recon import run as recon_run
 from finetune.recon import (
     find_units,
     finetune_model,
     resolve_device,
 )
-from finetune.recon.adaround import BETA_END, BETA_START, Annealing, SoftRounding
-from finetune.recon.optimizers import CosineTail, HostAdam
+from finetune.recon.methods.adaround import BETA_END, BETA_START, Annealing, SoftRounding
+from finetune.recon.methods.adaquant import CosineTail
+from finetune.recon.device import _backend, float32_settings, legacy_float32_settings
+from finetune.recon.optimizers import HostAdam
 from finetune.zoo import digits_split
 
 from .recon_helpers import (  # noqa: F401  (one_thread: autouse fixture)
@@ -146,7 +148,7 @@ def test_activation_caching_is_linear_in_depth(digits: dict, monkeypatch: pytest
                 sub.register_forward_hook(lambda *_, name=name: calls.update([name]))
         return module
 
-    monkeypatch.setattr(recon_api, "lift_model", counted_lift)
+    monkeypatch.setattr(recon_run, "lift_model", counted_lift)
     iterations, chunks = 7, len(digits["small"])
     finetune_model(quantize_model(digits["path"], "XINT8", digits["small"]).model, digits["small"],
                    FastFinetune(iterations=iterations, bias_correction=bias_correction))
@@ -329,7 +331,7 @@ def test_a_spill_the_disk_cannot_hold_is_refused(digits: dict, tmp_path: Path, m
     what to change (a memory map written past a full disk would kill the process instead), and the
     spill directory is removed."""
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
-    monkeypatch.setattr("finetune.recon.cache.shutil.disk_usage", lambda path: SimpleNamespace(free=2**29))
+    monkeypatch.setattr("finetune.recon.data.cache.shutil.disk_usage", lambda path: SimpleNamespace(free=2**29))
     quantized = quantize_model(digits["path"], W4A8, digits["small"]).model
     refusal = (r"cannot spill input:x \(\d+ bytes\) to .*finetune-activations-\w+: 512.0 MiB free there, 0 bytes already spilled; "
                r"lower fast_finetune.data_size, raise cache_budget_bytes .* or point TMPDIR at a larger disk")
@@ -465,10 +467,11 @@ def test_an_unavailable_device_fails_before_any_work(digits: dict) -> None:
         finetune_model(digits["path"], digits["small"], FastFinetune(device="cuda:1"))
 
 
-def global_settings() -> tuple[bool, bool, bool, bool, bool]:
-    """Deterministic algorithms, their warn_only, TF32 for matmul and cuDNN, and torch's NaN filling of new tensors."""
+def global_settings() -> tuple[bool, bool, str, bool, bool, bool]:
+    """Deterministic algorithms, their warn_only, the float32 matmul precision, TF32 for CUDA's matmul and
+    for cuDNN (readable through either API while a run holds them), and torch's NaN filling of new tensors."""
     return (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
-            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
+            torch.get_float32_matmul_precision(), torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
             torch.utils.deterministic.fill_uninitialized_memory)
 
 
@@ -476,23 +479,62 @@ class SettingsSeen:
     """A callback noting the global settings in force while a unit tunes."""
 
     def __init__(self) -> None:
-        self.seen: list[tuple[bool, bool, bool, bool, bool]] = []
+        self.seen: list[tuple[bool, bool, str, bool, bool, bool]] = []
 
     def on_unit_start(self) -> None:
         self.seen.append(global_settings())
 
 
-@pytest.mark.parametrize(("settings", "expected"), [({}, (True, False, False, False, False)),
-                                                    ({"deterministic": "warn", "allow_tf32": True}, (True, True, True, True, False))])
+@pytest.mark.parametrize(("settings", "expected"), [({}, (True, False, "highest", False, False, False)),
+                                                    ({"deterministic": "warn", "allow_tf32": True},
+                                                     (True, True, "high", True, True, False))])
 def test_determinism_and_tf32_hold_while_tuning_and_are_restored(digits: dict, settings: dict, expected: tuple) -> None:
     """Deterministic algorithms (warn_only with `deterministic: warn`) and TF32 off unless asked,
     while the run lasts, without torch's NaN filling of new tensors; the caller's settings come back afterwards."""
-    before = global_settings()
+    before = (global_settings(), float32_settings())
     seen = SettingsSeen()
     quantized = quantize_model(digits["path"], "XINT8", digits["small"]).model
     finetune_model(quantized, digits["small"], FastFinetune(iterations=1, **settings), callbacks=[seen])
     assert set(seen.seen) == {expected}
-    assert global_settings() == before
+    assert (global_settings(), float32_settings()) == before
+
+
+# How a user may have set float32 precision before a run: torch's legacy flags, its fp32_precision API (which
+# torch's docs now advise, and after which reading a legacy flag raises "a mix of the legacy and new APIs"), or both.
+USER_FLOAT32 = {
+    "legacy TF32 on": lambda b: (setattr(b.cuda.matmul, "allow_tf32", True), setattr(b.cudnn, "allow_tf32", True)),
+    "legacy TF32 off": lambda b: (setattr(b.cuda.matmul, "allow_tf32", False), setattr(b.cudnn, "allow_tf32", False)),
+    "legacy medium (bfloat16 on the CPU)": lambda b: torch.set_float32_matmul_precision("medium"),
+    "new cuDNN conv ieee": lambda b: setattr(b.cudnn.conv, "fp32_precision", "ieee"),
+    "new everything tf32": lambda b: [setattr(o, "fp32_precision", "tf32") for o in (b.cuda.matmul, b.cudnn.conv, b.cudnn.rnn)],
+    "new matmul tf32, legacy cuDNN off": lambda b: (setattr(b.cuda.matmul, "fp32_precision", "tf32"),
+                                                    setattr(b.cudnn, "allow_tf32", False)),
+}
+
+
+@pytest.mark.parametrize("user", list(USER_FLOAT32))
+@pytest.mark.parametrize("allow_tf32", [False, True])
+def test_a_run_tunes_whatever_api_set_the_precision_before_it_and_gives_it_back(digits: dict, user: str,
+                                                                                allow_tf32: bool) -> None:
+    """A run after the user set the float32 precision through either API (or a mix, where torch raises on
+    reading a legacy flag) tunes in full float32 on the CPU with TF32 on CUDA as its config says, in a
+    state both APIs read, and leaves every setting as it found it."""
+    pristine = (legacy_float32_settings(), float32_settings())
+    try:
+        USER_FLOAT32[user](torch.backends)
+        before = (legacy_float32_settings(), float32_settings())
+        seen = SettingsSeen()
+        quantized = quantize_model(digits["path"], "XINT8", digits["small"]).model
+        finetune_model(quantized, digits["small"], FastFinetune(iterations=1, allow_tf32=allow_tf32), callbacks=[seen])
+        assert {settings[2:5] for settings in seen.seen} == {("high", True, True) if allow_tf32 else ("highest", False, False)}
+        after = (legacy_float32_settings(), float32_settings())
+        assert after[1] == before[1]  # every fp32_precision setting
+        assert after[0] == before[0] or before[0] is None  # the legacy flags, readable where they were
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = pristine[0][1], pristine[0][2]
+        torch.set_float32_matmul_precision(pristine[0][0])
+        for path, value in pristine[1].items():
+            _backend(path).fp32_precision = value
 
 
 class FillNewTensorsWithNaN:
@@ -503,7 +545,7 @@ class FillNewTensorsWithNaN:
 
 
 @pytest.mark.parametrize(("preset", "settings"), [("XINT8", {"algorithm": "adaround"}),
-                                                  ("MX4", {"algorithm": "adaquant", "unit": "block", "update_bias": True})])
+                                                  ("MX4", {"algorithm": "adaquant", "unit": "block", "adaquant": {"update_bias": True}})])
 def test_no_kernel_reads_memory_it_did_not_write(digits: dict, preset: str, settings: dict) -> None:
     """Tuning leaves torch's NaN filling of new tensors off for speed; with it on, any read of
     memory nobody wrote would turn into NaN and change the tuned weights. They are byte-identical."""

@@ -14,8 +14,8 @@ from finetune.config import ConfigError, FastFinetune, from_quark
 from finetune.onnx.session import inference_session
 from finetune.quantize import quantize_model
 from finetune.recon import finetune_model
-from finetune.recon.bias import corrects_bias
-from finetune.recon.heldout import held_out_batches
+from finetune.recon.data.heldout import held_out_batches
+from finetune.recon.methods import corrects_bias
 from finetune.recon.report import format_report
 
 from .recon_helpers import one_thread  # noqa: F401  (autouse fixture)

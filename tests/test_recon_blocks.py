@@ -14,11 +14,12 @@ from onnx import helper
 
 from finetune.config import ConfigError, FastFinetune
 from finetune.lift import FakeQuantize, lift_model
+from finetune.notices import Warnings
 from finetune.quantize import quantize_model
 from finetune.recon import cut, find_units, finetune_model
-from finetune.recon.qdrop import dropped_quantization, mixed
-from finetune.recon.report import Warnings
-from finetune.recon.units import MAX_BLOCK_LAYERS
+from finetune.recon.data.batches import Draw, mixed
+from finetune.recon.methods.qdrop import dropped_quantization
+from finetune.recon.units.blocks import MAX_BLOCK_LAYERS
 from finetune.zoo import export_onnx, text_detector_onnx_path, text_recognizer_onnx_path
 
 from .lift_helpers import (
@@ -192,7 +193,7 @@ def test_inside_a_block_each_activation_quantizer_drops_per_element(models: dict
     quantized = quantizer(x)
     outputs = []
     for _ in range(2):
-        with dropped_quantization(train, FastFinetune(drop_ratio=0.25, seed=5), 3):
+        with dropped_quantization(train, Draw(batch_size=16, seed=5, drop_ratio=0.25), 3):
             outputs.append(quantizer(x))
     kept = outputs[0] == quantized
     assert torch.equal(outputs[0], outputs[1]) and torch.equal(torch.where(kept, quantized, x), outputs[0])

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from finetune.recon.cache import SPILL_PREFIX, ActivationCache, CachedValue, SpilledArray, remove_stale_spills
+from finetune.recon.data.cache import SPILL_PREFIX, ActivationCache, CachedValue, SpilledArray, remove_stale_spills
 
 
 def test_a_spilled_array_has_no_file_but_keeps_its_values(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -137,7 +137,7 @@ def test_losses_read_in_groups_reach_the_callbacks_step_by_step(quantized: tuple
     config = FastFinetune(algorithm="adaquant", iterations=300, early_stop={"enabled": True, "patience": 5, "warmup": 10})
     every_step = Recorder()
     finetune_model(model, feeds, config, callbacks=[every_step])
-    monkeypatch.setattr("finetune.recon.loop.steps_per_read", lambda device: 7)
+    monkeypatch.setattr("finetune.recon.optimisation.steps_per_read", lambda device: 7)
     grouped = Recorder()
     _, report = finetune_model(model, feeds, config, callbacks=[grouped])
     for losses, row in zip(grouped.losses, report["units"]):

@@ -29,8 +29,8 @@ from finetune.onnx import CUSTOM_DOMAIN, QUARK_DOMAIN
 from finetune.pipeline import quantize_and_finetune, with_finetune
 from finetune.quantize import quantize_model
 from finetune.recon import Unit
-from finetune.recon.cache import remove_stale_spills
-from finetune.recon.loop import Tuner
+from finetune.recon.data.cache import remove_stale_spills
+from finetune.recon.tuner import Tuner
 from finetune.zoo import digits_split
 
 from .recon_helpers import export_digits_cnn, one_thread, run  # noqa: F401  (one_thread: autouse fixture)

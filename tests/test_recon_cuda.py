@@ -13,8 +13,8 @@ import torch
 from finetune.config import FastFinetune
 from finetune.quantize import quantize_model
 from finetune.recon import finetune_model
-from finetune.recon.loop import Tuner
-from finetune.recon.qdrop import Batches
+from finetune.recon.data.batches import Batches
+from finetune.recon.optimisation import Optimisation
 from finetune.zoo import digits_split
 
 from .recon_helpers import export_digits_cnn, run
@@ -64,7 +64,7 @@ def test_a_gpu_run_repeats_to_the_byte_and_agrees_with_a_cpu_run(digits: dict[st
 def test_no_step_waits_for_the_gpu(digits: dict[str, Any], preset: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Drawing a batch and the step itself (forward with every fake quantizer, backward, Adam) run
     with torch's sync debug mode raising on any operation that makes the host wait for the GPU."""
-    strict = {name: getattr(owner, name) for owner, name in ((Tuner, "_step"), (Batches, "next"))}
+    strict = {name: getattr(owner, name) for owner, name in ((Optimisation, "_step"), (Batches, "next"))}
 
     def raising(original: Any) -> Any:
         def call(*args: Any, **kwargs: Any) -> Any:
@@ -75,7 +75,7 @@ def test_no_step_waits_for_the_gpu(digits: dict[str, Any], preset: str, monkeypa
                 torch.cuda.set_sync_debug_mode("default")
         return call
 
-    monkeypatch.setattr(Tuner, "_step", raising(strict["_step"]))
+    monkeypatch.setattr(Optimisation, "_step", raising(strict["_step"]))
     monkeypatch.setattr(Batches, "next", raising(strict["next"]))
     _, report = _tune(digits, preset, "cuda:0", iterations=25)
     assert report["iterations"] == 25 * len(report["units"])

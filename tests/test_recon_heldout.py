@@ -13,14 +13,14 @@ from onnx import TensorProto, helper, numpy_helper
 
 from finetune.config import FastFinetune
 from finetune.lift import lift_model
+from finetune.notices import Warnings
 from finetune.quantize import quantize_model
 from finetune.recon import ActivationCache, find_units, finetune_model
-from finetune.recon.heldout import ModelGuard, held_out_batches, local_chunks
-from finetune.recon.parallel import Rows
-from finetune.recon.report import Warnings
-from finetune.recon.stream import cache_inputs
+from finetune.recon.data.heldout import ModelGuard, held_out_batches, local_chunks
+from finetune.recon.data.losses import BestPoint, evaluation_interval
+from finetune.recon.data.shards import Rows
+from finetune.recon.data.streams import cache_inputs
 from finetune.recon.units import parameters_of
-from finetune.recon.watch import BestPoint, evaluation_interval
 
 from .recon_helpers import one_thread  # noqa: F401  (autouse fixture)
 

@@ -19,10 +19,11 @@ from finetune.config import ConfigError, EarlyStop, FastFinetune, load_config
 from finetune.lift import lift_model
 from finetune.quantize import quantize_model
 from finetune.recon import ActivationCache, finetune_model
-from finetune.recon.parallel import Rows, chunk_table
-from finetune.recon.qdrop import Batches, _row_axis
-from finetune.recon.sides import UnitInputs
-from finetune.recon.stream import cache_inputs
+from finetune.recon.data.batches import Batches, Draw
+from finetune.recon.data.rows import UnitInputs
+from finetune.recon.data.shards import Rows, chunk_table
+from finetune.recon.data.streams import cache_inputs
+from finetune.recon.methods.qdrop import _row_axis
 from finetune.zoo import digits_split, export_onnx
 
 from .lift_helpers import ENCODER_INPUT, randomized, transformer_encoder
@@ -38,7 +39,7 @@ def test_the_processes_draw_the_one_process_batch_and_bytes_between_them() -> No
     sizes over 2 processes, so shares differ in size and some steps give a process no row)."""
     rng = np.random.default_rng(0)
     batches = [rng.standard_normal((n, 4)).astype(np.float32) for n in (5, 3, 4)]
-    config = FastFinetune(batch_size=3, drop_ratio=0.5, seed=7)
+    config = Draw(batch_size=3, seed=7, drop_ratio=0.5)
     one = _process_batches(batches, config, 0, 1)
     shares = [_process_batches(batches, config, rank, 2) for rank in range(2)]
     empty_steps = 0
@@ -52,7 +53,7 @@ def test_the_processes_draw_the_one_process_batch_and_bytes_between_them() -> No
     assert empty_steps > 0
 
 
-def _process_batches(batches: list[np.ndarray], config: FastFinetune, rank: int, world: int) -> Batches:
+def _process_batches(batches: list[np.ndarray], config: Draw, rank: int, world: int) -> Batches:
     """Process `rank`'s training batches over its share: the batches as quantized inputs, the
     batches + 100 as float inputs and, as targets, each row's global number (to line rows up)."""
     offsets = np.cumsum([0, *(len(b) for b in batches)])

@@ -1,4 +1,4 @@
-"""Learned equalisation between layer pairs (fast_finetune.learn_equalization, recon.prescale):
+"""Learned equalisation between layer pairs (fast_finetune.adaquant.learn_equalization, recon.methods.equalization):
 which pairs qualify, that the scales leave the float function unchanged when folded, and a tuned
 model that onnxruntime runs as torch does."""
 
@@ -10,16 +10,16 @@ import torch
 
 from finetune.config import ConfigError, FastFinetune
 from finetune.lift import lift_model
+from finetune.lift.fake_quant import quantizers_disabled
 from finetune.quantize import quantize_model
 from finetune.recon import find_units, finetune_model
-from finetune.recon.prescale import LearnedPrescales, pairs_of
-from finetune.recon.stream import quantizers_disabled
+from finetune.recon.methods.equalization import LearnedPrescales, pairs_of
 from finetune.zoo import digits_split
 
 from .recon_helpers import export_digits_cnn, one_thread, run  # noqa: F401  (one_thread: autouse fixture)
 
 OP_TYPES = ("Conv", "ConvTranspose", "Gemm", "MatMul")
-EQUALIZE = {"algorithm": "adaquant", "iterations": 30, "unit": "block", "learn_equalization": True, "scale_lr": 0.05}
+EQUALIZE = {"algorithm": "adaquant", "iterations": 30, "unit": "block", "adaquant": {"learn_equalization": True, "scale_lr": 0.05}}
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +49,7 @@ def test_folded_scales_keep_the_float_function(digits: dict) -> None:
     x = torch.from_numpy(digits["x"])
     with torch.no_grad(), quantizers_disabled(module):
         before = module(x)
-        prescales = LearnedPrescales(unit, module, FastFinetune(**EQUALIZE))
+        prescales = LearnedPrescales(unit, module, EQUALIZE["adaquant"]["scale_lr"])
         for log in prescales.logs:
             log.copy_(torch.linspace(-1.0, 1.0, log.numel()))
         with prescales:
@@ -76,7 +76,7 @@ def test_a_tuned_model_with_learned_equalization_runs_in_onnxruntime(digits: dic
 def test_learned_equalization_needs_adaquant_and_a_pair(digits: dict) -> None:
     """AdaQuant only; and a run where no unit holds a pair (layer units hold one layer each) is
     refused before any work rather than left unchanged in silence."""
-    with pytest.raises(ConfigError, match="learn_equalization.*adaquant"):
-        FastFinetune(learn_equalization=True)
+    with pytest.raises(ConfigError, match="learn_equalization: applies to algorithm adaquant only"):
+        FastFinetune(adaquant={"learn_equalization": True})
     with pytest.raises(ValueError, match="learn_equalization: no unit holds two layers"):
         finetune_model(digits["quantized"], digits["small"], FastFinetune(**{**EQUALIZE, "unit": "layer"}))

@@ -10,6 +10,7 @@ from finetune.config import DEFAULT_LR, ConfigError, FastFinetune, load_config
 from finetune.lift import lift_model
 from finetune.quantize import quantize_model
 from finetune.recon import find_units, finetune_model
+from finetune.recon.methods import ALGORITHMS
 from finetune.recon.rates import AUTO_FACTORS, unit_lr
 
 from .recon_helpers import one_thread  # noqa: F401  (autouse fixture)
@@ -25,10 +26,10 @@ INT8 = {"format": "int", "dtype": "int8", "symmetric": True, "granularity": "ten
 def test_each_unit_takes_the_default_rate_of_its_weight_format(config: str | dict, algorithm: str, family: str) -> None:
     module = lift_model(quantize_model(mlp_model(), load_config(config), feeds(4)).model)
     units = find_units(module, ("MatMul",))
-    default = FastFinetune(algorithm=algorithm)
-    assert [unit_lr(default, unit, module) for unit in units] == [DEFAULT_LR[algorithm][family]] * 2
-    assert unit_lr(default, units[0], module, factor=0.3) == 0.3 * DEFAULT_LR[algorithm][family]
-    assert unit_lr(FastFinetune(algorithm=algorithm, lr=0.5), units[0], module, factor=0.3) == 0.5  # a number is taken as it is
+    method = ALGORITHMS[algorithm](FastFinetune(algorithm=algorithm))
+    assert [unit_lr(None, method, unit, module) for unit in units] == [DEFAULT_LR[algorithm][family]] * 2
+    assert unit_lr(None, method, units[0], module, factor=0.3) == 0.3 * DEFAULT_LR[algorithm][family]
+    assert unit_lr(0.5, method, units[0], module, factor=0.3) == 0.5  # a number is taken as it is
 
 
 def test_lr_auto_loads_and_other_words_are_refused() -> None:

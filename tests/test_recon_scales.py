@@ -1,4 +1,4 @@
-"""Learned INT weight and activation scales (fast_finetune.learn_scales, recon.scales): LSQ's
+"""Learned INT weight and activation scales (fast_finetune.adaquant.learn_scales, recon.methods.scales): LSQ's
 gradient, power-of-two scales, export of the learned scales with their re-quantized int32 biases,
 compact codes re-encoded, refusals, and reproducibility."""
 
@@ -18,7 +18,7 @@ from finetune.formats import IntSpec, int_quantize_dequantize
 from finetune.lift import FakeQuantize, lift_model
 from finetune.quantize import quantize_model
 from finetune.recon import finetune_model
-from finetune.recon.scales import LearnedScale, _learned_fn, lsq_quantize_dequantize
+from finetune.recon.methods.scales import LearnedScale, _learned_fn, lsq_quantize_dequantize
 from finetune.zoo import digits_split
 
 from .recon_helpers import export_digits_cnn, one_thread, run  # noqa: F401  (one_thread: autouse fixture)
@@ -28,7 +28,8 @@ INT8 = {"format": "int", "dtype": "int8", "symmetric": True, "granularity": "ten
 W4A8_CHANNEL = {"activation": INT8, "weight": {**INT8, "dtype": "int4", "granularity": "channel"}}
 W4A4_CHANNEL = {**W4A8_CHANNEL, "activation": {**INT8, "dtype": "int4"}}
 UINT8_ASYMMETRIC = {**INT8, "dtype": "uint8", "symmetric": False}
-LEARN = {"algorithm": "adaquant", "iterations": 30, "learn_scales": "weights", "scale_lr": 0.05}
+SCALES = {"learn_scales": "weights", "scale_lr": 0.05}
+LEARN = {"algorithm": "adaquant", "iterations": 30, "adaquant": SCALES}
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +101,7 @@ def test_learned_activation_scales_go_into_the_graph_with_their_biases(digits: d
     learn theirs; the tuned graph holds them, each Conv's int32 bias scale is its input scale times
     its weight scale with codes re-encoded, and onnxruntime gives the lifted tuned model's outputs."""
     quantized = quantize_model(digits["path"], {**W4A8_CHANNEL, "activation": activation}, digits["small"]).model
-    tuned, report = finetune_model(quantized, digits["small"], FastFinetune(**{**LEARN, "learn_scales": "all"}, unit="block"))
+    tuned, report = finetune_model(quantized, digits["small"], FastFinetune(**{**LEARN, "adaquant": {**SCALES, "learn_scales": "all"}}, unit="block"))
     rows = [row for row in report["learned_scales"] if row["of"] == "activation"]
     assert rows and any(row["ratio_min"] != 1.0 for row in rows)
     assert any(row["bias_requantized"] for row in rows)
@@ -125,7 +126,7 @@ def test_a_layer_unit_learns_the_activation_scale_it_outputs_with_include_output
     """A layer unit's input quantizer lies outside it: learning activation scales layer by layer
     needs include_output_quant (each layer learns the quantizer of its output), else it is an error."""
     quantized = quantize_model(digits["path"], W4A4_CHANNEL, digits["small"]).model
-    config = {**LEARN, "learn_scales": "activations"}
+    config = {**LEARN, "adaquant": {**SCALES, "learn_scales": "activations"}}
     with pytest.raises(ValueError, match="learn_scales: activations: no unit has an INT activation quantizer"):
         finetune_model(quantized, digits["small"], FastFinetune(**config))
     _, report = finetune_model(quantized, digits["small"], FastFinetune(**config, include_output_quant=True))
@@ -209,8 +210,8 @@ def test_export_writes_the_learned_scale_and_requantized_int32_bias(digits: dict
 
 
 def test_learning_scales_needs_adaquant_and_an_int_weight(digits: dict) -> None:
-    with pytest.raises(ConfigError, match="learn_scales.*adaquant"):
-        FastFinetune(learn_scales="weights")
+    with pytest.raises(ConfigError, match="learn_scales: applies to algorithm adaquant only"):
+        FastFinetune(adaquant={"learn_scales": "weights"})
     quantized = quantize_model(digits["path"], "MX4", None).model
     with pytest.raises(ValueError, match="learn_scales: weights: no unit has an INT weight quantizer"):
         finetune_model(quantized, digits["small"], FastFinetune(**LEARN))

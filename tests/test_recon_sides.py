@@ -25,7 +25,8 @@ from finetune.lift import lift_model
 from finetune.onnx.session import inference_session
 from finetune.quantize import quantize_model
 from finetune.recon import ActivationCache, find_units, finetune_model
-from finetune.recon.sides import SideInput, join_rows, output_scales, side_axis
+from finetune.recon.data.rows import join_rows, output_scales, side_axis
+from finetune.recon.units.sides import SideInput
 from finetune.zoo import silero_vad_lstm_onnx_path, silero_vad_onnx_path, speech_like_audio, vad_windows
 from tests.control_models import loop_model
 from tests.lift_helpers import run_ort, run_torch

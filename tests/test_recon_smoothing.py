@@ -10,7 +10,7 @@ import onnx
 import pytest
 from onnx import helper, numpy_helper
 
-from finetune.recon.smoothing import carry_smoothing
+from finetune.recon.data.smoothing import carry_smoothing
 
 from .lift_helpers import FLOAT_ATOL, FLOAT_RTOL, onnx_model, run_ort, tensor
 

@@ -18,13 +18,13 @@ import pytest
 
 from finetune.config import FastFinetune, load_config
 from finetune.lift import FakeQuantize, LiftError, lift_model
+from finetune.lift.fake_quant import quantizers_disabled
 from finetune.onnx import attach_custom_ops
 from finetune.onnx.session import inference_session
 from finetune.pipeline import quantize_and_finetune
 from finetune.quantize import quantize_model
 from finetune.recon import finetune_model
-from finetune.recon.smoothing import carry_smoothing
-from finetune.recon.stream import quantizers_disabled
+from finetune.recon.data.smoothing import carry_smoothing
 
 from .lift_helpers import FLOAT_ATOL, FLOAT_RTOL, onnx_model, run_ort, run_torch, tensor
 from .recon_helpers import one_thread, run  # noqa: F401  (one_thread: autouse fixture)

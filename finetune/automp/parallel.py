@@ -1,6 +1,6 @@
 """Sensitivity evaluations split over the processes the config's fast_finetune section names
 (devices, strategy and device, as tuning uses them), launched through Lightning Fabric like the
-tuning in recon/parallel.py. Process r evaluates every candidate on the evaluation batches b with
+tuning (recon.processes). Process r evaluates every candidate on the evaluation batches b with
 b % world == r, on its own switchable model lifted from the same QDQ models (lifting is
 deterministic), so each batch meets the ops and values it meets in one process; the outputs,
 gathered back into batch order, are the one-process ones bit for bit (on the same device)."""
@@ -8,10 +8,8 @@ gathered back into batch order, are the one-process ones bit for bit (on the sam
 from __future__ import annotations
 
 import logging
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -47,51 +45,43 @@ class Processes:
     def candidate_outputs(self, output_index: int, batches: Sequence[Batch], candidates: Sequence[tuple[str, Keys]],
                           top: dict[str, Keys]) -> list[np.ndarray]:
         """resume.candidate_outputs of every candidate over all batches, the batches split over the
-        processes. Each process leaves its share in a file, which this process reads back (as recon's
-        _tune_data_parallel does: the launcher's pipe blocks on large results); the processes share
-        this machine's disk, the config allowing one machine only."""
+        processes, whose shares come back through recon.processes.launch (the processes share this
+        machine's disk, the config allowing one machine only)."""
         from finetune.recon.device import resolve_device  # finetune.recon imports lightning (seconds): only here
-        from finetune.recon.parallel import make_fabric
+        from finetune.recon.processes import launch, make_fabric
 
         if not candidates:
             return []
         fabric = make_fabric(self.config, resolve_device(self.config.device), [])
         logger.info("sensitivity: %d candidates on %d evaluation batches, split over %d processes (%s)", len(candidates),
                     len(batches), self.config.processes, self.config.strategy)
-        with tempfile.TemporaryDirectory(prefix="finetune-sensitivity-") as folder:
-            job = _Job(self, output_index, batches, candidates, top, Path(folder))
-            fabric.launch(_evaluate_share, job)
-            shares = [torch.load(job.share_file(rank), weights_only=False) for rank in range(self.config.processes)]
+        shares = launch(fabric, _evaluate_share, _Job(self, output_index, batches, candidates, top))
         return _in_batch_order(shares, len(batches))
 
 
 class _Job:
-    """What each process of a split sensitivity needs, and where it leaves its share. A plain class,
-    not a dataclass: Fabric's process launcher rebuilds dataclass arguments field by field, which
-    frozen ones refuse."""
+    """What each process of a split sensitivity needs (a plain class: see recon.processes.launch)."""
 
     def __init__(self, processes: Processes, output_index: int, batches: Sequence[Batch],
-                 candidates: Sequence[tuple[str, Keys]], top: dict[str, Keys], folder: Path) -> None:
+                 candidates: Sequence[tuple[str, Keys]], top: dict[str, Keys]) -> None:
         self.source, self.allow_tf32 = processes.source, processes.config.allow_tf32
         self.output_index, self.batches, self.candidates, self.top = output_index, batches, candidates, top
-        self.folder = folder
-
-    def share_file(self, rank: int) -> Path:
-        return self.folder / f"share{rank}.pt"
 
 
-def _evaluate_share(fabric: Fabric, job: _Job) -> None:
+def _evaluate_share(fabric: Fabric, job: _Job) -> Share:
     """In one process: lift the switchable model onto this process's device, set it to the top,
-    and evaluate every candidate on each batch this process holds, one batch at a time."""
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = job.allow_tf32  # as tuning sets them
+    and evaluate every candidate on each batch this process holds, one batch at a time, in the
+    float32 precision tuning uses."""
+    from finetune.recon.device import float32_precision
+
     switch = job.source.build().to(fabric.device)
     for node, keys in job.top.items():
         switch.set(node, keys)
     tails = cut_tails(switch, job.output_index)
     rank, world = fabric.global_rank, fabric.world_size
-    share = [candidate_outputs(switch, tails, [tuple(t.to(fabric.device) for t in batch)], job.candidates, job.top)
-             for batch in job.batches[rank::world]]
-    torch.save(share, job.share_file(rank))
+    with float32_precision(job.allow_tf32):
+        return [candidate_outputs(switch, tails, [tuple(t.to(fabric.device) for t in batch)], job.candidates, job.top)
+                for batch in job.batches[rank::world]]
 
 
 def _in_batch_order(shares: Sequence[Share], batches: int) -> list[np.ndarray]:

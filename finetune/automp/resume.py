@@ -10,16 +10,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from torch import fx
 
-from .switch import SwitchableModel
+from finetune.lift.graph import Segment, constant_nodes, needed, segment
 
-if TYPE_CHECKING:
-    from finetune.recon.partition import Segment
+from .switch import SwitchableModel
 
 logger = logging.getLogger(__name__)
 
@@ -40,8 +38,6 @@ class Tails:
 
 def cut_tails(switch: SwitchableModel, output_index: int) -> Tails:
     """The capture segment and one tail per searched node of the switchable model."""
-    from finetune.recon.partition import needed, segment  # finetune.recon imports lightning (seconds): only here
-    from finetune.recon.units import constant_nodes
 
     module, graph = switch.module, switch.module.graph
     constant = constant_nodes(graph)

@@ -17,7 +17,7 @@ from torch import fx, nn
 
 from finetune.formats import IntSpec, bits_per_element
 from finetune.lift import FakeQuantize, LiftedModule, lift_model
-from finetune.onnx.domains import BIAS_INPUT
+from finetune.onnx.layers import BIAS_INPUT
 
 IDENTITY = nn.Identity()
 

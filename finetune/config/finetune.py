@@ -1,14 +1,18 @@
 """The fine-tuning settings of a config: FastFinetune (AdaRound / AdaQuant / GPTQ reconstruction
-after quantization) with its EarlyStop rule and GPTQ settings, default learning rates and the
-device-string syntax, which the fine-tuning stage resolves to a torch device."""
+after quantization) with its EarlyStop rule and its AdaQuant and GPTQ sections, default learning
+rates, the steps read together and the device-string syntax, which the fine-tuning stage resolves
+to a torch device."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Literal
+import dataclasses
+import logging
+import warnings
+from dataclasses import InitVar, dataclass, field
+from typing import Any, Literal
 
 from .formats import DEFAULT_OP_TYPES
-from .schema import ConfigError, Section
+from .schema import ConfigError, Section, from_mapping
 
 # The default learning rate per algorithm and family of the tuned weight's format (the `format` of
 # FormatChoice: int, float, bfp, mx), measured on the digits CNN and transformer with
@@ -25,6 +29,13 @@ MAX_LR = 10.0  # Adam's first step moves each weight by about lr; from 3.4e37 it
 # a `kind` (cuda, or hip on ROCm builds of torch) with an optional device `index`.
 DEVICE_PATTERN = r"cpu|(?P<kind>cuda|hip)(?::(?P<index>\d+))?"
 DEVICE_HELP = "cpu, cuda, cuda:N, hip or hip:N"
+# Steps whose losses are read, shown and judged together: an accelerator's losses reach the host this
+# many at a time (one synchronisation), the metric log and the progress bar show every this-many-th
+# step's loss, early stopping without held-out batches averages this many training losses (one batch's
+# loss is noisy), and held-out evaluations come every multiple of it (each reads the host).
+STEP_GROUP = 10
+
+logger = logging.getLogger(__name__)
 
 
 def default_lr(algorithm: str, family: str | None) -> float:
@@ -39,9 +50,9 @@ class EarlyStop(Section):
     AdaQuant's learning-rate decay over `patience` iterations, AdaRound's annealing (when stopped
     in its warm-up) over four times the warm-up run (defaults: on, 100, 0.0, 0). Where calibration
     batches are held out (fast_finetune.validation_share) the loss is the unit's on them, measured
-    every few steps (every 10 or more, so the measurements cost about a tenth of the tuning), and
-    `patience` iterations are that many steps' worth of measurements (rounded up); otherwise it is
-    the mean training loss of the last 10 steps."""
+    every few steps (a multiple of STEP_GROUP, so the measurements cost about a tenth of the tuning),
+    and `patience` iterations are that many steps' worth of measurements (rounded up); otherwise it
+    is the mean training loss of the last STEP_GROUP steps."""
 
     enabled: bool = True
     patience: int = field(default=100, metadata={"min": 1})
@@ -63,6 +74,25 @@ class GPTQ(Section):
 
 
 @dataclass(frozen=True)
+class AdaQuant(Section):
+    """What AdaQuant trains beside the weights (algorithm adaquant only): `update_bias` trains the
+    biases too; `learn_scales: weights` learns the scale (and an asymmetric zero point) of each tuned
+    INT weight, LSQ-style, at `scale_lr`, `activations` those of the INT activation quantizers inside
+    each unit, `all` both (see recon.methods.scales); `learn_equalization` learns a per-channel scale
+    between two layers of a unit that only ReLU, max pooling and activation quantizers separate,
+    folded into both (see recon.methods.equalization). All off by default, `scale_lr` 1e-3."""
+
+    update_bias: bool = False
+    learn_scales: Literal[False, "weights", "activations", "all"] = False
+    scale_lr: float = field(default=1e-3, metadata={"above": 0, "max": MAX_LR})
+    learn_equalization: bool = False
+
+
+# The top-level fast_finetune keys that moved into the adaquant section: still read, with a warning.
+MOVED_TO_ADAQUANT = ("update_bias", "learn_scales", "scale_lr", "learn_equalization")
+
+
+@dataclass(frozen=True)
 class FastFinetune(Section):
     """AdaRound / AdaQuant / GPTQ reconstruction after quantization (run by the fine-tuning stage).
 
@@ -72,7 +102,7 @@ class FastFinetune(Section):
     algorithm and weight format family, a table measured per family: DEFAULT_LR; AdaQuant's rate
     decays along a cosine; `auto` picks a factor on that table by a short seeded search on the
     first tuned unit, judged by its held-out loss, and applies it to every unit), batches of 16 samples, all calibration data (data_size null), early stopping on,
-    seed 0, cpu, the default op types, no bias update (adaquant only), output quantizers left out
+    seed 0, cpu, the default op types, output quantizers left out
     (a layer's activation is always in its unit), drop_ratio 0.5 (share of unit inputs taken from
     the quantized rather than the float model), 2 GiB of cached activations in memory and, on an
     accelerator, up to 4 GiB of a unit's training rows copied to it (beyond that, batches are
@@ -92,14 +122,10 @@ class FastFinetune(Section):
     against the float model there is checked against the untuned model's, whose weights are written
     back when tuning made it worse (0: every batch trains, early stopping reads the training loss,
     each unit ends at its last step, and the checks read the training rows).
-    `learn_scales: weights` (AdaQuant only) learns the scale (and an asymmetric zero point) of each
-    tuned INT weight beside the weight, LSQ-style, at `scale_lr`; `activations` those of the INT
-    activation quantizers inside each unit; `all` both (see recon.scales). `learn_equalization`
-    (AdaQuant only) learns a per-channel scale between two layers of a unit that only ReLU, max
-    pooling and activation quantizers separate, folded into both (see recon.prescale).
+    The `adaquant` section says what AdaQuant trains beside the weights (AdaQuant, above).
     `bias_correction` adds to each layer's bias the mean, per output channel over the training rows,
     of its float output minus its quantized output, before tuning and again after it, each kept only
-    where the unit's held-out loss does not rise (see recon.bias; `auto`: on for the correction alone,
+    where the unit's held-out loss does not rise (see recon.methods.bias; `auto`: on for the correction alone,
     AdaRound and GPTQ, off for AdaQuant, as measured in docs/fine-tuning.md). It lives here, not at
     the top level, because it needs what this stage alone has: the float targets and quantized inputs
     of each unit and the held-out batches that judge it; `iterations: 0` runs the correction alone
@@ -115,7 +141,6 @@ class FastFinetune(Section):
     validation_share: float = field(default=0.2, metadata={"min": 0, "max": 0.5})
     device: str = field(default="cpu", metadata={"pattern": DEVICE_PATTERN, "pattern_help": DEVICE_HELP})
     op_types: tuple[str, ...] = DEFAULT_OP_TYPES
-    update_bias: bool = False
     include_output_quant: bool = False
     drop_ratio: float = field(default=0.5, metadata={"min": 0, "max": 1})
     cache_budget_bytes: int = field(default=2**31, metadata={"min": 1})
@@ -129,10 +154,22 @@ class FastFinetune(Section):
     gptq: GPTQ = field(default_factory=GPTQ)
     gptq_init: bool = False
     compile: Literal["auto", True, False] = "auto"
-    learn_scales: Literal[False, "weights", "activations", "all"] = False
-    scale_lr: float = field(default=1e-3, metadata={"above": 0, "max": MAX_LR})
-    learn_equalization: bool = False
     bias_correction: Literal["auto", True, False] = "auto"
+    adaquant: AdaQuant = field(default_factory=AdaQuant)
+    update_bias: InitVar[Any] = None  # MOVED_TO_ADAQUANT: read into the adaquant section, with a warning
+    learn_scales: InitVar[Any] = None
+    scale_lr: InitVar[Any] = None
+    learn_equalization: InitVar[Any] = None
+
+    def __post_init__(self, *moved: Any) -> None:
+        """Keys given at the top level that now live in the adaquant section move there (a warning
+        names the new key), then every field is checked."""
+        given = {key: value for key, value in zip(MOVED_TO_ADAQUANT, moved) if value is not None}
+        if given:
+            _warn_moved(given)
+            section = self.adaquant if isinstance(self.adaquant, AdaQuant) else from_mapping(AdaQuant, self.adaquant, "adaquant")
+            object.__setattr__(self, "adaquant", dataclasses.replace(section, **given))
+        super().__post_init__()
 
     @property
     def processes(self) -> int:
@@ -148,12 +185,10 @@ class FastFinetune(Section):
                 raise ConfigError("lr", "algorithm gptq takes no learning rate (it rounds each unit's weights in one pass)")
             if self.gptq_init:
                 raise ConfigError("gptq_init", "starts adaround or adaquant from GPTQ's weights; algorithm gptq is GPTQ alone")
-        if self.learn_equalization and self.algorithm != "adaquant":
-            raise ConfigError("learn_equalization", "applies to algorithm adaquant only (the scales are learned beside the weights)")
-        if self.learn_scales and self.algorithm != "adaquant":
-            raise ConfigError("learn_scales", "applies to algorithm adaquant only (the scale is learned beside the weights)")
-        if self.update_bias and self.algorithm != "adaquant":
-            raise ConfigError("update_bias", "applies to algorithm adaquant only (adaround learns roundings)")
+        changed = [f.name for f in dataclasses.fields(AdaQuant) if getattr(self.adaquant, f.name) != f.default]
+        if changed and self.algorithm != "adaquant":
+            raise ConfigError(f"adaquant.{changed[0]}", f"applies to algorithm adaquant only (what AdaQuant trains beside the "
+                              f"weights; {self.algorithm} does not train them)")
         if self.include_output_quant and self.unit == "block":
             raise ConfigError("include_output_quant", "applies to unit: layer only (a block ends where one value is live; "
                               "the quantizers reading it belong to the next block)")
@@ -161,3 +196,11 @@ class FastFinetune(Section):
             raise ConfigError("strategy", f"{self.strategy!r} does not shard the calibration data; data-parallel tuning "
                               "takes a Lightning Fabric DDP strategy: ddp (launches this command again per process), "
                               "ddp_spawn, ddp_fork or ddp_notebook")
+
+
+def _warn_moved(given: dict[str, Any]) -> None:
+    """One deprecation warning naming each moved key's new place."""
+    moved = ", ".join(f"fast_finetune.{key} is now fast_finetune.adaquant.{key}" for key in given)
+    message = f"{moved} (the old key is still read; write the new one)"
+    logger.warning("%s", message)
+    warnings.warn(message, FutureWarning, stacklevel=4)

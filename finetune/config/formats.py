@@ -39,6 +39,11 @@ _DTYPES = {"int": tuple(INT_RANGES), "float": tuple(FLOAT_TYPES)}
 _BLOCK_FORMATS = ("bfp", "mx")
 
 
+def format_family(spec: FormatSpec | None) -> str | None:
+    """The `format` family of a spec ("int", "float", "bfp", "mx"); None for no spec (a tensor left float)."""
+    return None if spec is None else next(name for name, (spec_type, _) in _FAMILIES.items() if isinstance(spec, spec_type))
+
+
 def family_keys(format_name: str) -> tuple[str, ...]:
     """The YAML keys of one format: `format`, the spec's fields and the calibration keys."""
     spec_type, extras = _FAMILIES[format_name]

@@ -1,4 +1,4 @@
-"""Configs in and out of files: load_config reads a preset (bundled in finetune/configs), a
+"""Configs in and out of files: load_config reads a preset (bundled in finetune/presets), a
 YAML/JSON file or a mapping into a QuantConfig, merging `preset:` bases underneath; save_config and
 to_dict write one back. A mapping with AMD Quark's option names (`quant_format`, `activation_type`,
 `extra_options`, ...) is recognised, translated by `quark` and validated like any other mapping;
@@ -21,7 +21,7 @@ from .formats import FormatChoice
 from .quant import QuantConfig, top_level_keys
 from .schema import INHERIT, ConfigError, from_mapping
 
-PRESET_DIR = Path(__file__).parent.parent / "configs"
+PRESET_DIR = Path(__file__).parent.parent / "presets"
 CONFIG_FORMATS = ("auto", "finetune", "quark")
 
 

@@ -6,13 +6,10 @@ power-of-two scales, one format per tensor). The alignments themselves run in
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable
+from typing import Any
 
 from .schema import INHERIT, ConfigError
-
-if TYPE_CHECKING:
-    from .quant import QuantConfig
 
 CONCAT_OPS = ("Concat",)
 # ops whose output keeps its input's scale: pooling (as Vitis's AlignPool, plus GlobalMaxPool, which
@@ -30,30 +27,18 @@ NOT_APPLIED = (
 )
 
 
-def check_npu_cnn(config: QuantConfig) -> None:
-    """Refuse, naming the key, what npu_cnn cannot honour: a format other than per-tensor symmetric
-    integers with power-of-two scales, dual quant (two formats on one tensor) and the mixed
-    precision search (it picks formats the NPU does not read)."""
-    for path, choice in _choices(config):
+def check_npu_cnn(choices: Iterable[tuple[str, Any]], dual_quant: bool, mixed_precision: bool) -> None:
+    """Refuse, naming the key, what npu_cnn cannot honour: a format choice (key path, FormatChoice,
+    None or INHERIT) other than per-tensor symmetric integers with power-of-two scales, dual quant (two
+    formats on one tensor) and the mixed precision search (it picks formats the NPU does not read)."""
+    for path, choice in choices:
         key, problem = _npu_problem(choice)
         if problem:
             raise ConfigError(f"{path}.{key}", f"npu_cnn needs {problem}")
-    if config.dual_quant:
+    if dual_quant:
         raise ConfigError("dual_quant", "npu_cnn reads one format per tensor; set dual_quant to false")
-    if config.auto_mixed_precision is not None:
+    if mixed_precision:
         raise ConfigError("auto_mixed_precision", "npu_cnn takes one integer format; drop the section or npu_cnn")
-
-
-def _choices(config: QuantConfig) -> Iterator[tuple[str, Any]]:
-    """Every format choice in the config with its key path (a FormatChoice, None or INHERIT)."""
-    for role in ("activation", "weight"):
-        yield role, getattr(config, role)
-    for kind in ("op_type_overrides", "node_overrides"):
-        for name, override in getattr(config, kind).items():
-            for role in ("activation", "weight"):
-                yield f"{kind}[{name!r}].{role}", getattr(override, role)
-    for name, choice in config.tensor_overrides.items():
-        yield f"tensor_overrides[{name!r}]", choice
 
 
 def _npu_problem(choice: Any) -> tuple[str, str]:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -88,7 +88,18 @@ class QuantConfig(Section):
                 activation, weight, bias = override.apply(self.activation, self.weight, self.bias)
                 self._check_bias(join_path(path, "bias"), bias, activation, weight)
         if self.npu_cnn:
-            check_npu_cnn(self)
+            check_npu_cnn(self.format_choices(), self.dual_quant, self.auto_mixed_precision is not None)
+
+    def format_choices(self) -> Iterator[tuple[str, Any]]:
+        """Every format choice in the config with its key path (a FormatChoice, None or INHERIT)."""
+        for role in ("activation", "weight"):
+            yield role, getattr(self, role)
+        for kind in ("op_type_overrides", "node_overrides"):
+            for name, override in getattr(self, kind).items():
+                for role in ("activation", "weight"):
+                    yield f"{kind}[{name!r}].{role}", getattr(override, role)
+        for name, choice in self.tensor_overrides.items():
+            yield f"tensor_overrides[{name!r}]", choice
 
     @staticmethod
     def _check_split_search(section: FastFinetune) -> None:

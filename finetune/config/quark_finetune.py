@@ -90,7 +90,11 @@ def _fast_finetune(t: Translation) -> dict[str, Any] | None:
     for theirs, ours in FAST_FT_KEYS.items():
         if block.get(theirs) is not None:
             value = block[theirs]
-            out[ours] = value.lower() if theirs == "OptimAlgorithm" and isinstance(value, str) else value
+            *sections, key = ours.split(".")
+            target = out
+            for section in sections:
+                target = target.setdefault(section, {})
+            target[key] = value.lower() if theirs == "OptimAlgorithm" and isinstance(value, str) else value
             t.origins[f"fast_finetune.{ours}"] = f"{FAST_FT_PATH}.{theirs}"
     if "EarlyStop" in block:
         t.origins["fast_finetune.early_stop"] = f"{FAST_FT_PATH}.EarlyStop"

@@ -150,11 +150,11 @@ EXTRA_ACCEPTED_ONLY: dict[str, tuple[Any, ...]] = {
     ),
 }
 
-# FastFinetune key -> fast_finetune key; EarlyStop and InferDevice are handled on their own.
+# FastFinetune key -> fast_finetune key (dotted: a key of a section); EarlyStop and InferDevice are handled on their own.
 FAST_FT_KEYS = {
     "OptimAlgorithm": "algorithm", "NumIterations": "iterations", "LearningRate": "lr", "BatchSize": "batch_size",
     "DataSize": "data_size", "FixedSeed": "seed", "OptimDevice": "device", "TargetOpType": "op_types",
-    "UpdateBias": "update_bias", "OutputQDQ": "include_output_quant", "DropRatio": "drop_ratio",
+    "UpdateBias": "adaquant.update_bias", "OutputQDQ": "include_output_quant", "DropRatio": "drop_ratio",
 }
 FAST_FT_MAPPED = (*FAST_FT_KEYS, "EarlyStop", "InferDevice")
 FAST_FT_NO_EFFECT = ("LogPeriod", "MemOptLevel")

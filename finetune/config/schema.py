@@ -8,6 +8,7 @@ import dataclasses
 import difflib
 import enum
 import functools
+import inspect
 import re
 import types
 import typing
@@ -71,7 +72,7 @@ def from_mapping(cls: type[T], data: Any, path: str = "") -> T:
     """Build the config dataclass `cls` from a mapping; every error names its full key path."""
     if not isinstance(data, Mapping):
         raise ConfigError(path, f"expected a mapping, got {data!r}")
-    names = {f.name for f in dataclasses.fields(cls)}
+    names = set(inspect.signature(cls).parameters)  # its fields, and keys it still reads into them (InitVar)
     for key in data:
         if key not in names:
             allowed = cls.allowed_keys(data)

@@ -159,7 +159,7 @@ def quantize_dequantize_compiled(
         raise TypeError(f"quantize-dequantize expects a floating-point tensor, got {x.dtype}")
     reason = eager_reason(spec, scale, rounding)
     if reason is not None:
-        _record_eager(reason)
+        record_eager(reason)
         if rounding is not None:
             return int_quantize_dequantize(x, scale, 0.0 if zero_point is None else zero_point, spec, rounding)
         return quantize_dequantize(x, spec, scale, zero_point)
@@ -178,8 +178,8 @@ def quantize_dequantize_compiled(
     return y.to(x.dtype)
 
 
-def _record_eager(reason: str) -> None:
-    """Note in the run's record that a quantizer of this kind stayed eager."""
+def record_eager(reason: str) -> None:
+    """Note in the run's record that a quantizer of this kind (an EAGER_FORMATS name) stayed eager."""
     if _use is not None:
         _use.eager_formats[reason] = EAGER_FORMATS[reason]
 

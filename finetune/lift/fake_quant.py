@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
 
 from finetune.formats import FormatSpec, IntSpec, RoundFn, int_quantize_dequantize, int_range_clamp, quantize_dequantize
-from finetune.formats.compiled import kernels_enabled, quantize_dequantize_compiled
+from finetune.formats.compiled import kernels_enabled, quantize_dequantize_compiled, record_eager
 
 
 class FakeQuantize(nn.Module):
@@ -19,7 +20,7 @@ class FakeQuantize(nn.Module):
     activations), and the reference must keep that activation. `rounding` replaces the integer
     rounding (AdaRound). `on_parameter` marks a quantizer of a weight or bias (set by the lifter).
     Within formats.compiled.compiled_kernels(True) it runs compiled kernels (on tensors of at least
-    MIN_COMPILED_ELEMENTS). While its scale is learned (recon.scales), `learned` computes it
+    MIN_COMPILED_ELEMENTS). While its scale is learned (recon.methods.scales), `learned` computes it
     instead, eager, with the scale's gradient."""
 
     scale: torch.Tensor | None
@@ -55,6 +56,8 @@ class FakeQuantize(nn.Module):
                 return int_range_clamp(x, self.scale, self.zero_point, self.spec)
             return x
         if self.learned is not None:
+            if kernels_enabled(x):
+                record_eager("a learned scale")
             return self.learned(x)
         if self.rounding is not None and not isinstance(self.spec, IntSpec):
             raise ValueError(f"a rounding hook applies to integer formats only, not {self.spec}")
@@ -67,3 +70,20 @@ class FakeQuantize(nn.Module):
     def extra_repr(self) -> str:
         """Format, source nodes and state, for printing the module."""
         return f"{self.spec}, source={self.source}, enabled={self.enabled}"
+
+
+@contextlib.contextmanager
+def quantizers_disabled(module: nn.Module, keep_ranges: bool = True) -> Iterator[None]:
+    """Every fake quantizer of `module` off inside the block, as it was after: the float reference a
+    quantized model gives of itself. With `keep_ranges` integer activation quantizers still clamp to
+    their range (FakeQuantize.keep_range: the Relu/Clip a quantizer stands in for); without, every
+    quantizer is the identity (the float work of a step, for profiling)."""
+    quantizers = [m for m in module.modules() if isinstance(m, FakeQuantize)]
+    states = [(q.enabled, q.keep_range) for q in quantizers]
+    for quantizer in quantizers:
+        quantizer.enabled, quantizer.keep_range = False, keep_ranges
+    try:
+        yield
+    finally:
+        for quantizer, (enabled, keep_range) in zip(quantizers, states):
+            quantizer.enabled, quantizer.keep_range = enabled, keep_range

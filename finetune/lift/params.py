@@ -15,13 +15,10 @@ from onnx import helper, numpy_helper
 from finetune.formats import FloatSpec, IntSpec, dequantize_linear, float_codes, int_codes
 from finetune.onnx.domains import DEFAULT_DOMAINS
 from finetune.onnx.fold import fold_constants, foldable
+from finetune.onnx.layers import PARAMETER_INPUTS
 
 from .qdq import is_quantizer
 
-# Inputs that hold a layer's weight or bias: fine-tuning may change the initializer behind them.
-WEIGHT_INPUTS: dict[str, tuple[int, ...]] = {
-    "Conv": (1, 2), "ConvTranspose": (1, 2), "Gemm": (1, 2), "MatMul": (0, 1), "LSTM": (1, 2, 3), "GRU": (1, 2, 3),
-}
 
 @dataclass(frozen=True, eq=False)
 class Dequantize:
@@ -108,7 +105,7 @@ def _weight_sources(graph: onnx.GraphProto, producers: dict[str, onnx.NodeProto]
     or MatMul."""
     for node in graph.node:
         if node.domain in DEFAULT_DOMAINS:
-            for index in WEIGHT_INPUTS.get(node.op_type, ()):
+            for index in PARAMETER_INPUTS.get(node.op_type, ()):
                 if index < len(node.input):
                     yield _behind_quantizers(node.input[index], producers)
 

@@ -16,10 +16,6 @@ MX = "MXQuantizeDequantize"
 QUANTIZE = "ExtendedQuantizeLinear"
 DEQUANTIZE = "ExtendedDequantizeLinear"
 
-RECURRENT_OPS = ("LSTM", "GRU")  # inputs X, W, R, B, sequence_lens, initial states (and LSTM's peepholes)
-# The input each layer op with a bias takes it as: C of Conv/ConvTranspose/Gemm, B of LSTM/GRU.
-BIAS_INPUT = {"Conv": 2, "ConvTranspose": 2, "Gemm": 2, "LSTM": 3, "GRU": 3}
-
 MIN_OPSET = 13  # the oldest default-domain opset the bodies are written and tested for
 CASTLIKE_OPSET = 15  # below it the float16 round trip needs the input's type at attach time
 REDUCE_AXES_INPUT_OPSET = 18  # ReduceMax takes axes as an input from opset 18

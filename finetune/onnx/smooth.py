@@ -22,9 +22,10 @@ from onnx import helper, numpy_helper
 
 from .domains import DEFAULT_DOMAINS
 from .graphs import node_reads, unique_name
+from .layers import LAYER_OPS, weight_axes
 
 SCALE_RANGE = (1e-4, 1e4)  # s is clamped here: a near-empty channel must not blow a weight up to overflow
-LAST, CHANNEL = -1, 1  # where the input channels lie: MatMul / Gemm inputs (last axis), Conv inputs (axis 1)
+LAST, CHANNEL = LAYER_OPS["MatMul"].channel_axis, LAYER_OPS["Conv"].channel_axis  # where MatMul / Gemm and Conv inputs hold channels
 NO_WEIGHT = "its second operand is computed: no constant weight takes the scale"
 _COMMUTING = {"Relu": (LAST, CHANNEL), "MaxPool": (CHANNEL,)}  # ops that pass a positive per-channel scale through
 
@@ -145,8 +146,8 @@ def weight_maxima(weight: np.ndarray, node: onnx.NodeProto) -> np.ndarray:
 
 
 def _in_axis(node: onnx.NodeProto) -> int:
-    """The input-channel axis of a MatMul's or Gemm's 2-D weight."""
-    return 1 if any(a.name == "transB" and a.i for a in node.attribute) else 0
+    """The input-channel axis of a MatMul's or Gemm's 2-D weight (onnx.layers.weight_axes)."""
+    return weight_axes(node.op_type, 1, any(a.name == "transB" and a.i for a in node.attribute))[1] % 2
 
 
 def _group_count(node: onnx.NodeProto) -> int:

@@ -13,7 +13,8 @@ import onnx
 from finetune.config import FormatChoice, QuantConfig
 from finetune.formats import FormatSpec, IntSpec
 from finetune.notices import Notice, warn
-from finetune.onnx.domains import BIAS_INPUT, DEFAULT_DOMAINS, RECURRENT_OPS
+from finetune.onnx.domains import DEFAULT_DOMAINS
+from finetune.onnx.layers import BIAS_INPUT, LAYER_OPS, RECURRENT_OPS, weight_axes
 from finetune.onnx.graphs import all_graphs, all_nodes
 from finetune.onnx.normalize import default_opset, normalize_model
 from finetune.onnx.qdq import STANDARD_QDQ_OPSET, uses_standard_ops
@@ -122,20 +123,19 @@ def _input_roles(node: onnx.NodeProto, initializers: dict[str, onnx.TensorProto]
 
 
 def _axes(node: onnx.NodeProto, index: int, rank: int | None) -> tuple[int | None, int | None]:
-    """(output-channel axis, reduction axis) of a node's input, for per-channel scales and blocks."""
+    """(output-channel axis, reduction axis) of a node's input, for per-channel scales and blocks: a
+    weight's (onnx.layers.weight_axes), or an activation's channels (none for Gemm's A, read along
+    its columns or with transA its rows, nor for a recurrent layer's X, reduced along its last axis)."""
     attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-    if node.op_type == "Conv":
-        return (0, 1) if index == 1 else (1, 1)
-    if node.op_type == "ConvTranspose":
-        return (1, 0) if index == 1 else (1, 1)
-    if node.op_type == "Gemm":
-        if index == 0:
-            return (None, 0) if attrs.get("transA", 0) else (None, 1)
-        return (0, 1) if attrs.get("transB", 0) else (1, 0)
-    if node.op_type == "MatMul":
-        return (-2, -1) if index == 0 else (-1, -2)
-    if node.op_type in RECURRENT_OPS:  # X [T, B, I] or [B, T, I]; W, R [D, gates * H, I or H]
-        return (1, 2) if index in (1, 2) else (None, -1)
+    layer = LAYER_OPS.get(node.op_type)
+    if layer is not None and index in layer.weights:
+        return weight_axes(node.op_type, index, bool(attrs.get("transB", 0)))
+    if node.op_type in ("Conv", "ConvTranspose"):
+        return layer.channel_axis, layer.channel_axis
+    if node.op_type == "Gemm" and index == 0:
+        return (None, 0) if attrs.get("transA", 0) else (None, 1)
+    if node.op_type in RECURRENT_OPS:  # X [T, B, I] or [B, T, I]
+        return None, -1
     return (None, 1 if rank is None or rank > 1 else 0)
 
 

@@ -1,6 +1,7 @@
 """The device a fine-tuning run uses: cpu, cuda, cuda:N, or hip:N on ROCm builds of torch (which
 expose HIP devices through the cuda API); an unavailable device is an error naming what exists.
-On the CPU, how freed host memory is kept for reuse."""
+On the CPU, how freed host memory is kept for reuse; everywhere, the deterministic settings and the
+float32 precision a run holds while it tunes."""
 
 from __future__ import annotations
 
@@ -8,11 +9,13 @@ import contextlib
 import ctypes
 import functools
 import logging
+import os
 import platform
 import re
 from collections.abc import Iterator
 
 import torch
+from lightning.fabric.utilities.seed import seed_everything
 
 from finetune.config import DEVICE_HELP, DEVICE_PATTERN
 
@@ -84,3 +87,83 @@ def host_memory_kept(device: torch.device) -> Iterator[None]:
     finally:
         if kept:
             _glibc().malloc_trim(0)  # type: ignore[union-attr]  (kept: glibc is there)
+
+
+# Every float32-precision setting of torch's fp32_precision API, by its path under torch.backends
+# ("" the global one). Reading them never raises; reading a legacy flag (allow_tf32,
+# get_float32_matmul_precision) raises once a user mixed the two APIs, and setting one changes several.
+FLOAT32_SETTINGS = ("", "cuda.matmul", "cudnn", "cudnn.conv", "cudnn.rnn", "mkldnn", "mkldnn.matmul", "mkldnn.conv", "mkldnn.rnn")
+
+
+def _backend(path: str) -> object:
+    """The torch.backends object holding one fp32_precision setting."""
+    found: object = torch.backends
+    for name in filter(None, path.split(".")):
+        found = getattr(found, name)
+    return found
+
+
+def float32_settings() -> dict[str, str]:
+    """Every fp32_precision setting now, by path."""
+    return {path: _backend(path).fp32_precision for path in FLOAT32_SETTINGS}
+
+
+def legacy_float32_settings() -> tuple[str, bool, bool] | None:
+    """The legacy flags (matmul precision, CUDA matmul and cuDNN TF32), or None where a user's mix of
+    the two APIs makes torch refuse to read them."""
+    backends = torch.backends
+    try:
+        return torch.get_float32_matmul_precision(), backends.cuda.matmul.allow_tf32, backends.cudnn.allow_tf32
+    except RuntimeError:
+        return None
+
+
+@contextlib.contextmanager
+def float32_precision(allow_tf32: bool) -> Iterator[None]:
+    """Inside the block, float32 matrix products in full float32 on every backend (the CPU's oneDNN
+    included: a user's `medium` would have it use bfloat16), except CUDA's matrix products and cuDNN,
+    which run in TF32 where `allow_tf32`; set with the legacy setters, so the state is one both APIs
+    read (Lightning reads get_float32_matmul_precision on CUDA). Every setting comes back after, in the
+    API the user set it with: the legacy flags where they were readable, then each fp32_precision."""
+    backends = torch.backends
+    legacy, settings = legacy_float32_settings(), float32_settings()
+    torch.set_float32_matmul_precision("highest")
+    backends.cuda.matmul.allow_tf32 = backends.cudnn.allow_tf32 = allow_tf32
+    try:
+        yield
+    finally:
+        if legacy is not None:
+            backends.cuda.matmul.allow_tf32, backends.cudnn.allow_tf32 = legacy[1], legacy[2]
+            torch.set_float32_matmul_precision(legacy[0])
+        for path, value in settings.items():
+            if _backend(path).fp32_precision != value:
+                _backend(path).fp32_precision = value
+
+
+@contextlib.contextmanager
+def deterministic(seed: int, mode: bool | str, allow_tf32: bool, device: torch.device) -> Iterator[None]:
+    """Seeded, deterministic algorithms (warn_only with mode `warn`) and TF32 as `allow_tf32` says
+    inside the block, the global settings restored after. cuBLAS reads its workspace setting when it
+    starts, so it is set before any CUDA work. An op without a deterministic kernel becomes a one-line
+    error naming it and the switch, not a traceback from inside backward. Torch's NaN filling of every
+    new uninitialised tensor, which deterministic mode turns on, stays off: no kernel here reads memory
+    it did not write (tuned bytes are equal either way), so the filling only costs a pass over each."""
+    if device.type == "cuda":
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    previous = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+                torch.utils.deterministic.fill_uninitialized_memory)
+    seed_everything(seed, verbose=False)
+    torch.use_deterministic_algorithms(True, warn_only=mode == "warn")
+    torch.utils.deterministic.fill_uninitialized_memory = False
+    try:
+        with float32_precision(allow_tf32):
+            yield
+    except RuntimeError as error:
+        op, found, _ = str(error).partition(" does not have a deterministic implementation")
+        if not found:
+            raise
+        raise ValueError(f"{op.strip()} has no deterministic kernel on {device}: set fast_finetune.deterministic: warn to run "
+                         "it anyway (results may then differ from run to run), or tune on another device") from error
+    finally:
+        torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])
+        torch.utils.deterministic.fill_uninitialized_memory = previous[2]

@@ -1,9 +1,6 @@
-"""The optimiser pieces of a unit's optimisation: Adam without a per-step CUDA-graph check on the
-host, and the cosine tail that ends AdaQuant's learning rate after an early stop."""
+"""The optimiser of a unit's optimisation on the CPU: Adam without a per-step CUDA-graph check."""
 
 from __future__ import annotations
-
-import math
 
 import torch
 
@@ -16,18 +13,3 @@ class HostAdam(torch.optim.Adam):
 
     def _accelerator_graph_capture_health_check(self) -> None:
         """Nothing to check: CPU tensors are never captured in a CUDA graph."""
-
-
-class CosineTail:
-    """AdaQuant's learning rate after an early stop: a half cosine from the rate reached down to
-    zero over the tail's `steps`, as the full schedule would have ended."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer, steps: int) -> None:
-        self.optimizer, self.steps, self.done = optimizer, steps, 0
-        self.start = [group["lr"] for group in optimizer.param_groups]
-
-    def step(self) -> None:
-        """Set the rate of the next step."""
-        self.done += 1
-        for group, lr in zip(self.optimizer.param_groups, self.start):
-            group["lr"] = lr * 0.5 * (1 + math.cos(math.pi * self.done / self.steps))

@@ -9,31 +9,22 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from finetune.config import FastFinetune, default_lr
-from finetune.formats import BFPSpec, FloatSpec, FormatSpec, IntSpec, MXSpec
 from finetune.lift import LiftedModule
 
+from .methods import Algorithm
 from .units import Unit
 
-FAMILIES: dict[type, str] = {IntSpec: "int", FloatSpec: "float", BFPSpec: "bfp", MXSpec: "mx"}  # spec -> DEFAULT_LR key
 AUTO_FACTORS = (1.0, 0.1, 0.3, 3.0)  # tried on the table's rate by lr: auto; ties keep the earlier (the table's own first)
 AUTO_STEPS = 100  # steps of each try (fewer when the run's iterations are fewer)
 
 
-def weight_family(spec: FormatSpec | None) -> str | None:
-    """The DEFAULT_LR family of a weight's format (None: the weight is not quantized)."""
-    return None if spec is None else FAMILIES[type(spec)]
-
-
-def unit_lr(config: FastFinetune, unit: Unit, module: LiftedModule, factor: float = 1.0) -> float:
-    """The learning rate of `unit`: the config's number, or `factor` times the lowest default of its
-    layers' weight formats (the layers of a block may differ; AdaRound reads its rounded weights only)."""
-    if isinstance(config.lr, float):
-        return config.lr
+def unit_lr(lr: float | str | None, algorithm: Algorithm, unit: Unit, module: LiftedModule, factor: float = 1.0) -> float:
+    """The learning rate of `unit`: the config's number (`lr`), or `factor` times the algorithm's
+    default for its layers' weight formats (the layers of a block may differ)."""
+    if isinstance(lr, float):
+        return lr
     specs = [module.get_submodule(layer.weight_quantizer).spec if layer.weight_quantizer else None for layer in unit.layers]
-    if config.algorithm == "adaround":
-        specs = [spec for spec in specs if spec is not None]
-    return factor * min(default_lr(config.algorithm, weight_family(spec)) for spec in specs)
+    return factor * algorithm.default_lr(specs)
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
-"""The fine-tuning report: per-unit numbers as JSON and a PNG of each unit's reconstruction loss
-before and after, and the warnings a run collects for it."""
+"""The fine-tuning report: per-unit numbers as JSON, a PNG of each unit's reconstruction loss
+before and after, and the few lines the command line prints."""
 
 from __future__ import annotations
 
@@ -9,21 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from finetune.files import write_atomic, write_text_atomic
-from finetune.notices import Notice, Subject, warn
 
 logger = logging.getLogger(__name__)
-
-
-class Warnings(list[dict[str, str]]):
-    """What a run left out, kept back or undid: each logged at WARNING and kept as an entry
-    {"unit": name, "reason": why} of the report's "warnings" list, so nothing degrades unseen."""
-
-    def add(self, unit: str, reason: str, subject: Subject = "unit") -> None:
-        """Log one warning about a unit (or a layer; or another subject: a config key, the model)
-        and keep it for the report, as the quantizer's summary keeps its notices."""
-        notice = Notice(subject, unit, reason)
-        warn(logger, None, [notice])
-        self.append(notice.as_dict())
 
 
 def write_report(report: dict[str, Any], output_dir: Path, name: str) -> tuple[Path, Path]:

@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from lightning.fabric import Fabric
@@ -32,30 +32,56 @@ from torch import fx, nn
 
 from finetune.config import FastFinetune
 from finetune.lift import LiftedModule
-from finetune.onnx.domains import RECURRENT_OPS
+from finetune.lift.fake_quant import quantizers_disabled
+from finetune.onnx.layers import LAYER_OPS, RECURRENT_OPS
 
-from .cache import CachedValue
-from .parallel import sum_across
-from .sides import UnitInputs
-from .stream import quantizers_disabled
-from .units import Layer, Unit
-
-if TYPE_CHECKING:
-    from .loop import Loss
-
-# The axis of a layer's output that its bias runs along (Conv-like: NCHW; Gemm and MatMul: the last).
-CHANNEL_AXIS = {"Conv": 1, "ConvTranspose": 1, "Gemm": -1, "MatMul": -1}
+from ..data.cache import CachedValue
+from ..data.losses import Loss
+from ..data.rows import UnitInputs
+from ..data.shards import sum_across
+from ..units import Layer, Unit
+from .base import Algorithm, Method, UnitWork
 
 
-def corrects_bias(config: FastFinetune) -> bool:
-    """Whether the run corrects biases. `auto`: on for the correction alone (iterations 0), AdaRound and
-    GPTQ, off for AdaQuant. Measured on both digits models over eight presets (docs/fine-tuning.md, Bias
-    correction): alone, it lowered the held-out logit error against float in all sixteen cases; with
-    AdaRound (INT) too; after AdaQuant, which moves the weights freely, it was worse on BFP16, MX4 and
-    MX6 and MX4 lost accuracy on both models. GPTQ rounds in one pass, as the correction alone starts."""
-    if config.bias_correction == "auto":
-        return config.algorithm != "adaquant" or config.iterations == 0
-    return bool(config.bias_correction)
+
+class BiasCorrection(Method):
+    """bias_correction as a method: the float means taken before any weight of a unit moves, the
+    correction made before the optimisation (after GPTQ's start, when there is one) and again after it."""
+
+    @classmethod
+    def applies(cls, config: FastFinetune, algorithm: Algorithm) -> bool:
+        """Whether the run corrects biases. `auto`: on for the correction alone (iterations 0) and with
+        the algorithms that say so (Algorithm.corrects_bias: AdaRound and GPTQ, not AdaQuant). Measured on
+        both digits models over eight presets (docs/fine-tuning.md, Bias correction): alone, it lowered
+        the held-out logit error against float in all sixteen cases; with AdaRound (INT) too; after
+        AdaQuant, which moves the weights freely, it was worse on BFP16, MX4 and MX6 and MX4 lost accuracy
+        on both models. GPTQ rounds in one pass, as the correction alone starts."""
+        if config.bias_correction == "auto":
+            return algorithm.corrects_bias or config.iterations == 0
+        return bool(config.bias_correction)
+
+    def begin(self, work: UnitWork) -> None:
+        """The unit's corrector, with its float means taken now (the float biases behind int32 codes from
+        the float model's values). The layers it leaves out are in the unit's report; asked for
+        explicitly (true), each is a warning too (`auto` corrects where a bias is)."""
+        unit, data = work.unit, work.data
+        floats = {layer.bias: work.starts[layer.bias] for layer in unit.layers if layer.bias in work.starts}
+        self.corrector = BiasCorrector(unit, work.module, data.train, data.inputs, data.float_inputs, work.fabric, work.held,
+                                       floats)
+        for layer in self.corrector.skipped if self.config.bias_correction is True else ():
+            work.warnings.add(layer["layer"], f"bias not corrected: {layer['reason']}")
+
+    def start(self, work: UnitWork) -> bool:
+        """Correct before the optimisation (measuring afresh where the weights moved since `before`)."""
+        self.corrector.correct("start", work.measure, None if work.moved else work.before)
+        return self.corrector.record.get("start", {}).get("status") == "kept"
+
+    def end(self, work: UnitWork, loss: Loss) -> Loss:
+        """Correct again after an optimisation (none ran: the loss stays)."""
+        return self.corrector.correct("final", work.measure, loss) if work.optimising else loss
+
+    def record(self) -> dict[str, Any]:
+        return {"bias_correction": self.corrector.record}
 
 
 @dataclass(frozen=True)
@@ -194,7 +220,7 @@ def _targets(module: LiftedModule, unit: Unit) -> tuple[list[_Target], list[dict
         if reason is None:
             node = nodes[layer.name]
             output = next(iter(node.users)).target if layer.op_type == "MatMul" else layer.name
-            targets.append(_Target(layer, str(output), CHANNEL_AXIS[layer.op_type]))
+            targets.append(_Target(layer, str(output), LAYER_OPS[layer.op_type].channel_axis))
         elif layer.op_type not in RECURRENT_OPS or layer.weight_index == 1:  # an LSTM/GRU's R shares W's reason
             skipped.append({"layer": layer.name, "reason": reason})
     return targets, skipped

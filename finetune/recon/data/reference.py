@@ -11,10 +11,11 @@ import onnx
 import torch
 
 from finetune.lift import LiftedModule, lift_model
-from finetune.onnx.domains import BIAS_INPUT
+from finetune.lift.graph import constant_nodes, parameter_behind
+from finetune.notices import Warnings
+from finetune.onnx.layers import BIAS_INPUT
 
-from .report import Warnings
-from .units import Layer, Unit, constant_nodes, parameter_behind
+from ..units import Layer, Unit
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -14,28 +14,12 @@ import torch
 from torch import fx, nn
 from torch.utils.hooks import RemovableHandle
 
-from finetune.lift import FakeQuantize, LiftedModule
+from finetune.lift import LiftedModule
+from finetune.lift.fake_quant import quantizers_disabled
+from finetune.lift.graph import Segment, cut_before
 
+from ..units import Plan, Unit
 from .cache import ActivationCache, CachedValue
-from .partition import Plan, Segment, cut_before
-from .units import Unit
-
-
-@contextlib.contextmanager
-def quantizers_disabled(module: nn.Module, keep_ranges: bool = True) -> Iterator[None]:
-    """Every fake quantizer of `module` off inside the block, as it was after: the float reference a
-    quantized model gives of itself. With `keep_ranges` integer activation quantizers still clamp to
-    their range (FakeQuantize.keep_range: the Relu/Clip a quantizer stands in for); without, every
-    quantizer is the identity (the float work of a step, for profiling)."""
-    quantizers = [m for m in module.modules() if isinstance(m, FakeQuantize)]
-    states = [(q.enabled, q.keep_range) for q in quantizers]
-    for quantizer in quantizers:
-        quantizer.enabled, quantizer.keep_range = False, keep_ranges
-    try:
-        yield
-    finally:
-        for quantizer, (enabled, keep_range) in zip(quantizers, states):
-            quantizer.enabled, quantizer.keep_range = enabled, keep_range
 
 
 def float_input_key(unit: Unit) -> str:

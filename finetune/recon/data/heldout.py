@@ -18,12 +18,12 @@ from torch import nn
 
 from finetune.config import FastFinetune
 from finetune.lift import LiftedModule
+from finetune.lift.fake_quant import quantizers_disabled
+from finetune.notices import Warnings
 
+from ..units import Unit, parameters_of, tuned_tensor
 from .cache import ActivationCache, CachedValue
-from .parallel import sum_across
-from .report import Warnings
-from .stream import quantizers_disabled
-from .units import Unit, parameters_of, tuned_tensor
+from .shards import sum_across
 
 
 def held_out_batches(batches: int, share: float, seed: int) -> frozenset[int]:

@@ -30,9 +30,12 @@ from finetune.formats import IntSpec, int_quantize_dequantize
 from finetune.formats.bits import compute_in_float32, pow2, round_half_even
 from finetune.formats.blocks import broadcast_param
 from finetune.lift import FakeQuantize, LiftedModule
+from finetune.lift.graph import constant_nodes
+from finetune.notices import Warnings
 
-from .report import Warnings
-from .units import Layer, Unit, constant_nodes
+from ..data.batches import Batches
+from ..units import Layer, Unit
+from .base import Algorithm, Method, Part, UnitWork
 
 # What each learn_scales value learns.
 LEARNS = {"weights": ("weight",), "activations": ("activation",), "all": ("weight", "activation")}
@@ -223,12 +226,10 @@ def _input_quantizer(module: LiftedModule, layer: Layer) -> str | None:
     return arg.target if isinstance(found, FakeQuantize) and isinstance(found.spec, IntSpec) else None
 
 
-def with_learned_scales(module: LiftedModule, units: list[Unit], config: FastFinetune, warnings: Warnings) -> list[Unit]:
-    """The units with the quantizer buffers they learn (none unless learn_scales); a quantizer whose
-    scale cannot be learned is a warning, and a model with none at all an error."""
-    if not config.learn_scales:
-        return units
-    learns = LEARNS[config.learn_scales]
+def with_learned_scales(module: LiftedModule, units: list[Unit], learn_scales: str, warnings: Warnings) -> list[Unit]:
+    """The units with the quantizer buffers they learn; a quantizer whose scale cannot be learned is a
+    warning, and a model with none at all an error."""
+    learns = LEARNS[learn_scales]
     result = []
     for unit in units:
         learning, skipped = unit_learning(module, unit, learns, units)
@@ -236,25 +237,47 @@ def with_learned_scales(module: LiftedModule, units: list[Unit], config: FastFin
             warnings.add(where, f"learn_scales: {why}")
         result.append(replace(unit, scales=learning.buffers(module)))
     if not any(unit.scales for unit in result):
-        raise ValueError(f"fast_finetune.learn_scales: {config.learn_scales}: no unit has an INT {' or '.join(learns)} "
+        raise ValueError(f"fast_finetune.adaquant.learn_scales: {learn_scales}: no unit has an INT {' or '.join(learns)} "
                          "quantizer, so there is no scale to learn (BFP, MX and float formats have none; a layer unit's "
                          "input quantizer lies outside it: use unit: block or include_output_quant) or set learn_scales: false")
     return result
 
 
-class LearnedScales:
+class ScaleLearning(Method):
+    """learn_scales as a method: the units learn their quantizers' scales beside AdaQuant's weights."""
+
+    @classmethod
+    def applies(cls, config: FastFinetune, algorithm: Algorithm) -> bool:
+        return bool(config.adaquant.learn_scales)
+
+    def prepare(self, module: LiftedModule, units: list[Unit], warnings: Warnings) -> list[Unit]:
+        """The units with the buffers they learn, and those buffers' values before tuning (for the report)."""
+        units = with_learned_scales(module, units, self.config.adaquant.learn_scales, warnings)
+        self.untuned = scale_snapshot(module, units)
+        return units
+
+    def part(self, work: UnitWork, batches: Batches, iterations: int) -> LearnedScales:
+        return LearnedScales(work, self.config.adaquant.learn_scales, self.config.adaquant.scale_lr)
+
+    def report(self, module: LiftedModule, units: list[Unit]) -> dict[str, Any]:
+        """Per unit and learned scale: new over old (the report's `learned_scales`)."""
+        return {"learned_scales": scale_changes(module, units, self.untuned, self.config.adaquant.learn_scales)}
+
+
+class LearnedScales(Part):
     """While entered, the unit's learned quantizers (and the int32 bias quantizers tied to them)
     quantize with the learned scales; on exit the learned values are written into their buffers.
     `groups` are the optimizer's parameter groups (none when the unit learns no scale)."""
 
-    def __init__(self, unit: Unit, module: LiftedModule, config: FastFinetune, units: list[Unit], warnings: Warnings) -> None:
-        self.module, self.warnings = module, warnings
-        learns = LEARNS[config.learn_scales] if config.learn_scales and unit.scales else ()
-        self.learning = unit_learning(module, unit, learns, units)[0]
+    def __init__(self, work: UnitWork, learn_scales: str, scale_lr: float) -> None:
+        super().__init__()
+        unit, module = work.unit, work.module
+        self.module, self.warnings = module, work.warnings
+        self.learning = unit_learning(module, unit, LEARNS[learn_scales] if unit.scales else (), work.units)[0]
         self.scales = {name: LearnedScale(self._quantizer(name), self._elements(name, kind))
                        for name, kind in self.learning.kinds.items()}
         parameters = [p for scale in self.scales.values() for p in scale.parameters()]
-        self.groups = [{"params": parameters, "lr": config.scale_lr}] if parameters else []
+        self.groups = [{"params": parameters, "lr": scale_lr}] if parameters else []
 
     def __enter__(self) -> Self:
         for name, scale in self.scales.items():
@@ -323,13 +346,13 @@ def scale_snapshot(module: LiftedModule, units: list[Unit]) -> dict[str, torch.T
     return {name: module.get_buffer(name).detach().clone() for unit in units for name in unit.scales}
 
 
-def scale_changes(module: LiftedModule, units: list[Unit], before: dict[str, torch.Tensor], config: FastFinetune
+def scale_changes(module: LiftedModule, units: list[Unit], before: dict[str, torch.Tensor], learn_scales: str
                   ) -> list[dict[str, Any]]:
     """Per unit and learned scale: new / old over its channels or blocks (min, mean, max), how many
     zero points moved, and whether int32 biases followed (the report's `learned_scales`)."""
     rows = []
     for unit in units:
-        learning = unit_learning(module, unit, LEARNS[config.learn_scales] if unit.scales else (), units)[0]
+        learning = unit_learning(module, unit, LEARNS[learn_scales] if unit.scales else (), units)[0]
         for name, kind in learning.kinds.items():
             key = f"{name}.scale"
             ratio = (module.get_buffer(key).detach().double() / before[key].double()).cpu()

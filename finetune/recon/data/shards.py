@@ -1,6 +1,5 @@
-"""Data-parallel tuning through Lightning Fabric: the Fabric of a run (one device, or `devices`
-processes launched by a DDP strategy), which calibration batches each process holds, the
-training rows of a unit over all processes, and the sums every process must agree on.
+"""Each process's share of a data-parallel run: which calibration batches it holds, the training
+rows of a unit over all processes, and the sums every process must agree on.
 
 Each process holds the calibration batches c with c % world == rank and computes both streams
 over them alone. Every process draws the same global batch of row numbers from the same seeded
@@ -20,19 +19,7 @@ import numpy as np
 import torch
 from lightning.fabric import Fabric
 
-from finetune.config import FastFinetune
-
 from .cache import CachedValue
-
-
-def make_fabric(config: FastFinetune, device: torch.device, callbacks: Sequence[Any]) -> Fabric:
-    """The Fabric that runs the units: on `device` alone, or on config.devices devices of its kind
-    (cuda:0..N-1, or N CPU processes with gloo) on each of config.nodes machines, through config.strategy."""
-    placement: dict[str, Any] = {"devices": config.devices, "num_nodes": config.nodes, "strategy": config.strategy}
-    if config.processes == 1:
-        placement = {"devices": 1 if device.type == "cpu" else [device.index or 0]}
-    return Fabric(accelerator="cpu" if device.type == "cpu" else "cuda", precision="32-true", callbacks=list(callbacks),
-                  **placement)
 
 
 def sum_across(fabric: Fabric, values: Sequence[float]) -> list[float]:

@@ -1,12 +1,10 @@
-"""Side inputs of a unit: computed values it reads besides its main input (the one QDrop mixes and
-whose rows are the training rows), such as an LSTM's initial states, an If's condition or a Loop's
-trip count. A training batch takes the same rows of each side input along that input's own batch
-axis (an initial state [D, B, H]: axis 1), and a side input without one that is the same in every
-calibration batch (a sample rate, a trip count) is passed as it is; side inputs take the quantized
-model's values, unmixed. Also the outputs of a unit whose node returns several, each measured: an
-If's probability and the state it hands to the next call, an LSTM's Y and final states (measured
-on the probability alone, silero v5 tuned at MX6 carried a state that drifted over a stream, and
-its mean distance from the float model went from 0.077 to 0.542)."""
+"""A unit's values viewed rows first, as its training batches take them. A training batch takes the
+same rows of each side input along that input's own batch axis (an initial state [D, B, H]: axis 1),
+and a side input without one that is the same in every calibration batch (a sample rate, a trip
+count) is passed as it is; side inputs take the quantized model's values, unmixed. A unit with
+several outputs is measured on each, joined into one target (measured on the probability alone,
+silero v5 tuned at MX6 carried a state that drifted over a stream, and its mean distance from the
+float model went from 0.077 to 0.542)."""
 
 from __future__ import annotations
 
@@ -17,50 +15,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from lightning.fabric import Fabric
-from torch import fx, nn
+from torch import nn
 
+from ..units.sides import SideInput
 from .cache import CachedValue
-from .parallel import sum_across
-
-# The inputs of an LSTM or GRU after its bias (torch argument names of the lifted module), and the
-# axis of each holding the batch in layout 0 and in layout 1; None: it has no batch (peepholes).
-RECURRENT_SIDES = {"sequence_lens": (0, 0), "initial_h": (1, 0), "initial_c": (1, 0), "p": (None, None)}
-
-
-@dataclass(frozen=True)
-class SideInput:
-    """A computed value a unit reads besides its main input, by fx name, with the axis holding its
-    rows where the op defines it (None: found from the values when tuning)."""
-
-    name: str
-    axis: int | None = None
-
-
-def recurrent_sides(node: fx.Node, first_side: int, layout: int, constant: set[fx.Node]) -> tuple[list[SideInput], list[str]]:
-    """The computed inputs of an LSTM or GRU node from argument `first_side` on (positional or by
-    keyword) as side inputs with their batch axes, and the names of those without a batch axis."""
-    named = {**dict(zip(RECURRENT_SIDES, node.args[first_side:])), **node.kwargs}
-    sides, unbatched = [], []
-    for name, value in named.items():
-        if isinstance(value, fx.Node) and value not in constant:
-            axis = RECURRENT_SIDES.get(name, (None, None))[layout]
-            if axis is None:
-                unbatched.append(value.name)
-            else:
-                sides.append(SideInput(value.name, axis))
-    return sides, unbatched
-
-
-def measured_outputs(node: fx.Node) -> tuple[list[fx.Node], list[fx.Node], tuple[int, ...]]:
-    """(the getitems taking apart the outputs of a node with several, the values a unit ending at
-    the node is measured on, which of its outputs those are): each output read, in the node's
-    order, or the node itself (and no numbers)."""
-    items = [user for user in node.users if user.op == "call_function" and len(user.args) == 2 and user.args[0] is node]
-    items.sort(key=lambda item: item.args[1])
-    return (items, items, tuple(item.args[1] for item in items)) if items else ([], [node], ())
-
-
-# --- while tuning -----------------------------------------------------------------------------------
+from .shards import sum_across
 
 
 @dataclass(frozen=True)

@@ -16,9 +16,11 @@ import torch
 from lightning.fabric import Fabric
 from torch import nn
 
+from finetune.config import STEP_GROUP
+
 from .cache import CachedValue
-from .parallel import sum_across
-from .sides import UnitInputs
+from .rows import UnitInputs
+from .shards import sum_across
 
 # A held-out evaluation's cost per row over a training step's cost per row of its batch (forward,
 # backward and Adam), rounded up from the digits CNN on a shared 2-core CPU (MX4 AdaQuant 0.25,
@@ -26,19 +28,19 @@ from .sides import UnitInputs
 # steps took 5.0 % and 3.9 % of the tuning time).
 EVAL_COST = 0.3
 OVERHEAD = 0.1  # the share of a unit's tuning time its held-out evaluations may take
-MIN_EVERY = 10  # steps between evaluations at least, a multiple of loop.READ_EVERY (an evaluation reads the host)
 
 
 def evaluation_interval(held_rows: int, batch_size: int) -> int:
     """Steps between held-out evaluations: enough that they cost about OVERHEAD of the steps
-    (EVAL_COST * held_rows per evaluation against batch_size per step), in multiples of MIN_EVERY.
+    (EVAL_COST * held_rows per evaluation against batch_size per step), in multiples of STEP_GROUP (each
+    evaluation reads the host, as a group of steps' losses does).
     Row counts, not timings, decide it, so every process and every rerun evaluates at the same steps."""
     steps = math.ceil(EVAL_COST * held_rows / (OVERHEAD * batch_size))
-    return MIN_EVERY * max(1, math.ceil(steps / MIN_EVERY))
+    return STEP_GROUP * max(1, math.ceil(steps / STEP_GROUP))
 
 
 def held_out_loss(train: nn.Module, inputs: UnitInputs, targets: CachedValue, fabric: Fabric, held: frozenset[int]) -> float:
-    """The unit's MSE on the held-out chunks of every process: the float64 sums of loop.evaluate in
+    """The unit's MSE on the held-out chunks of every process: the float64 sums of evaluate in
     its order, so for the same weights it is the held-out loss evaluate reports, bit for bit."""
     error = torch.zeros((), dtype=torch.float64, device=fabric.device)
     count = 0
@@ -88,6 +90,17 @@ def evaluate(train: nn.Module, inputs: UnitInputs, targets: CachedValue, fabric:
     error, power, held_error, held_power, count, held_count = sum_across(fabric, [*sums.reshape(-1).tolist(), *counts])
     return Loss(error / max(count, 1), held_error / held_count if held_count else None,
                 max((power + held_power) / (count + held_count), 1e-30))
+
+
+def kept_or_reverted(before: Loss, after: Loss) -> tuple[str, Loss]:
+    """A tuned unit's status and the loss it ends with: reverted to `before` where its tuned loss is not
+    finite, or where its judged loss (held-out, where batches are held out) rose; kept otherwise (an
+    equal loss keeps the tuned weights)."""
+    if not after.finite:
+        return f"reverted: the tuned loss is {after.training}", before
+    if after.judged > before.judged:
+        return "reverted", before
+    return "kept", after
 
 
 class BestPoint:

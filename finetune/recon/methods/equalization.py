@@ -21,8 +21,13 @@ from torch.utils.hooks import RemovableHandle
 from finetune.config import FastFinetune
 from finetune.lift import FakeQuantize, LiftedModule
 from finetune.lift.kinds import is_add, layer_kind
+from finetune.onnx.layers import weight_axes
 
-from .units import Layer, Unit
+from finetune.notices import Warnings
+
+from ..data.batches import Batches
+from ..units import Layer, Unit
+from .base import Algorithm, Method, Part, UnitWork
 
 # Ops through which a positive per-channel scale passes unchanged: f(x / s) = f(x) / s.
 HOMOGENEOUS = (nn.ReLU, nn.LeakyReLU, nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.Identity, nn.Dropout)
@@ -41,19 +46,19 @@ class Pair:
     bias_reader: tuple[str, int] | None
 
 
-def weight_axes(module: LiftedModule, layer: Layer) -> tuple[int, int] | None:
-    """(axis of output channels, axis of input channels) of the layer's weight; None where a
-    per-channel scale cannot move through it (grouped Conv, transposed Gemm input, other layers)."""
+def channel_axes(module: LiftedModule, layer: Layer) -> tuple[int, int] | None:
+    """(axis of output channels, axis of input channels) of the layer's weight (onnx.layers.weight_axes);
+    None where a per-channel scale cannot move through it (grouped Conv, transposed Gemm input, a
+    MatMul weight that is not a 2-D second operand, other layers)."""
     layer_module = module.get_submodule(layer.name)
     kind = layer_kind(layer_module)
     rank = module.get_parameter(layer.weight).dim()
-    if kind == "Conv" and layer_module.groups == 1:
-        return 0, 1
-    if kind == "Gemm" and not layer_module.trans_a:
-        return (0, 1) if layer_module.trans_b else (1, 0)
-    if kind == "MatMul" and rank == 2 and layer.weight_index == 1:
-        return 1, 0
-    return None
+    movable = ((kind == "Conv" and layer_module.groups == 1) or (kind == "Gemm" and not layer_module.trans_a)
+               or (kind == "MatMul" and rank == 2 and layer.weight_index == 1))
+    if not movable:
+        return None
+    out_axis, in_axis = weight_axes(kind, layer.weight_index, kind == "Gemm" and bool(layer_module.trans_b))
+    return out_axis % rank, in_axis % rank
 
 
 def pairs_of(module: LiftedModule, unit: Unit) -> list[Pair]:
@@ -66,7 +71,7 @@ def pairs_of(module: LiftedModule, unit: Unit) -> list[Pair]:
         if found is None or producer.weight_quantizer is None or found[0].weight_quantizer is None:
             continue
         consumer, bias_reader = found
-        out_axes, in_axes = weight_axes(module, producer), weight_axes(module, consumer)
+        out_axes, in_axes = channel_axes(module, producer), channel_axes(module, consumer)
         if out_axes is None or in_axes is None or (producer.bias is not None and bias_reader is None):
             continue
         channels = module.get_parameter(producer.weight).shape[out_axes[0]]
@@ -106,26 +111,47 @@ def _bias_argument(node: fx.Node, producer: Layer) -> tuple[str, int] | None:
     return None
 
 
-def check_pairs(module: LiftedModule, units: list[Unit], config: FastFinetune) -> None:
-    """Refuse learn_equalization where no unit holds a pair: the option would change nothing."""
-    if config.learn_equalization and not any(pairs_of(module, unit) for unit in units):
-        raise ValueError("fast_finetune.learn_equalization: no unit holds two layers joined only by ReLU, LeakyReLU, max "
-                         "pooling or activation quantizers (ReLU6, SiLU, hard-swish and reshapes do not commute with a "
-                         "per-channel scale; layer units hold one layer: use unit: block), so there is nothing to learn: "
-                         "set learn_equalization: false")
+class EqualizationLearning(Method):
+    """learn_equalization as a method: the scales between each unit's layer pairs learned beside
+    AdaQuant's weights, each unit's ratios in its report row."""
+
+    @classmethod
+    def applies(cls, config: FastFinetune, algorithm: Algorithm) -> bool:
+        return config.adaquant.learn_equalization
+
+    def prepare(self, module: LiftedModule, units: list[Unit], warnings: Warnings) -> list[Unit]:
+        """Refuse the option where no unit holds a pair: it would change nothing."""
+        if not any(pairs_of(module, unit) for unit in units):
+            raise ValueError("fast_finetune.adaquant.learn_equalization: no unit holds two layers joined only by ReLU, "
+                             "LeakyReLU, max pooling or activation quantizers (ReLU6, SiLU, hard-swish and reshapes do not "
+                             "commute with a per-channel scale; layer units hold one layer: use unit: block), so there is "
+                             "nothing to learn: set learn_equalization: false")
+        return units
+
+    def begin(self, work: UnitWork) -> None:
+        self.last: LearnedPrescales | None = None
+
+    def part(self, work: UnitWork, batches: Batches, iterations: int) -> LearnedPrescales:
+        self.last = LearnedPrescales(work.unit, work.module, self.config.adaquant.scale_lr)
+        return self.last
+
+    def record(self) -> dict[str, Any]:
+        """Each layer pair's learned scales (the last optimisation's)."""
+        return {"equalization": (self.last.ratios or None) if self.last is not None else None}
 
 
-class LearnedPrescales:
+class LearnedPrescales(Part):
     """While entered, each pair's weights and producer bias are read through its learned scales
     (forward pre-hooks); on exit the scales are folded into them and the hooks removed. `groups`
     are the optimizer's parameter groups (none when the unit has no pair or the option is off)."""
 
-    def __init__(self, unit: Unit, module: LiftedModule, config: FastFinetune) -> None:
+    def __init__(self, unit: Unit, module: LiftedModule, scale_lr: float) -> None:
+        super().__init__()
         self.module = module
-        self.pairs = pairs_of(module, unit) if config.learn_equalization else []
+        self.pairs = pairs_of(module, unit)
         self.logs = [nn.Parameter(torch.zeros(module.get_parameter(p.producer.weight).shape[p.out_axis],
                                               device=module.get_parameter(p.producer.weight).device)) for p in self.pairs]
-        self.groups = [{"params": self.logs, "lr": config.scale_lr}] if self.logs else []
+        self.groups = [{"params": self.logs, "lr": scale_lr}] if self.logs else []
         self.hooks: list[RemovableHandle] = []
         self.ratios: list[dict[str, Any]] = []
 

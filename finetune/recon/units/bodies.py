@@ -4,7 +4,7 @@ that take the branch, so their inputs cannot be captured a layer at a time the w
 graph's are. The unit reaches back from the node to the nearest value all its inputs come from
 (the value its condition is computed from, say), and layer units of the main graph inside that
 span join it; where there is none (a model input for the data, another for the sample rate or
-the trip count), the node alone is the unit, with side inputs (see sides). A unit trains on
+the trip count), the node alone is the unit, with side inputs (units.sides). A unit trains on
 batches of cached rows, so a condition computed from the data sees a training batch as a whole:
 with such a condition, give batches of the size the model runs at (batch_size 1 for a model run
 one row at a time)."""
@@ -17,11 +17,13 @@ from typing import Any
 from torch import fx, nn
 
 from finetune.lift import LiftedModule
+from finetune.lift.graph import constant_nodes
 from finetune.lift.ops.control import If, Loop
+from finetune.notices import Warnings
 
-from .report import Warnings
+from .layers import layer_units
 from .sides import SideInput, measured_outputs
-from .units import Layer, Unit, find_units
+from .unit import Layer, Unit
 
 CONTROL_ARGUMENTS = {If: 1, Loop: 2}  # the leading arguments that steer the node: If's condition, Loop's trip count and condition
 
@@ -111,7 +113,9 @@ def _body_layers(module: LiftedModule, path: str, body: LiftedModule, op_types: 
     """The layers of a body (and of the bodies inside it), named from the root; a layer whose
     weight another graph of the model reads too is left out with a warning."""
     layers = []
-    for unit in find_units(body, op_types, include_output_quant, "layer", warnings):
+    units = with_bodies(body, layer_units(body, op_types, include_output_quant, warnings), constant_nodes(body.graph),
+                        op_types, include_output_quant, warnings)
+    for unit in units:
         for layer in unit.layers:
             qualified = _qualified(layer, path)
             source = module.finetune_params.get(qualified.weight)

@@ -13,8 +13,11 @@ from torch import nn
 
 from finetune.formats import IntSpec, broadcast_param
 from finetune.lift import FakeQuantize, LiftedModule
+from finetune.notices import Warnings
 
-from .units import Unit
+from ..data.batches import Batches
+from ..units import Unit
+from .base import Algorithm, AlgorithmPart, UnitWork
 
 ZETA = 1.1
 GAMMA = -0.1
@@ -118,6 +121,85 @@ class Annealing:
         annealing = max(tail, round(step * (1 - WARMUP_FRACTION) / WARMUP_FRACTION))
         self.start, self.end = step, min(self.end, step + annealing)
         return self.end
+
+
+class AdaRound(Algorithm):
+    """AdaRound as the run's algorithm: each quantized weight's rounding is learned (SoftRounding), its
+    regulariser annealed, and the roundings hardened when the unit ends; held-out evaluations see them
+    hard, as the unit will end; an early stop starts the annealing early (Annealing.finish_from).
+    `iterations: 0` runs bias correction alone."""
+
+    name = "adaround"
+    rounds = True
+    trains_unquantized = False  # AdaRound reads its rounded weights only
+    gptq_start = "compensated"  # it chooses between the two codes around its starting weights
+
+    def prepare(self, module: LiftedModule, units: list[Unit], warnings: Warnings) -> list[Unit]:
+        """Every weight it rounds must be INT (checked only where it will round: iterations > 0)."""
+        if self.config.iterations:
+            check_int_weights(module, units)
+        return units
+
+    def skip_reason(self, unit: Unit, module: LiftedModule) -> str | None:
+        """Nothing to round in the unit (None where only bias correction runs: iterations 0)."""
+        return None if self.config.iterations == 0 else super().skip_reason(unit, module)
+
+    def part(self, work: UnitWork, batches: Batches, iterations: int) -> RoundingPart:
+        return RoundingPart(work, iterations)
+
+
+class RoundingPart(AlgorithmPart):
+    """AdaRound's share of a unit's optimisation: the soft roundings' V trained, every weight and
+    bias of the unit frozen meanwhile."""
+
+    def __init__(self, work: UnitWork, iterations: int) -> None:
+        super().__init__()
+        module, unit = work.module, work.unit
+        weights = [module.get_parameter(layer.weight) for layer in unit.layers]
+        self.roundings = [(SoftRounding(module.get_submodule(layer.weight_quantizer), weight).to(weight.device), weight)
+                          for layer, weight in zip(unit.layers, weights) if layer.weight_quantizer]
+        self.groups = [{"params": [rounding.v for rounding, _ in self.roundings]}]
+        self.frozen = [*weights, *(module.get_parameter(layer.bias) for layer in unit.layers if layer.bias)]
+        self.annealing = Annealing(iterations)
+        self.elements = sum(rounding.v.numel() for rounding, _ in self.roundings)
+
+    def __enter__(self) -> Self:
+        for parameter in self.frozen:
+            parameter.requires_grad_(False)
+        for rounding, _ in self.roundings:
+            rounding.__enter__()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        for rounding, _ in self.roundings:
+            rounding.__exit__()
+        for parameter in self.frozen:
+            parameter.requires_grad_(True)
+
+    def penalty(self, step: int) -> torch.Tensor | None:
+        """The regulariser at its annealed exponent, averaged over every rounded element (None in warm-up)."""
+        exponent = self.annealing.exponent(step)
+        if exponent is None:
+            return None
+        regularizer = sum(r.regularizer(exponent) * (r.v.numel() / self.elements) for r, _ in self.roundings)
+        return REG_WEIGHT * regularizer
+
+    @contextlib.contextmanager
+    def evaluating(self) -> Iterator[None]:
+        """Held-out evaluations see the roundings hard, as the unit will end."""
+        with contextlib.ExitStack() as hard:
+            for rounding, _ in self.roundings:
+                hard.enter_context(rounding.hard())
+            yield
+
+    def harden(self) -> None:
+        """Each weight becomes its hardened codes times the scale."""
+        for rounding, weight in self.roundings:
+            weight.data.copy_(rounding.hardened(weight))
+
+    def stop_at(self, step: int, tail: int, iterations: int) -> int:
+        """Stopped with a tail, the annealing finishes the roundings (Annealing.finish_from)."""
+        return self.annealing.finish_from(step, tail) if tail else super().stop_at(step, tail, iterations)
 
 
 def check_int_weights(module: LiftedModule, units: list[Unit]) -> None:

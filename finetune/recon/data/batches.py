@@ -1,29 +1,39 @@
-"""QDrop (Wei et al., 2022) for the unit optimisation: training inputs mixed per element from the
-quantized and the float inputs, and inside a block each activation quantizer passing its float
-value for some elements; both seeded by the unit index, so reruns repeat. A data-parallel process
-draws the bytes one process draws for the whole batch and keeps those of its own rows, so N
+"""A unit's training batches: rows drawn without replacement, reproducibly from the seed and the
+unit index, with QDrop's (Wei et al., 2022) mixing of the main input per element from the quantized
+and the float inputs (the mixing inside a block is recon.methods.qdrop's). A data-parallel process
+draws the global batch and the bytes one process draws and keeps those of its own rows, so N
 processes train on the one-process mixture."""
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
-from lightning.fabric import Fabric
 
 from finetune.config import FastFinetune
-from finetune.lift import FakeQuantize
 
 from .cache import CachedValue, SpilledArray
-from .parallel import Rows, sum_across
-from .sides import RowsFirst, UnitInputs
-from .units import constant_nodes
+from .rows import UnitInputs
+from .shards import Rows
 
 CPU = torch.device("cpu")
+
+
+@dataclass(frozen=True)
+class Draw:
+    """How a run draws its training batches: rows per batch, the seed, and QDrop's share of the main
+    input taken from the quantized model (1: no mixing)."""
+
+    batch_size: int
+    seed: int
+    drop_ratio: float
+
+    @classmethod
+    def of(cls, config: FastFinetune) -> Draw:
+        """The fast_finetune section's draw."""
+        return cls(config.batch_size, config.seed, config.drop_ratio)
 
 
 class Batches:
@@ -35,21 +45,21 @@ class Batches:
     sequence-first, (tokens, batch, ...), has a smaller second axis in a last, partial batch, and
     its rows cannot join the others (they still count in the loss before and after); `left_out`
     counts them. Over several processes every one draws the same global batch and the same mixing
-    bytes, and keeps the rows it holds (see parallel).
+    bytes, and keeps the rows it holds (see shards).
 
     On an accelerator the unit's rows are copied to it once, when they fit `device_budget` bytes,
     and each batch is gathered there; the mixing bytes come from a generator on the device (see
     KeepMasks), so a step copies only the batch's row numbers to the device and nothing back."""
 
-    def __init__(self, inputs: UnitInputs, float_inputs: CachedValue, targets: CachedValue, config: FastFinetune, k: int,
+    def __init__(self, inputs: UnitInputs, float_inputs: CachedValue, targets: CachedValue, draw: Draw, k: int,
                  rows: Rows, device: torch.device = CPU, device_budget: int = 0) -> None:
         self.inputs, self.float_inputs, self.targets = inputs, float_inputs, targets
         self.rows = rows
         self.left_out = rows.total - rows.held_out - len(rows.trainable)
-        self.size = min(config.batch_size, len(rows.trainable))
+        self.size = min(draw.batch_size, len(rows.trainable))
         self.device = device
-        self.generator = np.random.default_rng([config.seed, k])
-        self.masks = KeepMasks(qdrop_threshold(config.drop_ratio), device, self.generator, [config.seed, k])
+        self.generator = np.random.default_rng([draw.seed, k])
+        self.masks = KeepMasks(qdrop_threshold(draw.drop_ratio), device, self.generator, [draw.seed, k])
         self.mixing = self.masks.threshold < 256
         self.staged = _stage(self._values(), device, device_budget)
         self.held = np.arange(0)  # positions in the last global batch of the rows this process holds
@@ -129,141 +139,6 @@ class KeepMasks:
         if self.torch is None:
             return torch.from_numpy(keep_quantized(self.numpy, self.threshold, shape))
         return torch.empty(shape, dtype=torch.uint8, device=self.device).random_(generator=self.torch) < self.threshold
-
-
-@contextlib.contextmanager
-def dropped_quantization(train: torch.nn.Module, config: FastFinetune, k: int, device: torch.device = CPU,
-                         batches: Batches | None = None, fabric: Fabric | None = None) -> Iterator[bool]:
-    """QDrop inside a block while it trains: each activation quantizer keeps its quantized value
-    per element with probability drop_ratio (in steps of 1/256) and passes the float value
-    otherwise (seeded by the unit index, so reruns repeat); forwards without gradients (the
-    held-out evaluations between steps) see the quantized values and draw nothing. Weight quantizers, which read
-    constants, are left alone. On an accelerator the bytes come from a generator there (see
-    KeepMasks). In a data-parallel run (`fabric` of several processes, training on `batches`) each
-    process draws the whole batch's bytes and keeps its rows' (see BatchMasks); it yields False
-    where it cannot locate the rows in some activation and each process then draws its own bytes."""
-    graph_module = train.train_module if isinstance(train, RowsFirst) else train
-    constant = constant_nodes(graph_module.graph)
-    quantizers = [graph_module.get_submodule(n.target) for n in graph_module.graph.nodes
-                  if n.op == "call_module" and n not in constant and isinstance(graph_module.get_submodule(n.target), FakeQuantize)]
-    if config.drop_ratio >= 1 or not quantizers:
-        yield True
-        return
-    parallel = fabric is not None and fabric.world_size > 1 and batches is not None
-    axes = row_axes(train, quantizers, batches.sample(1), batches.sample(2), fabric) if parallel else None
-    rank = fabric.global_rank if parallel and axes is None else 0
-    entropy = [config.seed, k, 1, *([rank] if rank else [])]
-    masks = BatchMasks(KeepMasks(qdrop_threshold(config.drop_ratio), device, np.random.default_rng(entropy), entropy),
-                       batches, axes)
-
-    def mix(_module: torch.nn.Module, args: tuple[torch.Tensor, ...], quantized: torch.Tensor) -> torch.Tensor:
-        if not torch.is_grad_enabled():  # a held-out evaluation (recon.watch): plain quantized values, no draw
-            return quantized
-        return mixed(masks.draw(tuple(quantized.shape)), quantized, args[0])
-
-    hooks = [quantizer.register_forward_hook(mix) for quantizer in quantizers]
-    try:
-        yield not parallel or axes is not None
-    finally:
-        for hook in hooks:
-            hook.remove()
-
-
-@dataclass(frozen=True)
-class RowAxis:
-    """Where a batch's rows lie in an activation: along `axis`, laid out as (outer, rows, inner)
-    flattened, so `inner` consecutive entries per row, repeated `outer` times (a value reshaped
-    from (rows, tokens, d) to (rows * tokens, d) has inner = tokens; from (tokens, rows, d), outer = tokens)."""
-
-    axis: int
-    outer: int
-    inner: int
-
-    def whole(self, shape: tuple[int, ...], rows: int) -> tuple[int, ...]:
-        """The shape of this activation over a batch of `rows` rows."""
-        return (*shape[: self.axis], self.outer * rows * self.inner, *shape[self.axis + 1:])
-
-    def index(self, positions: np.ndarray, rows: int) -> np.ndarray:
-        """The entries along the axis, in order, of the rows at these positions of a batch of `rows`."""
-        outer = np.arange(self.outer)[:, None, None] * rows * self.inner
-        inner = positions[None, :, None] * self.inner + np.arange(self.inner)[None, None, :]
-        return (outer + inner).reshape(-1)
-
-
-class BatchMasks:
-    """In-block QDrop masks of one process: for the batch it trains on (`batches` None, or `axes`
-    None) or, in a data-parallel run, the global batch's masks drawn as one process draws them, cut
-    to the rows this process holds in each activation (`axes`: the row axis of each quantizer call
-    of a forward, in call order; None for an activation whose shape does not follow the rows)."""
-
-    def __init__(self, masks: KeepMasks, batches: Batches | None, axes: list[RowAxis | None] | None) -> None:
-        self.masks, self.batches, self.axes, self.calls = masks, batches, axes, 0
-
-    def draw(self, shape: tuple[int, ...]) -> torch.Tensor:
-        """The keep mask of the next quantizer call, for an activation of `shape`."""
-        if not self.axes or self.batches is None:
-            return self.masks.draw(shape)
-        axis = self.axes[self.calls % len(self.axes)]
-        self.calls += 1
-        if axis is None:
-            return self.masks.draw(shape)
-        keep = self.masks.draw(axis.whole(shape, self.batches.size))
-        index = torch.from_numpy(axis.index(self.batches.held, self.batches.size)).to(keep.device, non_blocking=True)
-        return keep.index_select(axis.axis, index)
-
-
-class _NoRowAxis(Exception):
-    """An activation in which a batch's rows cannot be located."""
-
-
-def row_axes(train: torch.nn.Module, quantizers: list[torch.nn.Module], first: tuple[torch.Tensor, ...],
-             both: tuple[torch.Tensor, ...], fabric: Fabric) -> list[RowAxis | None] | None:
-    """The row axis of each activation quantizer call of one forward, found by running `train` on
-    the inputs of one row (`first`) and of two starting with it (`both`): the one axis that doubles,
-    with the first row's entries first. None, in every process alike, where some process finds no
-    such axis (e.g. a unit that mixes rows)."""
-    one, two = _quantizer_inputs(train, quantizers, first), _quantizer_inputs(train, quantizers, both)
-    try:
-        if len(one) != len(two):
-            raise _NoRowAxis
-        axes = [_row_axis(a, b) for a, b in zip(one, two)]
-    except _NoRowAxis:
-        axes = None
-    return None if sum_across(fabric, [axes is None])[0] else axes
-
-
-def _quantizer_inputs(train: torch.nn.Module, quantizers: list[torch.nn.Module], x: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
-    """What the quantizers receive, call by call, in one forward of the inputs `x`."""
-    seen: list[torch.Tensor] = []
-    hooks = [q.register_forward_hook(lambda _m, args, _out: seen.append(args[0].detach())) for q in quantizers]
-    try:
-        with torch.no_grad():
-            train(*x)
-    finally:
-        for hook in hooks:
-            hook.remove()
-    return seen
-
-
-def _row_axis(one: torch.Tensor, two: torch.Tensor) -> RowAxis | None:
-    """The row axis of an activation seen over one row and over two rows starting with it (None:
-    its shape does not follow the rows): the one axis that doubles, split as the first row's
-    entries are found in it."""
-    if one.dim() != two.dim():
-        raise _NoRowAxis
-    differ = [d for d in range(one.dim()) if one.shape[d] != two.shape[d]]
-    if len(differ) > 1:
-        raise _NoRowAxis
-    if not differ:
-        return None
-    axis, size = differ[0], one.shape[differ[0]]
-    if two.shape[axis] != 2 * size:
-        raise _NoRowAxis
-    for outer in (n for n in range(1, size + 1) if size % n == 0):
-        first = two.unflatten(axis, (outer, 2, size // outer)).select(axis + 1, 0)
-        if torch.allclose(first, one.unflatten(axis, (outer, size // outer)), rtol=1e-4, atol=1e-6):
-            return RowAxis(axis, outer, size // outer)
-    raise _NoRowAxis
 
 
 # Integer types as wide as each float type, to select between floats by their bits.

@@ -1,4 +1,4 @@
-"""The scales and zero points of quantizers that tuning changed (learned scales: recon.scales),
+"""The scales and zero points of quantizers that tuning changed (learned scales: recon.methods.scales),
 written into the QDQ graph's initializers in their own types, so onnxruntime quantizes with what
 torch quantized with. An initializer other nodes read too is copied for the quantizer's nodes
 first, so the others keep their values."""

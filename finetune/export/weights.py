@@ -12,13 +12,14 @@ import onnx
 import torch
 from onnx import helper, numpy_helper
 
-from finetune.export_scales import write_quantizer_params
 from finetune.lift import LiftedModule, ParamSource
 from finetune.onnx import CUSTOM_DOMAIN, QUARK_DOMAIN, attach_custom_ops
 from finetune.onnx.graphs import all_graphs
 from finetune.onnx.io import load_model
 from finetune.onnx.normalize import constant_of_shape_value
 from finetune.onnx.qdq import bf16_pairs_to_casts
+
+from .scales import write_quantizer_params
 
 
 def export_model(module: LiftedModule, original_model: str | Path | onnx.ModelProto, attach_ops: bool = False,
@@ -32,7 +33,7 @@ def export_model(module: LiftedModule, original_model: str | Path | onnx.ModelPr
     Cast pairs (onnx.qdq.bf16_pairs_to_casts)."""
     model = load_model(original_model)
     tensors = _writable_tensors(model.graph)
-    write_quantizer_params(model, module, tensors)  # learned scales and zero points (recon.scales)
+    write_quantizer_params(model, module, tensors)  # learned scales and zero points (recon.methods.scales)
     for name, source in module.finetune_params.items():
         source = _with_current_quantizer(module, source)
         tensor = _target_tensor(model.graph, tensors, source.initializer)

@@ -1,0 +1,81 @@
+"""GPTQ as a method: each layer of a unit gets GPTQ's weights, layer after layer in graph order, from
+the inputs it receives with the earlier layers already replaced (the solver: gptq_solver; how a layer
+is laid out as a matrix: gptq_layouts). As the run's algorithm it is all the unit's tuning; with
+gptq_init it is where AdaRound or AdaQuant start."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from finetune.config import GPTQ as GPTQSettings
+from finetune.config import FastFinetune
+from finetune.formats.grids import fixed_grid
+from finetune.lift import FakeQuantize
+
+from ..units import Layer
+from .base import Algorithm, Method, UnitWork
+from .gptq_layouts import input_hessian, layout_of
+from .gptq_solver import gptq
+
+logger = logging.getLogger(__name__)
+
+
+class GPTQ(Algorithm):
+    """GPTQ as the run's algorithm: one pass per unit, no learning rate or iterations."""
+
+    name = "gptq"
+    optimises = False
+    rounds = True
+
+    def start(self, work: UnitWork) -> bool:
+        quantize_unit(work, self.config.gptq, self.gptq_start)
+        return True
+
+
+class GPTQStart(Method):
+    """gptq_init: AdaRound or AdaQuant start from GPTQ's weights (the ones the algorithm asks for)."""
+
+    @classmethod
+    def applies(cls, config: FastFinetune, algorithm: Algorithm) -> bool:
+        return config.gptq_init
+
+    def start(self, work: UnitWork) -> bool:
+        quantize_unit(work, self.config.gptq, self.algorithm.gptq_start)
+        return True
+
+
+def quantize_unit(work: UnitWork, settings: GPTQSettings, weights: str) -> None:
+    """Replace the weights of the unit's layers by GPTQ's, layer after layer in graph order, each
+    from the inputs it receives from the unit's quantized inputs with the earlier layers already
+    replaced; a layer GPTQ cannot treat keeps its weights, with a warning. `weights` says which:
+    `compensated` (each column's values when its turn came, which round to GPTQ's: where AdaRound,
+    which chooses between the two codes around its starting weights, starts) or `quantized` (on the
+    grid). The chunks held out of training are not measured."""
+    for layer in work.unit.layers:
+        reason = _quantize_layer(layer, work, settings, weights)
+        if reason is not None:
+            work.warnings.add(work.unit.name, f"{layer.name}: not quantized by GPTQ (its weights round to nearest): {reason}")
+
+
+def _quantize_layer(layer: Layer, work: UnitWork, settings: GPTQSettings, weights: str) -> str | None:
+    """GPTQ's weights for one layer, written into its parameter; or why not (nothing changed)."""
+    module = work.module
+    quantizer = module.get_submodule(layer.weight_quantizer) if layer.weight_quantizer else None
+    if not isinstance(quantizer, FakeQuantize) or not quantizer.enabled:
+        return "its weight is not quantized"
+    weight = module.get_parameter(layer.weight)
+    op = module.get_submodule(layer.name)
+    layout = layout_of(layer, op, weight.shape)
+    if isinstance(layout, str):
+        return layout
+    grid = fixed_grid(weight, quantizer.spec, quantizer.scale, quantizer.zero_point).laid_out(layout.to_matrix)
+    hessian = input_hessian(op, layout, work.data.train, work.data.inputs, work.fabric, work.held)
+    quantized, compensated = gptq(layout.to_matrix(weight.detach().float()), hessian, grid, settings.perc_damp,
+                                  settings.block_size, settings.act_order)
+    start = compensated if weights == "compensated" else quantized
+    with torch.no_grad():
+        weight.copy_(layout.from_matrix(start).to(weight.dtype))
+    logger.debug("GPTQ: %s, %d column(s) in %d group(s)", layer.name, hessian.shape[-1], hessian.shape[0])
+    return None

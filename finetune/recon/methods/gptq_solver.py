@@ -1,0 +1,87 @@
+"""GPTQ's solver (Frantar et al., 2022): a weight matrix's quantized values chosen column by column,
+each column rounded on the format's grid and its rounding error spread over the columns not yet
+rounded through the upper Cholesky factor of the inverse Hessian H = X Xᵀ / n of the layer's inputs
+(the paper's factor 2 cancels), in blocks of `block_size` columns whose updates reach later columns
+at once ("lazy batch" updates).
+
+The grid is frozen before any column is rounded (finetune.formats.grids): INT and float formats
+keep the scale and zero point their QDQ node stores, and every BFP/MX/OCP MX block takes the shared
+exponent (and sub-block shifts) the format computes from the layer's original float weights. A
+block runs along the format's axis, which for a Conv weight [O, I, kh, kw] blocked along I holds
+the columns c*kh*kw + j of GPTQ's [O, I*kh*kw] matrix, interleaved with other blocks; since no
+grid waits for its block's first column, any column order (natural, or `act_order`'s) rounds every
+column on the grid its block had, and the result is exactly representable in the format.
+
+A column whose input is always zero in the calibration data (a dead input) has no curvature: it is
+rounded to nearest and passes no error on (rather than zeroed, as the paper does, so a channel
+dead in calibration keeps its weights where it is alive)."""
+
+from __future__ import annotations
+
+import torch
+
+from finetune.formats.grids import FixedGrid
+
+
+def gptq(weight: torch.Tensor, hessian: torch.Tensor, grid: FixedGrid, perc_damp: float = 0.01,
+         block_size: int = 128, act_order: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(quantized weights, compensated weights) of `weight` [groups, rows, columns] (float32) under
+    `hessian` [groups, columns, columns] (any float dtype; factored in float64), each group on its
+    own. The compensated weights are each column's values when its turn came (after the errors of
+    earlier columns reached it): rounding them to nearest on `grid` gives the quantized ones.
+    `perc_damp` of the mean diagonal is added to the diagonal; `act_order` rounds the columns of
+    largest curvature first (then in that order within each group)."""
+    h = hessian.detach().to(torch.float64).clone()
+    diagonal = h.diagonal(dim1=1, dim2=2)
+    diagonal.masked_fill_(diagonal == 0, 1.0)  # dead inputs: rounded to nearest, nothing passed on
+    diagonal += perc_damp * diagonal.mean(dim=1, keepdim=True)
+    columns = weight.shape[2]
+    if act_order:
+        order = torch.argsort(diagonal, dim=1, descending=True, stable=True)
+    else:
+        order = torch.arange(columns, device=weight.device).expand(weight.shape[0], columns)
+
+    def permuted(t: torch.Tensor) -> torch.Tensor:
+        return t.gather(2, order[:, None, :].expand_as(t))
+
+    upper = inverse_cholesky(h.gather(1, order[:, :, None].expand_as(h)).gather(2, order[:, None, :].expand_as(h)))
+    quantized, compensated = _columns(permuted(weight.detach().float()), upper.to(torch.float32),
+                                      grid.laid_out(permuted), block_size)
+    inverse = torch.argsort(order, dim=1)
+    return quantized.gather(2, inverse[:, None, :].expand_as(quantized)), \
+        compensated.gather(2, inverse[:, None, :].expand_as(compensated))
+
+
+def inverse_cholesky(hessian: torch.Tensor) -> torch.Tensor:
+    """The upper Cholesky factor U of H⁻¹ (H⁻¹ = UᵀU), batched, in H's dtype: row i of U, over its
+    diagonal, spreads column i's error over the later columns (the OBS update with the rows and
+    columns of the earlier ones already eliminated)."""
+    lower, info = torch.linalg.cholesky_ex(hessian)
+    if bool((info > 0).any()):
+        raise ValueError("the damped Hessian of the layer's inputs is not positive definite (raise perc_damp)")
+    upper, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(lower), upper=True)
+    if bool((info > 0).any()):
+        raise ValueError("the inverse Hessian of the layer's inputs is not positive definite (raise perc_damp)")
+    return upper
+
+
+def _columns(w: torch.Tensor, upper: torch.Tensor, grid: FixedGrid, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPTQ's loop over the columns of w [groups, rows, columns] in order, with `upper` the factor of
+    inverse_cholesky; a block's errors reach the columns after it in one product."""
+    w = w.clone()
+    quantized, compensated = torch.empty_like(w), torch.empty_like(w)
+    columns = w.shape[2]
+    for start in range(0, columns, block_size):
+        end = min(start + block_size, columns)
+        block, factor = w[:, :, start:end], upper[:, start:end, start:end]
+        errors = torch.empty_like(block)
+        for i in range(end - start):
+            column = block[:, :, i:i + 1]
+            compensated[:, :, start + i:start + i + 1] = column
+            rounded = grid.round(column, slice(start + i, start + i + 1))
+            quantized[:, :, start + i:start + i + 1] = rounded
+            error = (column - rounded) / factor[:, i:i + 1, i:i + 1]
+            block[:, :, i:] -= error @ factor[:, i:i + 1, i:]
+            errors[:, :, i:i + 1] = error
+        w[:, :, end:] -= errors @ upper[:, start:end, end:]
+    return quantized, compensated

@@ -1,0 +1,191 @@
+"""What each process of a tuning run does: lift the QDQ model, find its units and let the run's
+methods prepare them, cache its share of the calibration inputs, tune unit after unit while the
+float and the quantized stream advance to each, and (the first process) write the tuned weights back
+into a copy of the QDQ graph."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import onnx
+import torch
+from lightning.fabric import Fabric
+
+from finetune.calibrate import CalibrationData
+from finetune.config import FastFinetune, to_dict
+from finetune.export import export_model
+from finetune.formats.compiled import compiled_kernels, resolve_compile
+from finetune.lift import FakeQuantize, LiftedModule, lift_model
+from finetune.lift.params import fold_computed_weights
+from finetune.notices import Warnings
+
+from .checkpoint import Checkpoint, digest, run_fingerprint
+from .data.cache import ActivationCache
+from .data.heldout import hold_out
+from .data.reference import SELF_REFERENCE, choose_reference, float_starts
+from .data.shards import sum_across
+from .data.smoothing import carry_smoothing
+from .data.streams import FloatStream, QuantizedStream, cache_inputs
+from .device import deterministic, host_memory_kept
+from .methods import Method, run_methods
+from .results import UnitResult
+from .tuner import Tuner
+from .units import Unit, cut, find_units
+
+logger = logging.getLogger(__name__)
+
+
+class Job:
+    """What a tuning process needs (each process of a data-parallel run gets a copy): the QDQ model,
+    the float model (None: the QDQ model with its quantizers off), the calibration data, the settings,
+    the checkpoint it keeps (None: none) and whether it resumes from it, the Fabric's callbacks (whose
+    on_step_end hooks the tuner calls directly) and how the tuned model is written. A plain class:
+    see processes.launch."""
+
+    def __init__(self, original: onnx.ModelProto, float_model: onnx.ModelProto | None, data: Any, config: FastFinetune,
+                 checkpoint: Checkpoint | None, resume: bool, callbacks: list[Any], attach_ops: bool, bf16_as_cast: bool) -> None:
+        self.original, self.float_model, self.data, self.config = original, float_model, data, config
+        self.checkpoint, self.resume, self.callbacks = checkpoint, resume, callbacks
+        self.attach_ops, self.bf16_as_cast = attach_ops, bf16_as_cast
+
+
+@dataclasses.dataclass
+class _Run:
+    """A process's lifted model with its units, the run's methods, its float reference and warnings."""
+
+    module: LiftedModule
+    units: list[Unit]
+    methods: list[Method]
+    reference: LiftedModule
+    warnings: Warnings
+
+
+def tune_process(fabric: Fabric, job: Job) -> tuple[onnx.ModelProto | None, dict[str, Any]]:
+    """Lift, tune every unit and export, in this process (one of a data-parallel run's, or the
+    only one). Only the first process exports: the others return no model."""
+    config, original, device = job.config, job.original, fabric.device
+    sources = {"model": digest(original.SerializeToString()),
+               "float_model": digest(job.float_model.SerializeToString()) if job.float_model is not None else None}
+    run = _prepare(job)
+    with (deterministic(config.seed, config.deterministic, config.allow_tf32, device), host_memory_kept(device),
+          ActivationCache(config.cache_budget_bytes) as cache,
+          compiled_kernels(resolve_compile(config.compile, device.type), max(1, config.iterations)) as kernels):
+        tuner, timing = _tune_units(run, job, fabric, cache, sources)
+        cache_stats = {"peak_bytes_in_memory": cache.peak_in_memory, "peak_bytes_on_disk": cache.peak_on_disk,
+                       "spilled_arrays": cache.spilled}
+    report = _report(config, device, run.reference is run.module, tuner, [*run.warnings, *tuner.warnings], timing, cache_stats)
+    report["kernels"] = kernels.summary()
+    for method in run.methods:
+        report.update(method.report(run.module, run.units))
+    if not fabric.is_global_zero:
+        return None, report
+    run.module.cpu()
+    return export_model(run.module, original, job.attach_ops, job.bf16_as_cast), report
+
+
+def _prepare(job: Job) -> _Run:
+    """The lifted QDQ model, its units as the run's methods prepared them, and the float reference."""
+    config, original = job.config, job.original
+    for change in fold_computed_weights(original):  # so a weight computed from constants is tuned too
+        logger.info("weights computed from constants: %s", change)
+    module = lift_model(original)
+    _check_tunable(module)
+    warnings = Warnings()
+    units = find_units(module, config.op_types, config.include_output_quant, config.unit, warnings)
+    if not units:
+        raise ValueError(f"the model has no {'/'.join(config.op_types)} layer with a trainable weight to tune")
+    methods = run_methods(config)
+    for method in methods:
+        units = method.prepare(module, units, warnings)
+    if job.float_model is not None:
+        for change in carry_smoothing(job.float_model, original):  # SmoothQuant: the float model in the codes' coordinates
+            logger.info("float model smoothed as the quantized one: %s", change)
+    return _Run(module, units, methods, choose_reference(module, job.float_model, units, warnings), warnings)
+
+
+def _check_tunable(module: LiftedModule) -> None:
+    """Refuse, before any work, a model with nothing to tune (no quantizer: it is a float model) or
+    a trainable weight holding NaN or Inf (its unit's loss could not be measured)."""
+    if not any(isinstance(m, FakeQuantize) for m in module.modules()):
+        raise ValueError("the model has no quantizers (QuantizeLinear/DequantizeLinear or BFP/MX quantize-dequantize "
+                         "nodes), so there is nothing to tune: quantize it first (finetune quantize --finetune ...)")
+    for name, source in module.finetune_params.items():
+        if not torch.isfinite(module.get_parameter(name)).all():
+            raise ValueError(f"the weight {source.initializer!r} holds NaN or Inf values: fix or retrain the model "
+                             "before tuning it")
+
+
+def _tune_units(run: _Run, job: Job, fabric: Fabric, cache: ActivationCache,
+                sources: dict[str, str | None]) -> tuple[Tuner, dict[str, Any]]:
+    """Cache the inputs (this process's share of the calibration batches), then tune unit after
+    unit, advancing the float and the quantized stream to each; units a resumed run finished
+    earlier get their kept weights back where tuning would have left them, so both streams pass
+    through them exactly as before. The checkpoint is saved before a user's callbacks hear of a
+    unit's end."""
+    device, config, module, reference, units = fabric.device, job.config, run.module, run.reference, run.units
+    feeds = CalibrationData(job.data, job.original, limit=config.data_size)
+    inputs = cache_inputs(feeds, [info.name for info in feeds.inputs], cache, fabric.global_rank, fabric.world_size)
+    samples = int(sum_across(fabric, [inputs[0].rows])[0])
+    if samples < config.batch_size:
+        run.warnings.add("fast_finetune.batch_size", f"{config.batch_size} is more than the {samples} calibration samples: "
+                         f"every training batch holds all {samples} (lower batch_size, or give more data)", "config")
+    module.to(device)
+    reference.to(device)
+    held_out, guard = hold_out(module, reference, units, inputs, config, fabric, run.warnings)
+    starts = float_starts(module, reference, units) if reference is not module else {}
+    plan = cut(module, units)
+    placeholders = [n.name for n in module.graph.nodes if n.op == "placeholder"]
+    floats = FloatStream(reference, units, inputs, cache, device, quantizers_off=reference is module)
+    stream = QuantizedStream(plan, placeholders, inputs, cache, device)
+    tuner = Tuner(config, fabric, units, job.callbacks, held_out, run.methods)
+    finished_weights = {}
+    if job.checkpoint is not None:
+        job.checkpoint.fingerprint = run_fingerprint(sources, config, inputs)
+        finished_weights = job.checkpoint.start(tuner, job.resume)
+    with tuner:
+        for k, unit in enumerate(units):
+            float_inputs, targets = floats.advance(k)
+            unit_inputs = stream.before(k, unit)
+            if k < tuner.resumed_units:
+                tuner.restore(k, module, finished_weights)
+            else:
+                tuner.tune(k, module, plan.train[k], unit_inputs, float_inputs, targets, starts, stream.side_inputs(unit))
+            for value in (float_inputs, *targets):
+                cache.release(value.name)
+            stream.after(k)
+    checked = guard.check(run.warnings) if guard is not None else None
+    if guard is not None:
+        guard.release(cache)
+    return tuner, {"float_pass_seconds": floats.seconds, "quantized_stream_seconds": stream.seconds, "samples": samples,
+                   "held_out": checked}
+
+
+def _report(config: FastFinetune, device: torch.device, self_reference: bool, tuner: Tuner, warnings: list[dict[str, str]],
+            timing: dict[str, float], cache_stats: dict[str, int]) -> dict[str, Any]:
+    """The run's numbers: settings, per-unit losses and status, timing and cache use, the units
+    restored from a checkpoint, and the warnings (what was left out or undid, and why)."""
+    results: list[UnitResult] = tuner.results
+    iterations = sum(r.iterations for r in results)
+    train_seconds = sum(r.seconds for r in results)
+    return {
+        "algorithm": config.algorithm,
+        "config": to_dict(config),
+        "device": str(device),
+        "float_reference": SELF_REFERENCE if self_reference else "float model",
+        "samples": timing["samples"],
+        "units": [dataclasses.asdict(r) for r in results],
+        "kept": sum(r.status == "kept" for r in results),
+        "reverted": sum(r.status.startswith("reverted") for r in results),
+        "resumed_units": tuner.resumed_units,
+        "warnings": warnings,
+        "iterations": iterations,
+        "seconds_per_unit_iteration": train_seconds / iterations if iterations else None,
+        "float_pass_seconds": timing["float_pass_seconds"],
+        "quantized_stream_seconds": timing["quantized_stream_seconds"],
+        "cache": cache_stats,
+        "processes": tuner.fabric.world_size,
+        "held_out": timing["held_out"],
+        "lr_search": dataclasses.asdict(tuner.rate_search) if tuner.rate_search else None,
+    }

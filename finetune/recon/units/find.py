@@ -1,0 +1,32 @@
+"""find_units: the units a run tunes, in graph order: layer units, or blocks of them, and a unit for
+each control-flow node whose bodies hold layers."""
+
+from __future__ import annotations
+
+from finetune.lift import LiftedModule
+from finetune.lift.graph import constant_nodes
+from finetune.notices import Warnings
+
+from .blocks import blocks
+from .bodies import with_bodies
+from .layers import layer_units
+from .unit import Unit
+
+
+def find_units(
+    module: LiftedModule, op_types: tuple[str, ...], include_output_quant: bool = False, unit: str = "layer",
+    warnings: Warnings | None = None,
+) -> list[Unit]:
+    """The layer or block units of `module` in graph order. Layers that cannot be tuned (a weight
+    other layers share, or one computed by other ops) are left out, and layers that cannot join a
+    block stay layer units: each is a warning, added to `warnings` when given."""
+    warnings = Warnings() if warnings is None else warnings
+    if unit not in ("layer", "block"):
+        raise ValueError(f"unit must be layer or block, got {unit!r}")
+    if unit == "block" and include_output_quant:
+        raise ValueError("include_output_quant applies to layer units only: a block ends where one value is live, and the "
+                         "quantizers reading it belong to the next block")
+    layers = layer_units(module, op_types, include_output_quant, warnings)
+    constant = constant_nodes(module.graph)
+    units = layers if unit == "layer" else blocks(module, layers, constant, warnings)
+    return with_bodies(module, units, constant, op_types, include_output_quant, warnings)  # the layers of If/Loop/Scan bodies

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import signal
 import sys
+import typing
+from collections.abc import Callable
 from pathlib import Path
 
 from finetune.calibrate import CalibrationData, random_data
-from finetune.config import QuantConfig, available_presets, load_config
+from finetune.config import DEVICE_HELP, EarlyStop, FastFinetune, QuantConfig, available_presets, load_config
 from finetune.files import check_output, write_text_atomic
 from finetune.onnx import attach_custom_ops
 from finetune.onnx.io import load_model, save_model_atomic
@@ -124,10 +127,8 @@ def _auto_mp_overrides(args: argparse.Namespace) -> dict:
 def _finetune_overrides(args: argparse.Namespace, config: QuantConfig) -> dict:
     """The fast_finetune keys the command-line flags set (None where a flag was not given);
     --data-size alone (a calibration limit too) does not turn fine-tuning on."""
-    flags = {"algorithm": args.finetune, "iterations": args.iterations, "lr": args.lr, "batch_size": args.batch_size,
-             "early_stop": args.early_stop, "device": args.device, "seed": args.seed, "unit": args.unit,
-             "devices": args.devices, "nodes": args.nodes, "strategy": args.strategy, "validation_share": args.validation_share,
-             "compile": {"auto": "auto", "true": True, "false": False, None: None}[args.compile]}
+    flags = {key: getattr(args, _dest(flag)) for flag, (key, _) in FINETUNE_FLAGS.items()}
+    flags["early_stop"] = args.early_stop
     tuning = config.fast_finetune is not None or any(value is not None for value in flags.values())
     return {**flags, "data_size": args.data_size if tuning else None}
 
@@ -211,35 +212,86 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# The fast_finetune keys the command line sets: flag -> (key, what it does). Their types, choices and
+# defaults are FastFinetune's (shown in each flag's help), so the two cannot disagree.
+FINETUNE_FLAGS: dict[str, tuple[str, str]] = {
+    "--finetune": ("algorithm", "algorithm (gptq: one pass per unit, no learning rate or iterations)"),
+    "--iterations": ("iterations", "optimisation steps per unit"),
+    "--lr": ("lr", "learning rate, or auto: a short search on the first unit (null: the algorithm's rate for each "
+                   "weight's format family)"),
+    "--batch-size": ("batch_size", "samples per optimisation step"),
+    "--device": ("device", "where to tune"),
+    "--devices": ("devices", "processes tuning data-parallel, each on its own device of that kind"),
+    "--nodes": ("nodes", "machines of a data-parallel run (each starts the command: torchrun)"),
+    "--strategy": ("strategy", "Lightning Fabric strategy for --devices (ddp: runs this command again per process; ddp_spawn)"),
+    "--seed": ("seed", "random seed (same model, data, config, seed, device type and torch thread count: identical output)"),
+    "--unit": ("unit", "reconstruction unit"),
+    "--validation-share": ("validation_share", "share of the calibration batches held out of training, on which units "
+                                               "are kept or reverted and the tuned model is checked against the untuned "
+                                               "one (0: none)"),
+    "--compile": ("compile", "compile the quantize-dequantize kernels with torch.compile, same bits (auto: where a "
+                             "compiler is at hand, a C++ compiler on the CPU, Triton on a GPU; true: fail without one)"),
+}
+
+
 def _add_finetune_flags(parser: argparse.ArgumentParser) -> None:
     """Flags that override the config's fast_finetune section (and add one when it has none)."""
     group = parser.add_argument_group("fast finetune (override the config's fast_finetune section)")
-    group.add_argument("--finetune", choices=["adaround", "adaquant", "gptq"],
-                       help="algorithm (gptq: one pass per unit, no learning rate or iterations)")
-    group.add_argument("--iterations", type=int, help="optimisation steps per unit")
-    group.add_argument("--lr", type=_learning_rate, help="learning rate, or auto: a short search on the first unit "
-                       "(default: the algorithm's rate for each weight's format family)")
-    group.add_argument("--batch-size", type=int, help="samples per optimisation step")
+    hints = typing.get_type_hints(FastFinetune)
+    defaults = {f.name: f.default for f in dataclasses.fields(FastFinetune)}
+    for flag, (key, help_text) in FINETUNE_FLAGS.items():
+        words, number = [_word(word) for word in _words(hints[key])], _number(hints[key])
+        metavar = "{" + ",".join(words) + "}" if words and not number else key.upper()
+        syntax = DEVICE_HELP if key == "device" else f"a number or {', '.join(words)}; " if words and number else ""
+        shown = "null" if defaults[key] is None else _word(defaults[key])
+        group.add_argument(flag, type=_parser(hints[key]), metavar=metavar,
+                           help=f"{help_text} ({f'{syntax}; ' if key == 'device' else syntax}default: {shown})")
     group.add_argument("--early-stop", action=argparse.BooleanOptionalAction, default=None,
                        help="stop a unit when its reconstruction loss stops improving, after a tail that finishes "
-                            "its schedule (default: on; --no-early-stop runs every iteration)")
-    group.add_argument("--device", help="cpu, cuda, cuda:N or hip:N")
-    group.add_argument("--devices", type=int, help="processes tuning data-parallel, each on its own device of that kind")
-    group.add_argument("--nodes", type=int, help="machines of a data-parallel run (each starts the command: torchrun)")
-    group.add_argument("--strategy", help="Lightning Fabric strategy for --devices (default ddp: runs this command again "
-                       "per process; ddp_spawn)")
-    group.add_argument("--seed", type=int,
-                       help="random seed (same model, data, config, seed, device type and torch thread count: identical output)")
-    group.add_argument("--unit", choices=["layer", "block"], help="reconstruction unit")
-    group.add_argument("--validation-share", type=float,
-                       help="share of the calibration batches held out of training, on which units are kept or reverted "
-                            "and the tuned model is checked against the untuned one (default 0.2; 0: none)")
-    group.add_argument("--compile", choices=["auto", "true", "false"],
-                       help="compile the quantize-dequantize kernels with torch.compile, same bits (default auto: where "
-                            "a compiler is at hand, a C++ compiler on the CPU, Triton on a GPU; true: fail without one)")
+                            f"its schedule (default: {'on' if EarlyStop().enabled else 'off'}; --no-early-stop runs every "
+                            "iteration)")
     group.add_argument("--resume", action="store_true",
                        help="continue a killed run from its checkpoint beside the output (model.onnx.finetune.ckpt for "
                             "-o model.onnx); same model, data and settings give the bytes of an uninterrupted run")
+
+
+def _words(hint: object) -> tuple[object, ...]:
+    """The literal values a field's type admits (a Literal, or one inside a union), in order."""
+    if typing.get_origin(hint) is typing.Literal:
+        return typing.get_args(hint)
+    return tuple(word for arg in typing.get_args(hint) for word in _words(arg))
+
+
+def _word(value: object) -> str:
+    """A config value as the command line spells it (true and false in lower case)."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _parser(hint: object) -> Callable[[str], object]:
+    """A flag's text to the field's value: one of its literal words, else a number or text as its type says."""
+    words, number = {_word(word): word for word in _words(hint)}, _number(hint)
+
+    def parse(text: str) -> object:
+        if text in words:
+            return words[text]
+        if number is not None:
+            return number(text)
+        if words:
+            raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from {', '.join(words)})")
+        return text
+
+    parse.__name__ = number.__name__ if number is not None else "choice"  # argparse names the type in its errors
+    return parse
+
+
+def _number(hint: object) -> type | None:
+    """The numeric type a field takes (int or float, alone or in a union), None where it takes none."""
+    return next((kind for kind in (int, float) if kind is hint or kind in typing.get_args(hint)), None)
+
+
+def _dest(flag: str) -> str:
+    """The argparse attribute of a flag."""
+    return flag.lstrip("-").replace("-", "_")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -248,11 +300,6 @@ def main(argv: list[str] | None = None) -> int:
         return run_command(build_parser(), argv)
     finally:
         signal.signal(signal.SIGTERM, previous)
-
-
-def _learning_rate(text: str) -> float | str:
-    """--lr's value: a number, or the word auto."""
-    return text if text == "auto" else float(text)
 
 
 def _exit_on_sigterm(signum: int, _frame: object) -> None:

@@ -1,6 +1,6 @@
-"""Shared by the fast-finetune tests: the digits CNN as ONNX, onnxruntime runs with exact
-numerics, a one-thread fixture, and the check that the quantized stream reaches every unit's
-input exactly."""
+"""Shared by the fast-finetune tests: the digits CNN as ONNX, a small residual CNN quantized to XINT8,
+onnxruntime runs with exact numerics, a one-thread fixture, and the check that the quantized stream
+reaches every unit's input exactly."""
 
 from __future__ import annotations
 
@@ -16,7 +16,10 @@ import torch
 from finetune.lift import LiftedModule
 from finetune.recon import ActivationCache, Unit, cut
 from finetune.recon.data.streams import QuantizedStream, cache_inputs, record_unit_input
-from finetune.zoo import train_digits_cnn
+from finetune.quantize import quantize_model
+from finetune.zoo import export_onnx, train_digits_cnn
+
+from .lift_helpers import CNN_INPUT, ResidualCNN, randomized
 
 
 @pytest.fixture(autouse=True)
@@ -27,6 +30,14 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def quantized(tmp_path_factory: pytest.TempPathFactory) -> tuple[onnx.ModelProto, list[dict[str, np.ndarray]]]:
+    """A residual CNN with random weights quantized to XINT8, and its three calibration batches."""
+    path = export_onnx(randomized(ResidualCNN()), torch.randn(*CNN_INPUT), tmp_path_factory.mktemp("cnn") / "cnn.onnx")
+    feeds = [{"x": np.random.default_rng(i).standard_normal((4, *CNN_INPUT[1:]), np.float32)} for i in range(3)]
+    return quantize_model(path, "XINT8", feeds).model, feeds
 
 
 def export_digits_cnn(path: Path, example: torch.Tensor) -> Path:

@@ -6,25 +6,21 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import os
 import stat
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import onnx
 import pytest
 import torch
 
 from finetune.config import FastFinetune
 from finetune.lift import LiftedModule
-from finetune.quantize import quantize_model
 from finetune.recon import Unit, finetune_model
-from finetune.zoo import export_onnx
 
-from .lift_helpers import CNN_INPUT, ResidualCNN, randomized
-from .recon_helpers import one_thread  # noqa: F401  (autouse fixture)
+from .recon_helpers import one_thread, quantized  # noqa: F401  (fixtures)
+from .test_recon_contracts import stops_on_training_losses
 
 
 class Recorder:
@@ -62,14 +58,6 @@ class Recorder:
         self.moments.append(("run_end", len(results)))
 
 
-@pytest.fixture(scope="module")
-def quantized(tmp_path_factory: pytest.TempPathFactory) -> tuple[onnx.ModelProto, list[dict[str, np.ndarray]]]:
-    """A residual CNN with random weights quantized to XINT8, and its three calibration batches."""
-    path = export_onnx(randomized(ResidualCNN()), torch.randn(*CNN_INPUT), tmp_path_factory.mktemp("cnn") / "cnn.onnx")
-    feeds = [{"x": np.random.default_rng(i).standard_normal((4, *CNN_INPUT[1:]), np.float32)} for i in range(3)]
-    return quantize_model(path, "XINT8", feeds).model, feeds
-
-
 def test_a_user_callback_hears_every_unit_in_order_and_can_stop_one(quantized: tuple) -> None:
     """Run start, then start and end of each unit with its report row, then run end; the model the
     unit end sees already holds the weights the run keeps; setting should_stop ends that unit."""
@@ -99,22 +87,16 @@ def test_finishing_the_schedule_runs_a_tail_of_steps_then_ends_the_unit(quantize
         assert len(recorder.losses[1]) == expected
 
 
-def stop_by_rule(losses: list[float], patience: int, warmup: int, iterations: int, window: int = 10) -> int:
-    """The iterations early stopping runs given a unit's step losses: until `patience` steps from
-    `warmup` on failed to improve the best mean of the last `window` losses (min_delta 0), then
-    `patience` more that finish the schedule, within the budget."""
-    return min(iterations, stop_step_by_rule(losses, patience, warmup, window) + patience)
+def stop_step_by_rule(losses: list[float], patience: int, warmup: int) -> int:
+    """The step after which early stopping (the built-in callback itself, fed these step losses: its
+    rule is tested on literal losses in test_recon_contracts) asks a unit to finish; len(losses) if never."""
+    stops = stops_on_training_losses(losses, patience=patience, min_delta=0.0, warmup=warmup)
+    return stops[0][0] + 1 if stops else len(losses)
 
 
-def stop_step_by_rule(losses: list[float], patience: int, warmup: int, window: int = 10) -> int:
-    """The step after which the rule asks a unit to finish (len(losses) if it never does)."""
-    best, wait = math.inf, 0
-    for step in range(max(warmup, window - 1), len(losses)):
-        mean = math.fsum(losses[step + 1 - window : step + 1]) / window
-        best, wait = (mean, 0) if mean < best else (best, wait + 1)
-        if wait == patience:
-            return step + 1
-    return len(losses)
+def stop_by_rule(losses: list[float], patience: int, warmup: int, iterations: int) -> int:
+    """The iterations a unit runs: up to its stop, then `patience` more that finish the schedule, within the budget."""
+    return min(iterations, stop_step_by_rule(losses, patience, warmup) + patience)
 
 
 def test_early_stopping_ends_each_unit_where_its_rule_says(quantized: tuple) -> None:

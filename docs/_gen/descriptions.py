@@ -4,6 +4,8 @@ key without a sentence still appears in the reference, with the code's own comme
 
 from __future__ import annotations
 
+from finetune.config import STEP_GROUP
+
 DESCRIPTIONS: dict[str, str] = {
     # QuantConfig: the top level
     "QuantConfig.preset": "Start from this preset (or YAML file) and deep-merge the rest of the mapping over it.",
@@ -61,7 +63,6 @@ DESCRIPTIONS: dict[str, str] = {
     "FastFinetune.seed": "Seed of batch order, QDrop and initialisation: same inputs and seed give the same bytes.",
     "FastFinetune.device": "Where tuning runs.",
     "FastFinetune.op_types": "Op types whose weights are tuned.",
-    "FastFinetune.update_bias": "AdaQuant only: train the bias too.",
     "FastFinetune.include_output_quant": "Unit layer only: include the quantizer of the layer's output in its unit.",
     "FastFinetune.drop_ratio": "QDrop: share of unit inputs taken from the quantized model rather than the float one.",
     "FastFinetune.cache_budget_bytes": "Cached activations kept in memory; the rest spill to files in $TMPDIR.",
@@ -78,27 +79,32 @@ DESCRIPTIONS: dict[str, str] = {
                                      "untuned one (else its weights come back); 0: none held out.",
     "FastFinetune.gptq": "GPTQ's settings (algorithm `gptq`, or `gptq_init`).",
     "FastFinetune.gptq_init": "Start AdaRound or AdaQuant from GPTQ's weights.",
-    "FastFinetune.learn_scales": "AdaQuant only: `weights` learns the scale (and an asymmetric zero point) of each tuned "
-                                 "INT weight with LSQ's gradient (power-of-two scales stay powers of two), `activations` "
-                                 "those of the INT activation quantizers inside each unit, `all` both; written into "
-                                 "the QDQ graph, int32 biases re-quantized to them.",
-    "FastFinetune.learn_equalization": "AdaQuant only: learn a per-channel scale between two layers of a unit that only ReLU, "
-                                       "max pooling and activation quantizers separate (equalisation for block formats), "
-                                       "folded into both layers' float weights.",
-    "FastFinetune.scale_lr": "Adam learning rate of the learned log-scales (`learn_scales`), decaying with AdaQuant's.",
     "FastFinetune.compile": "Run the quantize-dequantize kernels through torch.compile (same bits); `auto`: where a compiler "
                             "is at hand, `true`: fail without one, `false`: eager.",
     "FastFinetune.bias_correction": "Add each layer's mean float-minus-quantized output error per channel (training rows) to "
                                     "its bias before and after tuning, kept where the held-out loss does not rise "
                                     "(Quark: `BiasCorrection`); `auto`: on alone (iterations 0), with AdaRound and GPTQ, off with AdaQuant and for weights stored as "
                                     "codes without a float model (measured).",
+    "FastFinetune.adaquant": "What AdaQuant trains beside the weights (algorithm `adaquant` only; the keys were top-level "
+                             "`fast_finetune` keys before, which are still read, with a warning).",
+    # AdaQuant
+    "AdaQuant.update_bias": "Train the bias too.",
+    "AdaQuant.learn_scales": "`weights` learns the scale (and an asymmetric zero point) of each tuned "
+                                 "INT weight with LSQ's gradient (power-of-two scales stay powers of two), `activations` "
+                                 "those of the INT activation quantizers inside each unit, `all` both; written into "
+                                 "the QDQ graph, int32 biases re-quantized to them.",
+    "AdaQuant.learn_equalization": "Learn a per-channel scale between two layers of a unit that only ReLU, "
+                                       "max pooling and activation quantizers separate (equalisation for block formats), "
+                                       "folded into both layers' float weights.",
+    "AdaQuant.scale_lr": "Adam learning rate of the learned log-scales (`learn_scales`), decaying with AdaQuant's.",
     "GPTQ.perc_damp": "Share of the Hessian's mean diagonal added to its diagonal.",
     "GPTQ.block_size": "Columns per lazy batch update (changes only the order of the arithmetic).",
     "GPTQ.act_order": "Round the columns of largest input power first.",
     # EarlyStop
     "EarlyStop.enabled": "Stop units early.",
     "EarlyStop.patience": "Steps without improvement before the tail starts: of the held-out loss (its measurements over "
-                          "that many steps) where batches are held out, else of the 10-step mean training loss.",
+                          "that many steps) where batches are held out, else of the "
+                          f"{STEP_GROUP}-step mean training loss.",
     "EarlyStop.min_delta": "The improvement that counts.",
     "EarlyStop.warmup": "Steps before stopping is considered.",
     # AutoMixedPrecision

@@ -13,6 +13,7 @@ sys.path.insert(0, str(Path(__file__).parent))  # the generators beside this fil
 
 from cli_ref import cli_reference
 from config_ref import config_reference, presets_table
+from layout_ref import layout_reference
 from quark_ref import quark_reference
 
 GENERATORS: dict[str, Callable[[], str]] = {
@@ -20,6 +21,7 @@ GENERATORS: dict[str, Callable[[], str]] = {
     "cli-reference": cli_reference,
     "quark-options": quark_reference,
     "presets": presets_table,
+    "layout": layout_reference,
 }
 MARKER = re.compile(r"^<!-- gen:([\w-]+) -->$", re.MULTILINE)
 

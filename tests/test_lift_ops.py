@@ -169,15 +169,22 @@ REDUCE_CASES = {
     "logsumexp": ("ReduceLogSumExp", [0, 1], {}),
     "sumsquare": ("ReduceSumSquare", [2], {"keepdims": 0}),
     "noop_empty": ("ReduceMean", None, {"noop_with_empty_axes": 1}),
+    "noop_l1": ("ReduceL1", None, {"noop_with_empty_axes": 1}),
+    "noop_l2_empty_name": ("ReduceL2", "", {"noop_with_empty_axes": 1}),
+    "noop_logsum": ("ReduceLogSum", None, {"noop_with_empty_axes": 1}),
+    "noop_sumsquare": ("ReduceSumSquare", "", {"noop_with_empty_axes": 1}),
+    "all_empty_name": ("ReduceL2", "", {}),
 }
 
 
 @pytest.mark.parametrize("case", sorted(REDUCE_CASES))
 def test_reduce_18(case: str) -> None:
-    """Reduce*-18 with axes as an input (or none), keepdims and noop_with_empty_axes."""
+    """Reduce*-18 with axes as an input, left off or omitted (""), keepdims and noop_with_empty_axes
+    (which reduces each element alone: ReduceL2 gives sqrt(x * x), ReduceLogSum log(x))."""
     op_type, axes, attributes = REDUCE_CASES[case]
-    initializers = {} if axes is None else {"axes": np.array(axes, np.int64)}
-    model, inputs = _one_node(op_type, ["x"] + (["axes"] if axes else []), attributes, initializers, (2, 3, 4), 18)
+    initializers = {"axes": np.array(axes, np.int64)} if axes else {}
+    names = ["x"] + (["axes"] if axes else [""] if axes == "" else [])
+    model, inputs = _one_node(op_type, names, attributes, initializers, (2, 3, 4), 18)
     assert_same(model, lift_model(model), inputs, FLOAT_ATOL, FLOAT_RTOL)
 
 

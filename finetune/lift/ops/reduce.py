@@ -1,5 +1,5 @@
 """Reduce* converters for the versions that take their axes as an input (ReduceSum-13, every
-Reduce*-18), with the axes constant or computed."""
+Reduce*-18), with the axes constant, computed or omitted."""
 
 from __future__ import annotations
 
@@ -45,9 +45,9 @@ class Reduce(nn.Module):
 
     def forward(self, x: torch.Tensor, axes: torch.Tensor | None = None) -> torch.Tensor:
         dims = self.axes if self.axes is not None else tuple(axes.tolist()) if axes is not None else ()
+        if not dims and self.noop:  # each element reduced alone, as onnxruntime does: ReduceL2 is sqrt(x * x), not x
+            return _REDUCTIONS[self.op_type](x.unsqueeze(0), (0,), False)
         if not dims:
-            if self.noop:
-                return x
             dims = tuple(range(x.dim()))
         return _REDUCTIONS[self.op_type](x, tuple(sorted(d % x.dim() for d in dims)), self.keepdims)
 

@@ -188,6 +188,22 @@ def test_reduce_18(case: str) -> None:
     assert_same(model, lift_model(model), inputs, FLOAT_ATOL, FLOAT_RTOL)
 
 
+CUMSUM_CASES = {"default": {}, "exclusive": {"exclusive": 1}, "reverse": {"reverse": 1},
+                "exclusive_reverse": {"exclusive": 1, "reverse": 1}}
+
+
+@pytest.mark.parametrize("opset", [11, 14])
+@pytest.mark.parametrize("case", sorted(CUMSUM_CASES))
+def test_cumsum_attributes_default_off(case: str, opset: int) -> None:
+    """CumSum with exclusive and reverse each off unless set (torch.onnx's TorchScript exporter
+    writes torch.cumsum with neither), along a negative axis. torch accumulates a float32 cumsum in
+    float64 on the CPU and onnxruntime in float32, so they agree within the float32 bound of a sum
+    of 5 terms (5 eps times the sum of magnitudes), not exactly."""
+    model, inputs = _one_node("CumSum", ["x", "axis"], CUMSUM_CASES[case], {"axis": np.array(-1, np.int64)}, (2, 3, 5), opset)
+    bound = 5 * np.finfo(np.float32).eps * float(np.abs(inputs[0]).sum(-1).max())
+    assert_same(model, lift_model(model), inputs, atol=bound)
+
+
 @pytest.mark.parametrize(("mode", "opset"), [("constant", 18), ("reflect", 18), ("edge", 18), ("wrap", 19)])
 def test_pad_with_axes(mode: str, opset: int) -> None:
     """Pad-18 (axes input) and Pad-19 (wrap mode) with constant pads, value and axes."""

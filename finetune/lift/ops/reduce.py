@@ -1,11 +1,12 @@
 """Reduce* converters for the versions that take their axes as an input (ReduceSum-13, every
-Reduce*-18), with the axes constant, computed or omitted."""
+Reduce*-18), with the axes constant, computed or omitted; and CumSum with ONNX's defaults."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
 import torch
+from onnx2torch.node_converters.cumsum import OnnxCumSum
 from onnx2torch.onnx_graph import OnnxGraph
 from onnx2torch.onnx_node import OnnxNode
 from onnx2torch.utils.common import OperationConverterResult
@@ -69,3 +70,11 @@ def _reduce(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
     a = node.attributes
     module = Reduce(node.operation_type, axes, bool(a.get("keepdims", 1)), bool(a.get("noop_with_empty_axes", 0)))
     return converted(module, node_mapping(node, node.input_values[: 1 if static else 2]))
+
+
+@register("CumSum", (11, 14))
+def _cumsum(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
+    """CumSum with exclusive and reverse off unless set, as ONNX defaults them: onnx2torch defaults
+    reverse to on, so the plain cumulative sum TorchScript writes (no attributes) came out reversed."""
+    a = node.attributes
+    return converted(OnnxCumSum(bool(a.get("exclusive", 0)), bool(a.get("reverse", 0))), node_mapping(node))

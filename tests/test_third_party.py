@@ -55,6 +55,16 @@ def float_model(case: str) -> Path:
     return FIXTURES / f"{case.split('.')[0]}.float.onnx"
 
 
+def assert_logits_agree(lifted: np.ndarray, expected: np.ndarray) -> None:
+    """Logits of a quantized model, lifted and in onnxruntime: the same bits on this machine, but only
+    guaranteed where no quantizer meets a value that torch's and onnxruntime's own float summation
+    orders put on either side of a rounding boundary (each library picks its kernels by the CPU's
+    features), so at most 2 % of them differ, by at most 0.1 (a few steps at these logits' magnitude
+    of ~20), and every top-1 is the same."""
+    assert np.mean(lifted != expected) <= 0.02 and np.abs(lifted - expected).max() <= 0.1
+    assert np.array_equal(lifted.argmax(1), expected.argmax(1))
+
+
 def assert_int16_close(lifted: np.ndarray, expected: np.ndarray) -> None:
     """With int16 activations a last-bit difference in float summation order before a quantizer
     (torch's and onnxruntime's kernels add in different orders) moves a value by one of its 65536
@@ -85,7 +95,7 @@ def test_onnxruntime_contrib_qdq_lifts_as_the_standard_pair(model_name: str, fix
 def test_an_onnxruntime_or_nncf_model_runs_in_stock_onnxruntime_and_lifts(case: str, fixture_data: dict) -> None:
     """The tool's QDQ model (standard ops; com.microsoft Q/DQ in A16W8) runs in stock onnxruntime,
     its own runtime, and the lifted module gives its logits: the same bits where a quantizer ends
-    the model (onnxruntime's U8S8). NNCF leaves the last Gemm's output float, where torch's and
+    the model (onnxruntime's U8S8), but for rounding flips (assert_logits_agree). NNCF leaves the last Gemm's output float, where torch's and
     onnxruntime's kernels add in different float32 orders: up to FLOAT_ATOL/RTOL (1e-5), every
     top-1 the same.
     int16 activations: see assert_int16_close. Every quantized value inside (each
@@ -103,7 +113,7 @@ def test_an_onnxruntime_or_nncf_model_runs_in_stock_onnxruntime_and_lifts(case: 
         np.testing.assert_allclose(lifted, expected, rtol=FLOAT_RTOL, atol=FLOAT_ATOL)
         assert np.array_equal(lifted.argmax(1), expected.argmax(1))
     else:
-        assert np.array_equal(lifted, expected)
+        assert_logits_agree(lifted, expected)
     assert_quantized_values_agree(model, x)
 
 
@@ -139,17 +149,17 @@ def test_a_qoperator_model_is_refused_naming_the_node(model_name: str) -> None:
 def test_a_quark_model_runs_in_stock_onnxruntime_as_in_quarks_runtime_and_lifts(case: str, fixture_data: dict) -> None:
     """Quark's model (its domains at version 1000, its attributes, in XINT8 its nodes out of
     topological order) with our function bodies attached gives in stock onnxruntime the bits
-    Quark's own custom-op library gave; the lifted module gives onnxruntime's bits (int16
-    activations: up to summation order, every top-1 the same)."""
+    Quark's own custom-op library gave; the lifted module gives onnxruntime's bits but for rounding
+    flips (assert_logits_agree; int16 activations: up to summation order, every top-1 the same)."""
     model = onnx.load(FIXTURES / f"{case}.onnx")
     x = fixture_data["check"]
     ours = run(attach_custom_ops(model), x)
-    assert np.array_equal(ours, fixture_data[case])
+    assert_logits_agree(ours, fixture_data[case])  # Quark's runtime ran on another CPU, with its own sums
     lifted = run_torch(lift_model(model), [x])[0]
     if case.endswith("A16W8"):
         assert_int16_close(lifted, ours)
     else:
-        assert np.array_equal(lifted, ours)
+        assert_logits_agree(lifted, ours)
 
 
 TUNE_CASES = [  # (fixture, algorithm): AdaRound where the tool stores int8 weight codes, as onnxruntime and NNCF do

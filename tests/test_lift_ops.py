@@ -337,3 +337,50 @@ def test_graph_outputs_that_are_inputs_or_initializers() -> None:
     model = onnx_model([node], [tensor("x", [2])], outputs, {"c": np.ones(1, np.float32)})
     r, x, c = lift_model(model)(torch.tensor([-1.0, 2.0]))
     assert r.tolist() == [0.0, 2.0] and x.tolist() == [-1.0, 2.0] and c.tolist() == [1.0]
+
+
+# Gather's constant indices (scalar, negative, an array with a batch of them) along an axis.
+GATHER_CASES = {
+    "scalar_first": (0, np.array(1, np.int64)),
+    "scalar_negative_inner": (2, np.array(-1, np.int64)),
+    "array_negative": (1, np.array([2, -3, 0], np.int64)),
+    "matrix_int32": (3, np.array([[0, 4], [-1, 1]], np.int32)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(GATHER_CASES))
+def test_gather_with_constant_indices(case: str) -> None:
+    """Gather equals onnxruntime; a constant scalar index is a Python integer, so the module reads no
+    tensor for it (onnx2torch indexed with a 0-d tensor: a host read on a GPU at every call)."""
+    axis, indices = GATHER_CASES[case]
+    model, data = _one_node("Gather", ["x", "indices"], {"axis": axis}, {"indices": indices}, (2, 3, 4, 5), 13)
+    lifted = lift_model(model)
+    assert_same(model, lifted, data)
+    (gather,) = [m for m in lifted.modules() if type(m).__name__ == "Gather"]
+    assert gather.index == (int(indices) if indices.ndim == 0 else None)
+
+
+# Squeeze and Unsqueeze: axes as an attribute (opset 11) or a constant input (13, 21), negative ones included.
+SQUEEZE_CASES = {
+    "squeeze_11": ("Squeeze", 11, (2, 1, 3, 1), [1, -1]),
+    "squeeze_13": ("Squeeze", 13, (2, 1, 3, 1), [-1, 1]),
+    "squeeze_21_every_one": ("Squeeze", 21, (2, 1, 3, 1), None),
+    "unsqueeze_11": ("Unsqueeze", 11, (2, 3), [-1, 0]),
+    "unsqueeze_13_two_negative": ("Unsqueeze", 13, (2, 3, 4), [-1, -2]),
+    "unsqueeze_21_ends": ("Unsqueeze", 21, (2, 3, 4), [0, 4]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SQUEEZE_CASES))
+def test_squeeze_and_unsqueeze_hold_constant_axes(case: str) -> None:
+    """Equal to onnxruntime, several negative Unsqueeze axes counted from the output's end (onnx2torch
+    placed them wrongly), with constant axes held as Python integers (no tensor read per call)."""
+    op, opset, shape, axes = SQUEEZE_CASES[case]
+    as_input = opset >= 13 and axes is not None
+    attributes = {"axes": axes} if axes is not None and not as_input else {}
+    initializers = {"axes": np.array(axes, np.int64)} if as_input else {}
+    model, data = _one_node(op, ["x", "axes"] if as_input else ["x"], attributes, initializers, shape, opset)
+    lifted = lift_model(model)
+    assert_same(model, lifted, data)
+    (module,) = [m for m in lifted.modules() if type(m).__name__ == op]
+    assert module.axes == (tuple(axes) if axes is not None else None)

@@ -1,6 +1,7 @@
 """Converters for ops steered by integer inputs (shape, pads, split sizes, slice bounds) that may be
 constant or computed: Reshape with allowzero, Pad with optional axes and every mode, Split-18 with
-num_outputs, Slice with constant bounds; and Size."""
+num_outputs, Slice with constant bounds, Squeeze, Unsqueeze and Gather with constant axes and indices held on
+the host; and Size."""
 
 from __future__ import annotations
 
@@ -152,3 +153,75 @@ class Size(nn.Module):
 def _size(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
     """Size, which onnx2torch lacks (voice-activity models compare it to pick an LSTM's state)."""
     return converted(Size(), node_mapping(node))
+
+
+class Squeeze(nn.Module):
+    """Squeeze the given axes (fixed when constant, else read per call), or every axis of size 1."""
+
+    def __init__(self, axes: tuple[int, ...] | None):
+        super().__init__()
+        self.axes = axes
+
+    def forward(self, x: torch.Tensor, axes: torch.Tensor | None = None) -> torch.Tensor:
+        dims = self.axes if self.axes is not None else tuple(axes.tolist()) if axes is not None else None
+        return torch.squeeze(x) if dims is None else torch.squeeze(x, tuple(d % x.dim() for d in dims))
+
+
+class Unsqueeze(nn.Module):
+    """Insert axes of size 1 at the given positions of the output (fixed when constant, else read per
+    call), negative ones counted from the output's end, as ONNX defines them."""
+
+    def __init__(self, axes: tuple[int, ...] | None):
+        super().__init__()
+        self.axes = axes
+
+    def forward(self, x: torch.Tensor, axes: torch.Tensor | None = None) -> torch.Tensor:
+        dims = self.axes if self.axes is not None else tuple(axes.tolist())
+        rank = x.dim() + len(dims)
+        for dim in sorted(d % rank for d in dims):
+            x = x.unsqueeze(dim)
+        return x
+
+
+@register("Squeeze", (1, 11, 13, 21, 23, 24, 25))
+@register("Unsqueeze", (1, 11, 13, 21, 23, 24, 25))
+def _squeeze(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
+    """Squeeze and Unsqueeze with axes as an attribute (before opset 13) or an input, held as Python
+    integers where constant, so the module reads no tensor for them (onnx2torch read Squeeze-13's
+    axes from a tensor on the model's device at every call, a GPU synchronisation each, and placed
+    several negative Unsqueeze axes wrongly)."""
+    static = is_constant_or_absent(node, graph, 1)
+    attribute = node.attributes.get("axes")
+    axes = tuple(attribute) if attribute is not None else constant_ints(node, graph, 1) if static else None
+    module = (Squeeze if node.operation_type == "Squeeze" else Unsqueeze)(axes)
+    return converted(module, node_mapping(node, node.input_values[: 1 if static else 2]))
+
+
+class Gather(nn.Module):
+    """ONNX Gather (numpy.take along `axis`, negative indices counted from the end): a constant scalar
+    index selects with a Python integer; any other index (a constant array, or computed) is read on the
+    device it lives on, never by the host (onnx2torch indexed with it, which reads a 0-d index: a GPU
+    synchronisation at every call of a transformer's q/k/v split)."""
+
+    def __init__(self, axis: int, index: int | None):
+        super().__init__()
+        self.axis, self.index = axis, index
+
+    def forward(self, x: torch.Tensor, indices: torch.Tensor | None = None) -> torch.Tensor:
+        if indices is None:
+            return x.select(self.axis, self.index)
+        axis = self.axis % x.dim()
+        flat = indices.reshape(-1).long()
+        flat = torch.where(flat < 0, flat + x.shape[axis], flat)
+        taken = torch.index_select(x, axis, flat)
+        return taken.reshape(*x.shape[:axis], *indices.shape, *x.shape[axis + 1:])
+
+
+@register("Gather", (1, 11, 13))
+def _gather(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
+    """Gather with its index a Python integer where it is a constant scalar, else an input."""
+    name = node.input_values[1]
+    scalar = name in graph.initializers and graph.initializers[name].to_torch().dim() == 0
+    index = int(graph.initializers[name].to_torch()) if scalar else None
+    module = Gather(node.attributes.get("axis", 0), index)
+    return converted(module, node_mapping(node, node.input_values[:1] if scalar else None))

@@ -125,18 +125,19 @@ class KeepMasks:
     `threshold`): on the CPU drawn by numpy from `generator` (shared with the batch rows' draws),
     elsewhere by a torch generator on the device, seeded from `entropy`, so no mask crosses from the
     host. A GPU run therefore mixes with other bytes than a CPU run of the same seed; on one kind
-    of device, a rerun draws the same."""
+    of device, a rerun draws the same. The meta device (where the tests run a GPU step's code without
+    a GPU: see tests/test_gpu_path.py) has no generator of its own and draws no values anyway."""
 
     def __init__(self, threshold: int, device: torch.device, generator: np.random.Generator, entropy: list[int]) -> None:
         self.threshold, self.device, self.numpy = threshold, device, generator
         self.torch: torch.Generator | None = None
-        if device.type != "cpu":
+        if device.type not in ("cpu", "meta"):
             self.torch = torch.Generator(device)
             self.torch.manual_seed(int(np.random.SeedSequence(entropy).generate_state(1, np.uint64)[0] >> np.uint64(1)))
 
     def draw(self, shape: tuple[int, ...]) -> torch.Tensor:
         """A boolean mask of `shape` on the device: True where the quantized value is kept."""
-        if self.torch is None:
+        if self.device.type == "cpu":
             return torch.from_numpy(keep_quantized(self.numpy, self.threshold, shape))
         return torch.empty(shape, dtype=torch.uint8, device=self.device).random_(generator=self.torch) < self.threshold
 

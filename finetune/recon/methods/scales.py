@@ -251,17 +251,21 @@ class ScaleLearning(Method):
         return bool(config.adaquant.learn_scales)
 
     def prepare(self, module: LiftedModule, units: list[Unit], warnings: Warnings) -> list[Unit]:
-        """The units with the buffers they learn, and those buffers' values before tuning (for the report)."""
+        """The units with the buffers they learn, what each learns (its quantizers and tied int32 biases,
+        found once, before the model moves to its device: finding a tied bias compares scale values) and
+        those buffers' values before tuning (for the report)."""
+        learns = LEARNS[self.config.adaquant.learn_scales]
         units = with_learned_scales(module, units, self.config.adaquant.learn_scales, warnings)
+        self.learnings = {unit.name: unit_learning(module, unit, learns if unit.scales else (), units)[0] for unit in units}
         self.untuned = scale_snapshot(module, units)
         return units
 
     def part(self, work: UnitWork, batches: Batches, iterations: int) -> LearnedScales:
-        return LearnedScales(work, self.config.adaquant.learn_scales, self.config.adaquant.scale_lr)
+        return LearnedScales(work, self.learnings[work.unit.name], self.config.adaquant.scale_lr)
 
     def report(self, module: LiftedModule, units: list[Unit]) -> dict[str, Any]:
         """Per unit and learned scale: new over old (the report's `learned_scales`)."""
-        return {"learned_scales": scale_changes(module, units, self.untuned, self.config.adaquant.learn_scales)}
+        return {"learned_scales": scale_changes(module, units, self.untuned, self.learnings)}
 
 
 class LearnedScales(Part):
@@ -269,11 +273,9 @@ class LearnedScales(Part):
     quantize with the learned scales; on exit the learned values are written into their buffers.
     `groups` are the optimizer's parameter groups (none when the unit learns no scale)."""
 
-    def __init__(self, work: UnitWork, learn_scales: str, scale_lr: float) -> None:
+    def __init__(self, work: UnitWork, learning: Learning, scale_lr: float) -> None:
         super().__init__()
-        unit, module = work.unit, work.module
-        self.module, self.warnings = module, work.warnings
-        self.learning = unit_learning(module, unit, LEARNS[learn_scales] if unit.scales else (), work.units)[0]
+        self.module, self.warnings, self.learning = work.module, work.warnings, learning
         self.scales = {name: LearnedScale(self._quantizer(name), self._elements(name, kind))
                        for name, kind in self.learning.kinds.items()}
         parameters = [p for scale in self.scales.values() for p in scale.parameters()]
@@ -346,13 +348,13 @@ def scale_snapshot(module: LiftedModule, units: list[Unit]) -> dict[str, torch.T
     return {name: module.get_buffer(name).detach().clone() for unit in units for name in unit.scales}
 
 
-def scale_changes(module: LiftedModule, units: list[Unit], before: dict[str, torch.Tensor], learn_scales: str
+def scale_changes(module: LiftedModule, units: list[Unit], before: dict[str, torch.Tensor], learnings: dict[str, Learning]
                   ) -> list[dict[str, Any]]:
     """Per unit and learned scale: new / old over its channels or blocks (min, mean, max), how many
     zero points moved, and whether int32 biases followed (the report's `learned_scales`)."""
     rows = []
     for unit in units:
-        learning = unit_learning(module, unit, LEARNS[learn_scales] if unit.scales else (), units)[0]
+        learning = learnings[unit.name]
         for name, kind in learning.kinds.items():
             key = f"{name}.scale"
             ratio = (module.get_buffer(key).detach().double() / before[key].double()).cpu()

@@ -1,0 +1,148 @@
+"""The GPU path proven on the CPU: tuning steps run on the meta device, which takes the branches a GPU
+takes (anything but the CPU) and raises on every read of a device value (`.item()`, `bool(t)`,
+`.tolist()`, `.cpu()`, a boolean-mask index), so a step that would make the host wait for a GPU fails
+here. Every algorithm and unit kind on the zoo's digits models, with the methods that join them."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from finetune.config import STEP_GROUP, FastFinetune
+from finetune.lift import lift_model
+from finetune.notices import Warnings
+from finetune.quantize import quantize_model
+from finetune.recon.data.batches import Draw
+from finetune.recon.data.cache import ActivationCache
+from finetune.recon.data.losses import Loss
+from finetune.recon.data.rows import unit_data
+from finetune.recon.data.streams import FloatStream, QuantizedStream, cache_inputs
+from finetune.recon.methods import UnitWork, run_methods
+from finetune.recon.optimisation import Optimisation
+from finetune.recon.units import cut, find_units
+from finetune.zoo import digits_split, export_onnx, train_digits_cnn, train_digits_transformer
+
+from .recon_helpers import one_thread  # noqa: F401  (autouse fixture)
+
+META = torch.device("meta")
+
+
+@dataclass
+class Stand:
+    """What the tuning code asks of Lightning's Fabric, on one device of any kind (one process)."""
+
+    device: torch.device
+    world_size: int = 1
+    global_rank: int = 0
+
+    def setup_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        return module
+
+    def setup_optimizers(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        return optimizer
+
+    def backward(self, loss: torch.Tensor, model: Any = None) -> None:
+        loss.backward()
+
+    def call(self, *_: Any, **__: Any) -> None:
+        """No callback listens here."""
+
+
+# (model, preset, settings): every algorithm that runs steps, layer and block units, and the methods that join them.
+CASES = {
+    "cnn-adaround-layer": ("cnn", "XINT8", {"algorithm": "adaround"}),
+    "cnn-adaround-block": ("cnn", "XINT8", {"algorithm": "adaround", "unit": "block"}),
+    "cnn-adaquant-layer-mx4": ("cnn", "MX4", {"algorithm": "adaquant", "adaquant": {"update_bias": True}}),
+    "cnn-adaquant-block-equalization": ("cnn", "MX4", {"algorithm": "adaquant", "unit": "block",
+                                                       "adaquant": {"learn_equalization": True}}),
+    "cnn-adaquant-block-scales": ("cnn", "A8W8", {"algorithm": "adaquant", "unit": "block",
+                                                  "adaquant": {"learn_scales": "all"}}),
+    "transformer-adaquant-block-mxfp4": ("transformer", "MXFP4", {"algorithm": "adaquant", "unit": "block"}),
+    "transformer-adaround-layer": ("transformer", "XINT8", {"algorithm": "adaround"}),
+}
+
+
+@pytest.fixture(scope="module")
+def digits(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The zoo's digits CNN and transformer as ONNX, and three calibration batches."""
+    x, _, _, _ = digits_split()
+    folder = tmp_path_factory.mktemp("digits")
+    return {"cnn": export_onnx(train_digits_cnn(), x[:2], folder / "cnn.onnx"),
+            "transformer": export_onnx(train_digits_transformer(), x[:2], folder / "transformer.onnx"),
+            "feeds": [{"x": x[i: i + 16].numpy()} for i in range(0, 48, 16)]}
+
+
+def unit_works(path: Path, preset: str, config: FastFinetune, feeds: list[dict[str, np.ndarray]],
+               cache: ActivationCache) -> Iterator[tuple[UnitWork, list[Any]]]:
+    """Each unit of the quantized model in turn, with the run's methods (which prepared the units): its
+    data measured on the CPU as a run caches it, its module a copy of the lifted model on the meta device
+    (yielded while the streams still hold the unit's values)."""
+    quantized = quantize_model(path, preset, feeds).model
+    module, meta = lift_model(quantized), lift_model(quantized).to(META)
+    units = find_units(module, config.op_types, False, config.unit)
+    methods = run_methods(config)
+    for method in methods:
+        units = method.prepare(module, units, Warnings())
+    cpu, inputs, plan, meta_plan = Stand(torch.device("cpu")), cache_inputs(feeds, ["x"], cache), cut(module, units), cut(meta, units)
+    floats = FloatStream(module, units, inputs, cache, cpu.device, quantizers_off=True)
+    stream = QuantizedStream(plan, ["x"], inputs, cache, cpu.device)
+
+    def unread() -> Loss:
+        raise AssertionError("a step measured the unit's loss")
+
+    for k, unit in enumerate(units):
+        float_inputs, targets = floats.advance(k)
+        data = unit_data(meta_plan.train[k], unit.input_axis, unit.output_axes, stream.before(k, unit), float_inputs,
+                         targets, list(zip(unit.side_inputs, stream.side_inputs(unit))), cpu)
+        yield UnitWork(k, unit, units, meta, data, Stand(META), frozenset(), frozenset(), Warnings(), {}, unread,
+                       Loss(1.0, None, 1.0), True), methods
+        stream.after(k)
+
+
+def meta_steps(work: UnitWork, methods: list[Any], config: FastFinetune, steps: int) -> None:
+    """`steps` of the unit's optimisation on the meta device, its methods' parts installed (their exits,
+    which write what was learned once per unit, are not steps: the throwaway module keeps them)."""
+    optimisation = Optimisation(work, methods, Draw.of(config), 2**32, None)
+    batches = optimisation._batches()
+    parts = [part for method in methods if (part := method.part(work, batches, steps)) is not None]
+    optimizer = torch.optim.Adam([group for part in parts for group in part.groups], lr=1e-3)
+    installed = contextlib.ExitStack()
+    for part in parts:
+        installed.enter_context(part)
+    assert optimisation._steps(work.data.train, optimizer, batches, parts, steps, None) == steps
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_tuning_steps_run_on_the_meta_device_without_reading_it(digits: dict, case: str) -> None:
+    """A group of steps (the host reads nothing between its readings of a group's losses) of every unit
+    runs on the meta device: no read of a device value, no CPU tensor mixed into the step, no shape that
+    depends on a value."""
+    model, preset, settings = CASES[case]
+    config = FastFinetune(**settings, bias_correction=False, validation_share=0, batch_size=8)
+    with ActivationCache(2**30) as cache:
+        for work, methods in unit_works(digits[model], preset, config, digits["feeds"], cache):
+            meta_steps(work, methods, config, STEP_GROUP)
+
+
+def test_a_read_in_a_step_fails_on_the_meta_device(digits: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check fails on the bug it is for: a step that reads its loss (a synchronisation per step on a GPU)."""
+    config = FastFinetune(algorithm="adaquant", bias_correction=False, validation_share=0, batch_size=8)
+    step = Optimisation._step
+
+    def reading(self: Optimisation, *args: Any) -> torch.Tensor:
+        loss = step(self, *args)
+        float(loss)
+        return loss
+
+    monkeypatch.setattr(Optimisation, "_step", reading)
+    with ActivationCache(2**30) as cache:
+        work, methods = next(unit_works(digits["cnn"], "MX4", config, digits["feeds"], cache))
+        with pytest.raises((RuntimeError, NotImplementedError), match="meta"):
+            meta_steps(work, methods, config, 2)

@@ -8,7 +8,9 @@ before a quantizer can move a value by a whole quantization step, and the model 
 outputs may then differ past that bound although every node computes what its ONNX node computes.
 So where the outputs disagree, each node is run again on onnxruntime's own values of its inputs and
 compared with onnxruntime's value of its outputs: a quantizer exactly, any other node within the
-bound; the first node that still disagrees is named. Where none does, the difference is rounding
+bound taken of the largest magnitude of its inputs and outputs (onnxruntime's LayerNormalization
+subtracts squares, and its Sigmoid is a polynomial accurate to a few units in the last place of 1:
+their rounding scales with the inputs, not the output); the first node that still disagrees is named. Where none does, the difference is rounding
 carried through the model, and the module is kept."""
 
 from __future__ import annotations
@@ -35,8 +37,9 @@ from .fake_quant import FakeQuantize
 
 logger = logging.getLogger(__name__)
 
-# A float32 sum in another order: a relative difference of this much of the output's largest magnitude
-# (some 80 units in the last place). Other float types scale it by their own epsilon.
+# Float32 arithmetic in another order, or another library's approximation of a function: a difference
+# of this much of the largest magnitude in play (some 80 units in the last place). Other float types
+# scale it by their own epsilon.
 FLOAT32_BOUND = 1e-5
 
 # The types, as onnxruntime names them, of the values it hands to numpy (not bfloat16, float8 or 4-bit
@@ -55,7 +58,7 @@ class LiftMismatch(LiftError):
 def check_lifted(model: str | Path | onnx.ModelProto, module: nn.Module, feed: Feed) -> None:
     """Refuse (LiftMismatch, one line naming the first node whose output differs) a module lifted
     from a model with quantizers whose outputs disagree with onnxruntime's on the first sample of
-    `feed` (by input name, or in graph order) past what float sums give. A float model is not
+    `feed` (by input name, or in graph order) past float rounding. A float model is not
     checked. The module runs as it is, on its device, with eager kernels (compiled ones give the
     same bits, and one sample's shapes would be compiled for nothing)."""
     if not any(isinstance(m, FakeQuantize) for m in module.modules()):
@@ -95,17 +98,16 @@ def first_sample(model: onnx.ModelProto, feed: Feed) -> dict[str, np.ndarray]:
     return {info.name: a for info, a in zip(infos, arrays)}
 
 
-def agrees(actual: Any, expected: np.ndarray, exact: bool) -> bool:
+def agrees(actual: Any, expected: np.ndarray, exact: bool, scale: float = 0.0) -> bool:
     """Whether a module's value equals onnxruntime's: the same shape, NaN and infinities in the same
-    places, and the finite values equal (`exact`, or not a float type) or within FLOAT32_BOUND of the
-    largest expected magnitude, scaled to the type's epsilon."""
+    places, and the finite values equal (`exact`, or not a float type) or within `bound`."""
     actual = _array(actual) if isinstance(actual, torch.Tensor) else actual
     if actual is None or actual.shape != expected.shape:
         return False
     if not np.issubdtype(expected.dtype, np.floating):
         return bool(np.array_equal(actual, expected))
     difference = largest_difference(actual, expected)
-    return difference == 0.0 or (not exact and difference <= bound(expected))
+    return difference == 0.0 or (not exact and difference <= bound(expected, scale))
 
 
 def largest_difference(actual: np.ndarray, expected: np.ndarray) -> float:
@@ -118,11 +120,19 @@ def largest_difference(actual: np.ndarray, expected: np.ndarray) -> float:
     return float(np.abs(a[finite] - e[finite]).max(initial=0.0))
 
 
-def bound(expected: np.ndarray) -> float:
-    """The largest difference float sums explain in a value like `expected`."""
-    finite = expected[np.isfinite(expected)].astype(np.float64)
+def bound(expected: np.ndarray, scale: float = 0.0) -> float:
+    """The largest difference float rounding explains in a value like `expected` computed from values
+    as large as `scale`: FLOAT32_BOUND of the larger of the two magnitudes, scaled to the type's epsilon."""
     epsilon = float(np.finfo(expected.dtype).eps) / float(np.finfo(np.float32).eps)
-    return FLOAT32_BOUND * epsilon * float(np.abs(finite).max(initial=0.0))
+    return FLOAT32_BOUND * epsilon * max(magnitude(expected), scale)
+
+
+def magnitude(value: Any) -> float:
+    """The largest finite magnitude of a float tensor or array (0 for anything else)."""
+    array = _array(value) if isinstance(value, torch.Tensor) else value
+    if not isinstance(array, np.ndarray) or not np.issubdtype(array.dtype, np.floating):
+        return 0.0
+    return float(np.abs(array[np.isfinite(array)].astype(np.float64)).max(initial=0.0))
 
 
 def first_disagreeing_node(model: onnx.ModelProto, module: nn.Module, feed: dict[str, np.ndarray]) -> str | None:
@@ -163,26 +173,28 @@ class _Substituting(fx.Interpreter):
             return result
         name, outputs = n.meta[ONNX_NODE]
         exact = isinstance(self.module.get_submodule(n.target), FakeQuantize)
+        args, kwargs = self.fetch_args_kwargs_from_env(n)
+        scale = max((magnitude(value) for value in [*args, *kwargs.values()]), default=0.0)
         several = isinstance(result, tuple | list)
         results = list(result) if several else [result]
         for i, (output, value) in enumerate(zip(outputs, results)):
             expected = self.values.get(output)
             if not isinstance(expected, np.ndarray) or not isinstance(value, torch.Tensor):
                 continue
-            if not agrees(value, expected, exact):
-                raise _Disagreement(_message(name, self.op_types.get(name, "?"), output, _array(value), expected, exact))
+            if not agrees(value, expected, exact, scale):
+                raise _Disagreement(_message(name, self.op_types.get(name, "?"), output, _array(value), expected, exact, scale))
             results[i] = _tensor(expected, value.device).to(value.dtype)
         return type(result)(results) if several else results[0]
 
 
-def _message(name: str, op_type: str, output: str, actual: np.ndarray, expected: np.ndarray, exact: bool) -> str:
+def _message(name: str, op_type: str, output: str, actual: np.ndarray, expected: np.ndarray, exact: bool, scale: float) -> str:
     """What differs at a node, and what to do, on one line."""
     if actual.shape != expected.shape:
         how = f"has shape {list(actual.shape)} where onnxruntime gives {list(expected.shape)}"
     elif not np.issubdtype(expected.dtype, np.floating):
         how = f"differs in {int(np.sum(actual != expected))} of {expected.size} values"
     else:
-        allowed = "none (a quantizer on the same input gives the same bits)" if exact else f"{bound(expected):.3g} (float sums)"
+        allowed = "none (a quantizer on the same input gives the same bits)" if exact else f"{bound(expected, scale):.3g} (float rounding)"
         how = f"differs by up to {largest_difference(actual, expected):.3g} where {allowed} is allowed"
     return (f"the lifted module computes node {name!r} ({op_type}) other than onnxruntime: given onnxruntime's inputs, "
             f"its output {output!r} {how}; tuning would train towards values the model does not give, so it stops "
@@ -221,5 +233,11 @@ def _tensor(array: np.ndarray, device: torch.device) -> torch.Tensor:
 
 
 def _array(value: Any) -> np.ndarray | None:
-    """A tensor as a numpy array (None for anything else)."""
-    return value.detach().cpu().numpy() if isinstance(value, torch.Tensor) else None
+    """A tensor as a numpy array, float32 for a float type numpy lacks (bfloat16, float8); None for
+    anything else."""
+    if not isinstance(value, torch.Tensor):
+        return None
+    tensor = value.detach().cpu()
+    if tensor.is_floating_point() and tensor.dtype not in (torch.float16, torch.float32, torch.float64):
+        tensor = tensor.float()
+    return tensor.numpy()

@@ -43,6 +43,7 @@ from .registry import find_converter
 logger = logging.getLogger(__name__)
 
 INITIALIZERS = "initializers"  # the container module of parameters and buffers made from initializers
+ONNX_NODE = "onnx_node"  # fx node meta: (ONNX node name, its output names) of the node a call_module computes
 
 
 class LiftError(NotImplementedError):
@@ -150,6 +151,7 @@ class _Builder:
         except Exception as error:
             raise LiftError(f"cannot lift {where}: {error}") from error
         call = self.fx_graph.call_module(name, tuple(args), kwargs)
+        call.meta[ONNX_NODE] = (node.name, tuple(outputs))
         if len(outputs) == 1:
             self.values[outputs[0]] = call
         else:

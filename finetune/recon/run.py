@@ -17,7 +17,7 @@ from finetune.calibrate import CalibrationData
 from finetune.config import FastFinetune, to_dict
 from finetune.export import export_model
 from finetune.formats.compiled import compiled_kernels, resolve_compile
-from finetune.lift import FakeQuantize, LiftedModule, lift_model
+from finetune.lift import FakeQuantize, LiftedModule, check_lifted, lift_model
 from finetune.lift.params import fold_computed_weights
 from finetune.notices import Warnings
 
@@ -127,6 +127,7 @@ def _tune_units(run: _Run, job: Job, fabric: Fabric, cache: ActivationCache,
     device, config, module, reference, units = fabric.device, job.config, run.module, run.reference, run.units
     feeds = CalibrationData(job.data, job.original, limit=config.data_size)
     inputs = cache_inputs(feeds, [info.name for info in feeds.inputs], cache, fabric.global_rank, fabric.world_size)
+    check_lifted(job.original, module, [value.tensor(0, torch.device("cpu")) for value in inputs])  # before any work
     samples = int(sum_across(fabric, [inputs[0].rows])[0])
     if samples < config.batch_size:
         run.warnings.add("fast_finetune.batch_size", f"{config.batch_size} is more than the {samples} calibration samples: "

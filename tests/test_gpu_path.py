@@ -1,11 +1,13 @@
 """The GPU path proven on the CPU: tuning steps run on the meta device, which takes the branches a GPU
 takes (anything but the CPU) and raises on every read of a device value (`.item()`, `bool(t)`,
 `.tolist()`, `.cpu()`, a boolean-mask index), so a step that would make the host wait for a GPU fails
-here. Every algorithm and unit kind on the zoo's digits models, with the methods that join them."""
+here (every algorithm and unit kind on the zoo's digits models, with the methods that join them); and
+ops without a deterministic CUDA kernel are found on the CPU before any work."""
 
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +21,8 @@ from finetune.config import STEP_GROUP, FastFinetune
 from finetune.lift import lift_model
 from finetune.notices import Warnings
 from finetune.quantize import quantize_model
+from finetune.recon import finetune_model
+from finetune.recon.audit import nondeterministic_on_cuda, refuse_nondeterministic
 from finetune.recon.data.batches import Draw
 from finetune.recon.data.cache import ActivationCache
 from finetune.recon.data.losses import Loss
@@ -146,3 +150,51 @@ def test_a_read_in_a_step_fails_on_the_meta_device(digits: dict, monkeypatch: py
         work, methods = next(unit_works(digits["cnn"], "MX4", config, digits["feeds"], cache))
         with pytest.raises((RuntimeError, NotImplementedError), match="meta"):
             meta_steps(work, methods, config, 2)
+
+
+class Upsampling(torch.nn.Module):
+    """Two convolutions with a bilinear upsampling and a reflection padding between them, in one scope
+    (one block unit), then a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3, padding=1), torch.nn.ReLU(),
+                                         torch.nn.Upsample(scale_factor=2, mode="bilinear"), torch.nn.ReflectionPad2d(1),
+                                         torch.nn.Conv2d(4, 4, 3))
+        self.head = torch.nn.Linear(4 * 16 * 16, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.block(x).flatten(1))
+
+
+def test_ops_without_a_deterministic_cuda_kernel_are_found_before_any_work(tmp_path: Path, caplog: pytest.LogCaptureFixture,
+                                                                           digits: dict) -> None:
+    """A block whose step differentiates a bilinear Resize and a reflect Pad is named with both (on CUDA
+    under deterministic: true torch would raise from inside its backward, after the earlier units were
+    tuned); a CPU run tunes and says so at INFO; the digits CNN's steps have none."""
+    x = torch.from_numpy(np.random.default_rng(0).standard_normal((12, 1, 8, 8), np.float32))
+    path = export_onnx(Upsampling().eval(), x[:2], tmp_path / "up.onnx")
+    feeds = [{"x": x[i: i + 4].numpy()} for i in range(0, 12, 4)]
+    quantized = quantize_model(path, "XINT8", feeds).model
+    module = lift_model(quantized)
+    units = find_units(module, ("Conv", "Gemm"), unit="block")
+    found = nondeterministic_on_cuda(module, units, cut(module, units), [torch.from_numpy(feeds[0]["x"])])
+    assert found == {"/block/block": ["linear Resize's gradient (bilinear)", "reflect Pad's gradient"]}
+    assert all(p.grad is None for p in module.parameters())
+    with caplog.at_level(logging.INFO, logger="finetune.recon.audit"):
+        finetune_model(quantized, feeds, FastFinetune(iterations=2, unit="block"))
+    assert "on CUDA with deterministic: true this run would stop: /block/block: linear Resize's gradient" in caplog.text
+    cnn = lift_model(quantize_model(digits["cnn"], "XINT8", digits["feeds"]).model)
+    cnn_units = find_units(cnn, ("Conv", "Gemm"), unit="block")
+    assert nondeterministic_on_cuda(cnn, cnn_units, cut(cnn, cnn_units), [torch.from_numpy(digits["feeds"][0]["x"])]) == {}
+
+
+def test_a_cuda_run_under_deterministic_stops_at_once_or_warns() -> None:
+    found = {"/block": ["linear Resize's gradient (bilinear)"], "/other": ["reflect Pad's gradient"]}
+    with pytest.raises(ValueError, match=r"^unit /block runs linear Resize's gradient \(bilinear\), which has no "
+                                         r"deterministic CUDA kernel \(2 unit\(s\) in all\): set fast_finetune.deterministic: warn"):
+        refuse_nondeterministic(found, torch.device("cuda", 0), True, None)
+    warned = Warnings()
+    refuse_nondeterministic(found, torch.device("cuda", 0), "warn", warned.add)
+    assert [w["unit"] for w in warned] == ["/block", "/other"]
+    refuse_nondeterministic(found, torch.device("cpu"), True, None)  # the CPU has deterministic kernels for them

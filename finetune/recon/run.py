@@ -21,6 +21,7 @@ from finetune.lift import FakeQuantize, LiftedModule, check_lifted, lift_model
 from finetune.lift.params import fold_computed_weights
 from finetune.notices import Warnings
 
+from .audit import nondeterministic_on_cuda, refuse_nondeterministic
 from .checkpoint import Checkpoint, digest, run_fingerprint
 from .data.cache import ActivationCache
 from .data.heldout import hold_out
@@ -32,7 +33,7 @@ from .device import deterministic, host_memory_kept
 from .methods import Method, run_methods
 from .results import UnitResult
 from .tuner import Tuner
-from .units import Unit, cut, find_units
+from .units import Plan, Unit, cut, find_units
 
 logger = logging.getLogger(__name__)
 
@@ -127,7 +128,8 @@ def _tune_units(run: _Run, job: Job, fabric: Fabric, cache: ActivationCache,
     device, config, module, reference, units = fabric.device, job.config, run.module, run.reference, run.units
     feeds = CalibrationData(job.data, job.original, limit=config.data_size)
     inputs = cache_inputs(feeds, [info.name for info in feeds.inputs], cache, fabric.global_rank, fabric.world_size)
-    check_lifted(job.original, module, [value.tensor(0, torch.device("cpu")) for value in inputs])  # before any work
+    plan = cut(module, units)
+    _check_before_any_work(run, job, plan, [value.tensor(0, torch.device("cpu")) for value in inputs], device)
     samples = int(sum_across(fabric, [inputs[0].rows])[0])
     if samples < config.batch_size:
         run.warnings.add("fast_finetune.batch_size", f"{config.batch_size} is more than the {samples} calibration samples: "
@@ -136,7 +138,6 @@ def _tune_units(run: _Run, job: Job, fabric: Fabric, cache: ActivationCache,
     reference.to(device)
     held_out, guard = hold_out(module, reference, units, inputs, config, fabric, run.warnings)
     starts = float_starts(module, reference, units) if reference is not module else {}
-    plan = cut(module, units)
     placeholders = [n.name for n in module.graph.nodes if n.op == "placeholder"]
     floats = FloatStream(reference, units, inputs, cache, device, quantizers_off=reference is module)
     stream = QuantizedStream(plan, placeholders, inputs, cache, device)
@@ -161,6 +162,16 @@ def _tune_units(run: _Run, job: Job, fabric: Fabric, cache: ActivationCache,
         guard.release(cache)
     return tuner, {"float_pass_seconds": floats.seconds, "quantized_stream_seconds": stream.seconds, "samples": samples,
                    "held_out": checked}
+
+
+def _check_before_any_work(run: _Run, job: Job, plan: Plan, sample: list[torch.Tensor], device: torch.device) -> None:
+    """On the first calibration batch, on the CPU, before the streams start: the lifted module computes
+    what onnxruntime computes (lift.check_lifted), and no unit's step runs an op without a deterministic
+    CUDA kernel where a CUDA run asks for determinism (see audit)."""
+    check_lifted(job.original, run.module, sample)
+    with compiled_kernels(False):
+        found = nondeterministic_on_cuda(run.module, run.units, plan, sample)
+    refuse_nondeterministic(found, device, job.config.deterministic, run.warnings.add)
 
 
 def _report(config: FastFinetune, device: torch.device, self_reference: bool, tuner: Tuner, warnings: list[dict[str, str]],

@@ -3,6 +3,9 @@
 #   suite    the whole test suite, CUDA-marked tests included (pytest-xdist when installed)
 #   bench    scripts/bench_finetune.py on the GPU and on this machine's CPU, side by side (JSON)
 #   sync     one tuning run under torch.cuda.set_sync_debug_mode, counting host synchronisations per step
+#   cpusuite the whole suite again with the GPU hidden, on that machine's CPU (another CPU than CI's: the
+#            tests' bounds must hold on any x86-64 CPU)
+# Every phase's exit status and last lines go to $OUT/summary.json as well.
 # Results go to $OUT (default ./gpu_out). Wheels of the packages that machine lacks may lie in ./.whl; an image with
 # torch, onnx, onnxruntime and lightning lacked these (fetch them where pip works, for that machine's Python):
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 -d .whl \
@@ -45,6 +48,21 @@ for phase in "$@"; do
         timeout 180 "$PYTHON" scripts/sync_count.py --device "${SYNC_DEVICE:-cuda:0}" >"$OUT/sync.json" 2>"$OUT/sync.log"
         echo "sync exit $?"
         ;;
-    *) echo "unknown phase $phase (suite, bench, sync)"; exit 2 ;;
+    cpusuite)
+        workers=$("$PYTHON" -c "import xdist" 2>/dev/null && echo "-n ${WORKERS:-12}")
+        # shellcheck disable=SC2086
+        CUDA_VISIBLE_DEVICES="" HIP_VISIBLE_DEVICES="" OMP_NUM_THREADS=1 timeout "${SUITE_SECONDS:-420}" "$PYTHON" -m pytest \
+            -q -p no:cacheprovider $workers -rs tests >"$OUT/cpusuite.log" 2>&1
+        echo "cpusuite exit $?" >>"$OUT/cpusuite.log"
+        tail -5 "$OUT/cpusuite.log"
+        ;;
+    *) echo "unknown phase $phase (suite, bench, sync, cpusuite)"; exit 2 ;;
     esac
 done
+"$PYTHON" - "$OUT" <<'PY'
+import json, pathlib, sys
+out = pathlib.Path(sys.argv[1])
+summary = {path.stem: path.read_text(errors="replace").splitlines()[-6:] for path in sorted(out.glob("*.log"))}
+summary["json"] = {path.stem: json.loads(path.read_text() or "null") for path in sorted(out.glob("bench_*.json")) if path.stat().st_size}
+(out / "summary.json").write_text(json.dumps(summary, indent=1))
+PY

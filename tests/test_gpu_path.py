@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import onnx
 import pytest
 import torch
 
@@ -31,6 +32,7 @@ from finetune.recon.data.streams import FloatStream, QuantizedStream, cache_inpu
 from finetune.recon.methods import UnitWork, run_methods
 from finetune.recon.optimisation import Optimisation
 from finetune.recon.units import cut, find_units
+from finetune import zoo
 from finetune.zoo import digits_split, export_onnx, train_digits_cnn, train_digits_transformer
 
 from .recon_helpers import one_thread  # noqa: F401  (autouse fixture)
@@ -198,3 +200,28 @@ def test_a_cuda_run_under_deterministic_stops_at_once_or_warns() -> None:
     refuse_nondeterministic(found, torch.device("cuda", 0), "warn", warned.add)
     assert [w["unit"] for w in warned] == ["/block", "/other"]
     refuse_nondeterministic(found, torch.device("cpu"), True, None)  # the CPU has deterministic kernels for them
+
+
+def _zoo_inputs(name: str) -> tuple[Path, np.ndarray]:
+    """A registry model of the zoo and a few real inputs for it."""
+    if name == "magika":
+        return zoo.magika_onnx_path(), zoo.magika_samples(2)[0][:4]
+    if name == "text angle classifier":
+        return zoo.text_angle_classifier_onnx_path(), zoo.text_angle_lines(4)
+    return zoo.text_recognizer_onnx_path(), zoo.text_lines(2)
+
+
+@pytest.mark.parametrize("name", ["digits cnn", "digits transformer", "magika", "text angle classifier", "text recognizer"])
+def test_quantized_zoo_models_run_forward_on_the_meta_device(digits: dict, name: str) -> None:
+    """The streams run whole segments forward on the device: every zoo model quantized at MX4 runs
+    forward on the meta device, reading nothing there (magika's Expand shapes, computed from Shape,
+    stay on the host). silero's voice detectors are not here: an If's condition is read on the host
+    by design, once per call."""
+    if name.startswith("digits"):
+        path, x = digits[name.split()[1]], digits["feeds"][0]["x"]
+    else:
+        path, x = _zoo_inputs(name)
+    input_name = onnx.load(str(path)).graph.input[0].name
+    module = lift_model(quantize_model(path, "MX4", [{input_name: x}]).model).to(META)
+    outputs = module(torch.empty(x.shape, dtype=torch.from_numpy(x).dtype, device=META))
+    assert all(o.device == META for o in (outputs if isinstance(outputs, tuple) else (outputs,)))

@@ -1,11 +1,13 @@
 """Shape arithmetic kept on the host. A graph that computes a Reshape's target from `Shape` (a
 transformer's batch and head sizes) would, on a GPU, copy each shape to the device and read each
 target back: a synchronisation per op, 18 per training step of the digits transformer. Where a
-`Shape` output only flows through integer arithmetic into the shape inputs of Reshape, Slice and
-Pad, that whole region runs on the CPU: its Shape returns a CPU tensor and each of its ops holds
-the constants it reads as CPU tensors of its own (plain attributes, which moving the model leaves
-where they are). On the CPU nothing changes; a region that reaches anything else stays on the
-device, as before."""
+`Shape` output only flows through integer arithmetic into the shape inputs of Reshape, Slice, Pad
+and Expand, that whole region runs on the CPU: its Shape returns a CPU tensor and each of its ops
+holds the constants it reads as CPU tensors of its own (plain attributes, which moving the model
+leaves where they are): integer ones even where device ops read them too (exporters share a Slice's
+0 and 1), float ones only where the region alone reads them (a float initializer may be a weight
+tuning trains). On the CPU nothing changes; a region that reaches anything else stays on the device,
+as before."""
 
 from __future__ import annotations
 
@@ -21,7 +23,8 @@ from torch import nn
 HOST_OPS = frozenset({"Shape", "Gather", "Unsqueeze", "Squeeze", "Concat", "Slice", "Reshape", "Mul", "Add", "Sub", "Div",
                       "Mod", "Cast", "Floor", "Ceil", "Neg", "Abs", "Min", "Max", "Identity", "ReduceProd"})
 # The inputs of the ops that read a tensor's values on the host anyway (our converters call tolist()).
-HOST_READS = {"Reshape": {1}, "Slice": {1, 2, 3, 4}, "Pad": {1, 2, 3}}
+HOST_READS = {"Reshape": {1}, "Slice": {1, 2, 3, 4}, "Pad": {1, 2, 3}, "Expand": {1}}
+INTEGER_TYPES = frozenset({onnx.TensorProto.INT64, onnx.TensorProto.INT32})
 
 
 @dataclass(frozen=True)
@@ -39,8 +42,9 @@ def host_shapes(graph: onnx.GraphProto) -> HostShapes:
     view = _GraphView(graph)
     region = view.grow(set(view.nodes))
     while True:
-        constants = {name for name in view.initializers
-                     if view.readers[name] and all(reader.name in region for reader, _ in view.readers[name])}
+        constants = {name for name in view.initializers if view.readers[name] and (
+            name in view.integers and any(reader.name in region for reader, _ in view.readers[name])
+            or all(reader.name in region for reader, _ in view.readers[name]))}
         kept = view.grow({name for name in region if view.safe(view.nodes[name], region, constants)})
         if kept == region:
             return HostShapes(frozenset(region), frozenset(constants))
@@ -59,6 +63,7 @@ class _GraphView:
             for position, name in enumerate(node.input):
                 self.readers[name].append((node, position))
         self.initializers = {i.name for i in graph.initializer}
+        self.integers = {i.name for i in graph.initializer if i.data_type in INTEGER_TYPES}  # never a trained weight
         self.outputs = {o.name for o in graph.output}
 
     def grow(self, allowed: set[str]) -> set[str]:

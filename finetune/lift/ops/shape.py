@@ -1,7 +1,7 @@
 """Converters for ops steered by integer inputs (shape, pads, split sizes, slice bounds) that may be
 constant or computed: Reshape with allowzero, Pad with optional axes and every mode, Split-18 with
-num_outputs, Slice with constant bounds, Squeeze, Unsqueeze and Gather with constant axes and indices held on
-the host; and Size."""
+num_outputs, Slice with constant bounds, Squeeze, Unsqueeze, Gather and Expand with constant axes, indices
+and shapes held on the host; and Size."""
 
 from __future__ import annotations
 
@@ -225,3 +225,25 @@ def _gather(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
     index = int(graph.initializers[name].to_torch()) if scalar else None
     module = Gather(node.attributes.get("axis", 0), index)
     return converted(module, node_mapping(node, node.input_values[:1] if scalar else None))
+
+
+class Expand(nn.Module):
+    """ONNX Expand: the input broadcast with a shape (fixed when constant, else read per call; a
+    shape computed from `Shape` is on the host: see host_shapes), as a view, without onnx2torch's
+    multiplication by a tensor of ones."""
+
+    def __init__(self, shape: tuple[int, ...] | None):
+        super().__init__()
+        self.shape = shape
+
+    def forward(self, x: torch.Tensor, shape: torch.Tensor | None = None) -> torch.Tensor:
+        target = self.shape if self.shape is not None else tuple(int(size) for size in shape.tolist())
+        return torch.broadcast_to(x, torch.broadcast_shapes(x.shape, target))
+
+
+@register("Expand", (8, 13))
+def _expand(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
+    """Expand with its shape a tuple of Python integers where constant, else an input."""
+    static = is_constant_or_absent(node, graph, 1)
+    module = Expand(constant_ints(node, graph, 1) if static else None)
+    return converted(module, node_mapping(node, node.input_values[: 1 if static else 2]))

@@ -28,7 +28,6 @@ from .data.heldout import local_chunks
 from .data.losses import Loss, evaluate, kept_or_reverted
 from .data.rows import UnitData, unit_data
 from .data.shards import sum_across
-from .hooks import check_callbacks
 from .methods import Method, UnitWork, run_methods
 from .optimisation import Optimisation, Schedule
 from .rates import RateSearch, search_rate, unit_lr
@@ -58,7 +57,7 @@ class Tuner:
         self.rate_search: RateSearch | None = None  # what lr: auto tried, once it has (see rates)
         self._factor = 1.0  # on the default rates: what lr: auto chose
         self.fabric = fabric  # holds the callbacks; over several processes, their process group
-        self._step_hooks = [c.on_step_end for c in check_callbacks(callbacks) if callable(getattr(c, "on_step_end", None))]
+        self._step_hooks = [c.on_step_end for c in callbacks if callable(getattr(c, "on_step_end", None))]  # api checked them
 
     def __enter__(self) -> Self:
         self.fabric.call("on_run_start", tuner=self, units=self.units)

@@ -226,21 +226,23 @@ def _input_quantizer(module: LiftedModule, layer: Layer) -> str | None:
     return arg.target if isinstance(found, FakeQuantize) and isinstance(found.spec, IntSpec) else None
 
 
-def with_learned_scales(module: LiftedModule, units: list[Unit], learn_scales: str, warnings: Warnings) -> list[Unit]:
-    """The units with the quantizer buffers they learn; a quantizer whose scale cannot be learned is a
-    warning, and a model with none at all an error."""
+def with_learned_scales(module: LiftedModule, units: list[Unit], learn_scales: str,
+                        warnings: Warnings) -> tuple[list[Unit], dict[str, Learning]]:
+    """The units with the quantizer buffers they learn, and what each learns by unit name; a quantizer
+    whose scale cannot be learned is a warning, and a model with none at all an error."""
     learns = LEARNS[learn_scales]
-    result = []
+    result, learnings = [], {}
     for unit in units:
         learning, skipped = unit_learning(module, unit, learns, units)
         for where, why in skipped:
             warnings.add(where, f"learn_scales: {why}")
         result.append(replace(unit, scales=learning.buffers(module)))
+        learnings[unit.name] = learning
     if not any(unit.scales for unit in result):
         raise ValueError(f"fast_finetune.adaquant.learn_scales: {learn_scales}: no unit has an INT {' or '.join(learns)} "
                          "quantizer, so there is no scale to learn (BFP, MX and float formats have none; a layer unit's "
                          "input quantizer lies outside it: use unit: block or include_output_quant) or set learn_scales: false")
-    return result
+    return result, learnings
 
 
 class ScaleLearning(Method):
@@ -254,9 +256,7 @@ class ScaleLearning(Method):
         """The units with the buffers they learn, what each learns (its quantizers and tied int32 biases,
         found once, before the model moves to its device: finding a tied bias compares scale values) and
         those buffers' values before tuning (for the report)."""
-        learns = LEARNS[self.config.adaquant.learn_scales]
-        units = with_learned_scales(module, units, self.config.adaquant.learn_scales, warnings)
-        self.learnings = {unit.name: unit_learning(module, unit, learns if unit.scales else (), units)[0] for unit in units}
+        units, self.learnings = with_learned_scales(module, units, self.config.adaquant.learn_scales, warnings)
         self.untuned = scale_snapshot(module, units)
         return units
 

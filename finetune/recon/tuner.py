@@ -128,7 +128,8 @@ class Tuner:
         if not after.finite:
             self.warnings.add(unit.name, f"{status}; the weights before tuning are kept (a lower lr may help)")
         rejected = after.judged if status == "reverted" else None
-        return self._finish(k, module, work.before, kept, status, iterations, begin, records, rejected, best if status == "kept" else None)
+        return self._finish(k, module, work.before, kept, status, iterations, begin, records, rejected,
+                            best if status == "kept" else None)
 
     def _work(self, k: int, module: LiftedModule, data: UnitData, starts: dict[str, torch.Tensor]) -> UnitWork:
         """Unit k's work, with its loss before tuning; a loss that is not finite is an error."""

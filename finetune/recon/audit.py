@@ -14,6 +14,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from finetune.lift import LiftedModule
+from finetune.lift.graph import Segment
 
 from .units import Plan, Unit
 
@@ -62,12 +63,12 @@ def nondeterministic_on_cuda(module: LiftedModule, units: list[Unit], plan: Plan
     values = dict(zip(placeholders, sample))
     found: dict[str, list[str]] = {}
     for k, unit in enumerate(units):
-        _run(plan.gaps[k].module, plan.gaps[k].inputs, plan.gaps[k].outputs, values)
+        _run(plan.gaps[k], values)
         names = _step_ops(plan.train[k], [values[unit.input], *(values[side.name] for side in unit.side_inputs)])
         ops = sorted({NONDETERMINISTIC_ON_CUDA[name] for name in names if name in NONDETERMINISTIC_ON_CUDA})
         if ops:
             found[unit.name] = ops
-        _run(plan.units[k].module, plan.units[k].inputs, plan.units[k].outputs, values)
+        _run(plan.units[k], values)
         for name in [name for name in values if plan.last_use.get(name, -1) <= 2 * k + 1]:
             del values[name]  # nothing later reads it
     for parameter in module.parameters():
@@ -75,10 +76,10 @@ def nondeterministic_on_cuda(module: LiftedModule, units: list[Unit], plan: Plan
     return found
 
 
-def _run(segment: torch.nn.Module, inputs: tuple[str, ...], outputs: tuple[str, ...], values: dict[str, Any]) -> None:
+def _run(segment: Segment, values: dict[str, Any]) -> None:
     """One segment on the values it reads, its outputs added to them."""
     with torch.no_grad():
-        values.update(zip(outputs, segment(*(values[name] for name in inputs))))
+        values.update(zip(segment.outputs, segment.module(*(values[name] for name in segment.inputs))))
 
 
 def _step_ops(train: torch.nn.Module, inputs: list[Any]) -> set[str]:

@@ -229,6 +229,8 @@ FINETUNE_FLAGS: dict[str, tuple[str, str]] = {
     "--validation-share": ("validation_share", "share of the calibration batches held out of training, on which units "
                                                "are kept or reverted and the tuned model is checked against the untuned "
                                                "one (0: none)"),
+    "--threads": ("threads", "torch threads while tuning on the CPU (auto: one for small steps, else the CPUs other "
+                             "jobs leave free; a number pins it, and with it the last bits)"),
     "--compile": ("compile", "compile the quantize-dequantize kernels with torch.compile, same bits (auto: where a "
                              "compiler is at hand, a C++ compiler on the CPU, Triton on a GPU; true: fail without one)"),
 }

@@ -328,7 +328,9 @@ def run_case(model: str, preset: str, directory: Path, iterations: int, adaquant
         "activation_cache_peak_mb_in_memory": report["cache"]["peak_bytes_in_memory"] / 2**20,
         "activation_cache_peak_mb_on_disk": report["cache"]["peak_bytes_on_disk"] / 2**20,
         "peak_rss_mb": peak_rss_mb(),
-        "threads": torch.get_num_threads(),
+        "threads": torch.get_num_threads(), "thread_counts": report["threads"]["counts"] if report["threads"] else None,
+        "threads_may_follow_load": report["threads"]["bytes_may_follow_load"] if report["threads"] else None,
+        "kernels": report["kernels"],
         "device": report["device"], "processes": report["processes"],
         "gpu_peak_mb": torch.cuda.max_memory_allocated() / 2**20 if device != "cpu" and devices == 1 else None,
     }

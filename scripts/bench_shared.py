@@ -22,8 +22,9 @@ from pathlib import Path
 from typing import Any
 
 PROFILE = Path(__file__).with_name("profile_step.py")
-# name -> (torch threads, extra environment)
-SETTINGS: dict[str, tuple[int, dict[str, str]]] = {
+# name -> (fast_finetune.threads, extra environment); the first is the default, which the others are compared with
+SETTINGS: dict[str, tuple[int | str, dict[str, str]]] = {
+    "auto (the default)": ("auto", {}),
     "2 threads": (2, {}),
     "2 threads, OMP_WAIT_POLICY=PASSIVE": (2, {"OMP_WAIT_POLICY": "PASSIVE"}),
     "2 threads, GOMP_SPINCOUNT=10000": (2, {"GOMP_SPINCOUNT": "10000"}),
@@ -34,7 +35,7 @@ LOAD = ("import torch\ntorch.set_num_threads(2)\na = torch.randn(512, 512)\n"
         "while True:\n    a = torch.tanh(a @ a * 1e-3)\n")
 
 
-def step_ms(case: str, iterations: int, threads: int, environment: dict[str, str], compile_kernels: str) -> float:
+def step_ms(case: str, iterations: int, threads: int | str, environment: dict[str, str], compile_kernels: str) -> float:
     """The median step time (ms) of one bare profile_step run in a fresh process."""
     command = [sys.executable, str(PROFILE), "--bare", "--cases", case, "--iterations", str(iterations),
                "--threads", str(threads), "--compile", compile_kernels]
@@ -65,7 +66,7 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
                 for job in jobs:
                     job.kill()
                     job.wait()
-    baseline = statistics.median(alone["2 threads"])
+    baseline = statistics.median(alone[next(iter(SETTINGS))])
     rows = []
     for name in SETTINGS:
         quiet, busy = statistics.median(alone[name]), statistics.median(loaded[name])

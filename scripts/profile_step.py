@@ -144,19 +144,19 @@ def functions(profile: cProfile.Profile, steps: int) -> list[dict[str, Any]]:
 
 
 def run(case: str, iterations: int, folder: Path, profiles: bool = True, compile_kernels: str | bool = "auto",
-        overhead: bool = False) -> dict[str, Any]:
+        overhead: bool = False, threads: int | str = "auto") -> dict[str, Any]:
     """One case: bare step times, then (with `overhead`) the quantization overhead and (with
     `profiles`) the two profiles, each over a run of its own."""
     model_name, preset, algorithm, unit = CASES[case]
     quantized, feeds = prepare(model_name, preset, folder)
     config = FastFinetune(algorithm=algorithm, unit=unit, iterations=iterations, seed=0, early_stop={"enabled": False},
-                          compile=compile_kernels)
+                          compile=compile_kernels, threads=threads)
     bare: list[float] = []
     with timed_steps(bare):
-        finetune_model(quantized, feeds, config)
+        _, report = finetune_model(quantized, feeds, config)
     steps = len(bare)
     timing = {"case": case, "algorithm": algorithm, "unit": unit, "compile": compile_kernels, "steps": steps,
-              "threads": torch.get_num_threads(),
+              "threads": threads, "thread_counts": report["threads"]["counts"],
               "ms_per_step": round(1e3 * sum(bare) / steps, 3), "ms_per_step_median": round(1e3 * sorted(bare)[steps // 2], 3)}
     if overhead:
         timing["quantization_overhead"] = quantization_overhead(lambda: finetune_model(quantized, feeds, config))
@@ -186,21 +186,21 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {','.join(CASES)}")
     parser.add_argument("--iterations", type=int, default=200, help="steps per unit (default 200)")
-    parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default 2)")
+    parser.add_argument("--threads", type=lambda text: text if text == "auto" else int(text), default="auto",
+                        help="fast_finetune.threads: torch intra-op threads while tuning (default auto)")
     parser.add_argument("--bare", action="store_true", help="step times only, no profiles (for side-by-side timing)")
     parser.add_argument("--overhead", action="store_true",
                         help="also the quantization overhead: steps over the same steps with the quantizers off")
     parser.add_argument("--compile", choices=["auto", "true", "false"], default="auto",
                         help="fast_finetune.compile (default auto: compiled kernels where a compiler is at hand)")
     args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
     results = []
     with tempfile.TemporaryDirectory() as folder:
         for case in args.cases.split(","):
             print(f"case {case}", file=sys.stderr)
             setting = {"auto": "auto", "true": True, "false": False}[args.compile]
             results.append(run(case, args.iterations, Path(folder), profiles=not args.bare, compile_kernels=setting,
-                               overhead=args.overhead))
+                               overhead=args.overhead, threads=args.threads))
     json.dump(results, sys.stdout, indent=1)
     print()
 

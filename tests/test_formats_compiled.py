@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -34,13 +36,14 @@ from finetune.formats import (
     int_quantize_dequantize,
     quantize_dequantize,
 )
-from finetune.formats import compiled
+from finetune.formats import compiled, kernels
 from finetune.formats.compiled import (
     EAGER_FORMATS,
     compiled_kernels,
     quantize_dequantize_compiled,
     resolve_compile,
 )
+from finetune.formats.kernels import WARM_INDEX
 from finetune.formats.packed import pack_mask, unpack_mask
 from finetune.lift import FakeQuantize
 
@@ -235,3 +238,48 @@ def test_a_missing_cpp_compiler_is_named() -> None:
         assert compiled.compiler_missing(torch.device("cpu")) == (
             "a C++ compiler ('no-such-compiler-here' does not run; install one or set CXX)")
     assert compiled.compiler_missing(torch.device("cpu")) is None
+
+
+@pytest.fixture
+def fresh_kernels(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """No kernel compiled earlier in the process, and an empty record of warm kernels (its path returned)."""
+    index = tmp_path / WARM_INDEX
+    monkeypatch.setattr(compiled, "_kernels", {})
+    monkeypatch.setattr(kernels, "warm_index", lambda: index)
+    kernels.warm_kernels.cache_clear()
+    yield index
+    kernels.warm_kernels.cache_clear()
+
+
+def test_a_run_compiles_on_training_calls_that_pay_and_records_the_cost(fresh_kernels: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pass without gradients (the streams', the held-out loss) never starts a compile, however large;
+    a training call whose elements x calls ahead reach the payback does, and the record says what it
+    cost and lists the kernel as warm for later runs."""
+    x = data((4, 96))
+    monkeypatch.setattr(compiled, "PAYBACK_ELEMENT_CALLS", x.numel() * 10)
+    with compiled_kernels(True, calls_ahead=10) as use:
+        with torch.no_grad():
+            assert_same_bits(quantize_dequantize_compiled(x, MXFP4), quantize_dequantize(x, MXFP4))
+        assert (use.summary()["kernels"], use.summary()["shapes_left_eager_as_too_few_calls"]) == (0, 1)
+        trained = x.clone().requires_grad_()
+        assert_same_bits(quantize_dequantize_compiled(trained, MXFP4), quantize_dequantize(x, MXFP4))
+    summary = use.summary()
+    assert summary["kernels"] == 1 and summary["shapes_left_eager_as_too_few_calls"] == 0
+    assert summary["compiles"] >= 1 and summary["warm_compiles"] == 0 and summary["compile_seconds"] > 0
+    assert fresh_kernels.read_text().split() == [kernels.digest(next(iter(compiled._kernels)))]
+
+
+def test_a_kernel_the_cache_holds_pays_from_a_smaller_run(fresh_kernels: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Too few calls for a cold compile, enough for a warm one: eager until the record lists the kernel."""
+    x = data((4, 80)).requires_grad_()
+    monkeypatch.setattr(compiled, "PAYBACK_ELEMENT_CALLS", x.numel() * 10 * 2)
+    with compiled_kernels(True, calls_ahead=10) as cold:
+        quantize_dequantize_compiled(x, MXFP4)
+    assert cold.summary()["kernels"] == 0 and cold.summary()["shapes_left_eager_as_too_few_calls"] == 1
+    key = next(iter(cold.not_worth))
+    fresh_kernels.write_text(kernels.digest(key) + "\n")
+    kernels.warm_kernels.cache_clear()
+    with compiled_kernels(True, calls_ahead=10) as warm:
+        assert_same_bits(quantize_dequantize_compiled(x, MXFP4), quantize_dequantize(x.detach(), MXFP4))
+    assert warm.summary()["kernels"] == 1 and warm.summary()["warm_compiles"] == warm.summary()["compiles"] >= 1

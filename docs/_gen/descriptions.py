@@ -81,6 +81,10 @@ DESCRIPTIONS: dict[str, str] = {
     "FastFinetune.gptq_init": "Start AdaRound or AdaQuant from GPTQ's weights.",
     "FastFinetune.compile": "Run the quantize-dequantize kernels through torch.compile (same bits); `auto`: where a compiler "
                             "is at hand, `true`: fail without one, `false`: eager.",
+    "FastFinetune.threads": "torch's intra-op threads while tuning on the CPU. `auto`: one thread for a unit whose step "
+                            "is too small to gain from more, else the CPUs of this process (affinity, cgroup quota) that "
+                            "other jobs leave free, chosen per unit; a number pins it (as OMP_NUM_THREADS does), and "
+                            "with it the last bits of the tuned weights.",
     "FastFinetune.bias_correction": "Add each layer's mean float-minus-quantized output error per channel (training rows) to "
                                     "its bias before and after tuning, kept where the held-out loss does not rise "
                                     "(Quark: `BiasCorrection`); `auto`: on alone (iterations 0), with AdaRound and GPTQ, off with AdaQuant and for weights stored as "

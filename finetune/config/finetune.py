@@ -114,7 +114,10 @@ class FastFinetune(Section):
     on `nodes` machines, each holding a share of the calibration batches, launched by the Lightning
     Fabric `strategy`; an auto_mixed_precision search splits its sensitivity over them too), and
     quantize-dequantize kernels compiled by torch.compile where a compiler is at hand (`compile:
-    auto`; `true` requires one, `false` stays eager; the bits are the same either way).
+    auto`; `true` requires one, `false` stays eager; the bits are the same either way), and on the
+    CPU torch's intra-op threads chosen per unit (`threads: auto`: one thread for a step too small
+    to gain from more, else the CPUs of this process that other jobs leave free; a number pins it,
+    as OMP_NUM_THREADS does; see recon.threads).
     `validation_share` (default 0.2) of the calibration batches, drawn with the seed, are held out
     of training: each unit's loss there is measured every few steps, early stopping reads it, and
     the unit ends at its lowest measurement (its weights, or AdaRound's rounding variables, as they
@@ -154,6 +157,7 @@ class FastFinetune(Section):
     gptq: GPTQ = field(default_factory=GPTQ)
     gptq_init: bool = False
     compile: Literal["auto", True, False] = "auto"
+    threads: int | Literal["auto"] = field(default="auto", metadata={"min": 1})
     bias_correction: Literal["auto", True, False] = "auto"
     adaquant: AdaQuant = field(default_factory=AdaQuant)
     update_bias: InitVar[Any] = None  # MOVED_TO_ADAQUANT: read into the adaquant section, with a warning

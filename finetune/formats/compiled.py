@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import types
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -19,12 +18,9 @@ from typing import Any, Literal
 
 import torch
 
-from . import BFPSpec, FloatSpec, FormatSpec, IntSpec, MXSpec, format_values, int_quantize_dequantize, quantize_dequantize
-from .bfp import ordinary_input as bfp_ordinary_input
-from .bits import assume_ordinary, straight_through
-from .blocks import block_axis
-from .mx import ordinary_input as mx_ordinary_input
-from .packed import all_groups, group_size, pack_mask, unpack_mask
+from . import FloatSpec, FormatSpec, IntSpec, format_values, int_quantize_dequantize, kernels, quantize_dequantize
+from .bits import straight_through
+from .kernels import Kernel, Key
 
 logger = logging.getLogger(__name__)
 
@@ -37,11 +33,6 @@ EAGER_FORMATS: dict[str, str] = {
     "a learned scale": "its gradient reaches the scale, which the kernels' straight-through gradient does not carry",
 }
 
-# Inductor settings every kernel needs for eager's bits: a cast to a narrower float and back rounds
-# (by default inductor drops the pair, and with it the rounding of BF16, FP16, FP8 and the bfloat16
-# pre-rounding of BFP).
-INDUCTOR_OPTIONS = {"emulate_precision_casts": True}
-
 # Tensors smaller than this stay eager in a run (FakeQuantize): there a compiled call's fixed cost
 # (guards, the autograd function, the kernel lookup: some 20-30 us) outweighs its gain. Measured on
 # 2 shared cores, forward + backward, one thread: INT8 per tensor 159 vs 134 us eager at 6272
@@ -49,13 +40,17 @@ INDUCTOR_OPTIONS = {"emulate_precision_casts": True}
 # took 5.7 ms compiled against 5.0 ms eager at MX4, 2.2 against 2.1 ms at XINT8.
 MIN_COMPILED_ELEMENTS = 1 << 16
 
-# A kernel is compiled for a new shape only where the run's calls can pay for the compile: elements x
+# A kernel is compiled for a new shape only where the run's training calls can pay for the compile: elements x
 # calls ahead (a unit's iterations) at least this. A cold compile of a block format's kernels took 7.5-8 s
 # per shape, and saved 6-17 ns per element and call (MX4, BFP16, forward + backward at 0.6M and 6.4M
 # elements, one thread on 2 loaded cores); at 8 s and 8 ns that is 1e9. PP-OCR's angle classifier
 # (54 layers of distinct shapes up to 0.6M elements at batch 16) otherwise spent 6 of its 6.3 minutes
 # of a 20-iteration run compiling. A kernel compiled earlier in the process is used whatever the size.
 PAYBACK_ELEMENT_CALLS = 10**9
+
+# A shape whose kernels inductor's on-disk cache already holds (WARM_INDEX says so) compiles in 0.2-0.6 s
+# instead of 7.5-8: it pays from this share of PAYBACK_ELEMENT_CALLS on.
+WARM_SHARE = 1 / 16
 
 # Compiled kernels held at most: each is one graph (two where an input of batch 1 came too); past it a
 # kernel runs eager, so a model of many shapes cannot compile without end.
@@ -105,14 +100,17 @@ class KernelUse:
     compiled: bool
     eager_formats: dict[str, str]
     calls_ahead: int | None = None  # how often each kernel will run (None: unknown, compile every shape)
-    used: set[_Key] = field(default_factory=set)
+    used: set[Key] = field(default_factory=set)
     over_limit: int = 0
-    not_worth: set[_Key] = field(default_factory=set)
+    not_worth: set[Key] = field(default_factory=set)
+    compiles: list[tuple[bool, float]] = field(default_factory=list)  # (warm, seconds) of each compile in the run
 
     def summary(self) -> dict[str, Any]:
-        """The report's entry."""
+        """The report's entry: what ran compiled, what stayed eager and why, and what compiling cost."""
         return {"compiled": self.compiled, "eager_formats": dict(self.eager_formats), "kernels": len(self.used),
-                "kernels_over_limit": self.over_limit, "shapes_left_eager_as_too_few_calls": len(self.not_worth)}
+                "kernels_over_limit": self.over_limit, "shapes_left_eager_as_too_few_calls": len(self.not_worth),
+                "compiles": len(self.compiles), "warm_compiles": sum(warm for warm, _ in self.compiles),
+                "compile_seconds": round(sum(seconds for _, seconds in self.compiles), 3)}
 
 
 _use: KernelUse | None = None  # set by compiled_kernels while a run wants compiled kernels
@@ -184,112 +182,6 @@ def record_eager(reason: str) -> None:
         _use.eager_formats[reason] = EAGER_FORMATS[reason]
 
 
-@dataclass(frozen=True)
-class _Key:
-    """What one compiled kernel serves: a format on inputs of one shape and layout (batch axis None
-    where it is dynamic), on one device, with scale and zero point of given shapes (None: absent)."""
-
-    spec: FormatSpec
-    shape: tuple[int | None, ...]
-    stride: tuple[int, ...]
-    device: torch.device
-    scale: tuple[int, ...] | None
-    zero_point: tuple[int, ...] | None
-
-
-class _Kernel:
-    """One format's compiled kernels on inputs of one shape: the forward of a training step (x,
-    scale, zero point -> y and what its gradient needs) and the straight-through gradient. INT and
-    float formats compile their values alone, keep x and recompute the mask from it (a saved
-    boolean mask costs more: inductor stores booleans slowly on the CPU). Block formats write their
-    mask packed to a bit per element in the forward's pass (packed.py); on the CPU they first run a
-    kernel without the rare-case fixes and check in the same pass that x needed none (nearly always
-    so), running the general kernel only where it did. Each kernel has its own code object, because
-    dynamo keeps compiled graphs per code object and stops compiling one past its recompile limit."""
-
-    def __init__(self, key: _Key, number: int) -> None:
-        spec = key.spec
-        self.dynamic_batch = key.shape[:1] == (None,)
-        self.blocked = isinstance(spec, (BFPSpec, MXSpec))
-        self.speculates = self.blocked and key.device.type == "cpu"
-        group = group_size(spec.block_size) if isinstance(spec, (BFPSpec, MXSpec)) else 0
-
-        def values(x: torch.Tensor, scale: torch.Tensor | None, zero_point: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
-            return (format_values(x, spec, scale, zero_point, with_mask=False)[0],)
-
-        def forward(x: torch.Tensor, scale: torch.Tensor | None, zero_point: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-            y, passes = format_values(x, spec, scale, zero_point, with_mask=True)
-            return y, None if passes is None else pack_mask(passes, block_axis(x, spec.axis), group)
-
-        def gradient(saved: torch.Tensor, grad: torch.Tensor, scale: torch.Tensor | None,
-                     zero_point: torch.Tensor | None) -> torch.Tensor:
-            if self.blocked:
-                passes = unpack_mask(saved, grad.shape, block_axis(grad, spec.axis), group)
-            else:
-                passes = format_values(saved, spec, scale, zero_point, with_mask=True)[1]
-            return grad if passes is None else torch.where(passes, grad, 0.0)
-
-        def checked(fn: Callable[..., tuple[torch.Tensor | None, ...]]) -> Callable[..., tuple[torch.Tensor | None, ...]]:
-            def run(x: torch.Tensor, scale: torch.Tensor | None, zero_point: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-                return *fn(x, scale, zero_point), all_groups(_ordinary_input(x, spec), block_axis(x, spec.axis), group)
-            return run
-
-        def compiled(fn: types.FunctionType, name: str) -> Callable[..., Any]:
-            return torch.compile(_own_code(fn, f"qdq_{name}_{number}"), dynamic=False, options=INDUCTOR_OPTIONS)
-
-        self._gradient = compiled(gradient, "gradient")
-        if self.blocked:
-            self._forward = compiled(forward, "forward")
-        else:
-            self._values = compiled(values, "values")
-        if self.speculates:
-            self._ordinary_forward = compiled(checked(forward), "ordinary_forward")
-
-    def values(self, x: torch.Tensor, scale: torch.Tensor | None, zero_point: torch.Tensor | None) -> torch.Tensor:
-        """The quantized values of float32 x (no autograd). A block format runs its forward, whose
-        packed mask costs little, rather than compile a kernel more."""
-        if self.blocked:
-            return self.forward(x, scale, zero_point)[0]
-        return self._values(self._batch_dynamic(x), scale, zero_point)[0]
-
-    def forward(self, x: torch.Tensor, scale: torch.Tensor | None,
-                zero_point: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The quantized values of float32 x and what `gradient` takes for it: x itself, or for a
-        block format its packed mask."""
-        x = self._batch_dynamic(x)
-        if not self.blocked:
-            return self._values(x, scale, zero_point)[0], x
-        if self.speculates:
-            return self._speculate(self._ordinary_forward, self._forward, x, scale, zero_point)
-        return self._forward(x, scale, zero_point)
-
-    def gradient(self, saved: torch.Tensor | None, grad: torch.Tensor, scale: torch.Tensor | None,
-                 zero_point: torch.Tensor | None, layout: torch.memory_format) -> torch.Tensor:
-        """The straight-through gradient for the incoming `grad`, from what `forward` returned."""
-        if saved is None:
-            return grad
-        grad = self._batch_dynamic(grad.contiguous(memory_format=layout))
-        return self._gradient(self._batch_dynamic(saved), grad, scale, zero_point)
-
-    @staticmethod
-    def _speculate(ordinary: Callable[..., Any], general: Callable[..., Any], *args: Any) -> tuple[Any, ...]:
-        """The ordinary kernel's results where its check found x ordinary, else the general one's."""
-        with assume_ordinary():
-            *results, is_ordinary = ordinary(*args)
-        return tuple(results) if bool(is_ordinary) else general(*args)
-
-    def _batch_dynamic(self, t: torch.Tensor) -> torch.Tensor:
-        """t with its batch axis marked dynamic where the kernel's is, so batches of any size share a graph."""
-        if self.dynamic_batch:
-            torch._dynamo.maybe_mark_dynamic(t, 0)
-        return t
-
-
-def _ordinary_input(x: torch.Tensor, spec: FormatSpec) -> torch.Tensor:
-    """Where the block format `spec` takes its ordinary path on x, element-wise (see the formats' ordinary_input)."""
-    return bfp_ordinary_input(x, spec) if isinstance(spec, BFPSpec) else mx_ordinary_input(x, spec)
-
-
 def _layout(x: torch.Tensor) -> torch.memory_format:
     """x's memory format (channels last or contiguous), for the incoming gradient to match it."""
     if x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last):
@@ -297,32 +189,55 @@ def _layout(x: torch.Tensor) -> torch.memory_format:
     return torch.contiguous_format
 
 
-def _own_code(fn: types.FunctionType, name: str) -> types.FunctionType:
-    """fn with a code object of its own, named `name` (dynamo's logs show it)."""
-    return types.FunctionType(fn.__code__.replace(co_name=name, co_qualname=name), fn.__globals__, name,
-                              fn.__defaults__, fn.__closure__)
+_kernels: dict[Key, Kernel] = {}
 
 
-_kernels: dict[_Key, _Kernel] = {}
-
-
-def _kernel(spec: FormatSpec, x: torch.Tensor, scale: torch.Tensor | None, zero_point: torch.Tensor | None) -> _Kernel | None:
+def _kernel(spec: FormatSpec, x: torch.Tensor, scale: torch.Tensor | None, zero_point: torch.Tensor | None) -> Kernel | None:
     """The compiled kernel for these inputs, made on first use; None where the run's calls would not
     pay for compiling it, and past MAX_KERNELS."""
-    key = _Key(spec, _shape_key(spec, x), x.stride(), x.device, _shape(scale), _shape(zero_point))
+    key = Key(spec, _shape_key(spec, x), x.stride(), x.device, _shape(scale), _shape(zero_point))
     kernel = _kernels.get(key)
     if kernel is None:
-        if _use is not None and _use.calls_ahead is not None and x.numel() * _use.calls_ahead < PAYBACK_ELEMENT_CALLS:
-            _use.not_worth.add(key)
+        if not _pays(key, x.numel()):
             return None
         if len(_kernels) >= MAX_KERNELS:
             if _use is not None:
                 _use.over_limit += 1
             return None
-        kernel = _kernels[key] = _Kernel(key, len(_kernels))
+        kernel = _kernels[key] = Kernel(key, len(_kernels), functools.partial(_compiled_once, key))
     if _use is not None:
         _use.used.add(key)
+        _use.not_worth.discard(key)
     return kernel
+
+
+def _pays(key: Key, elements: int) -> bool:
+    """Whether compiling key's kernel pays in the current run (outside one: always). A pass without
+    gradients never starts a compile (the streams' and the held-out passes run once per unit or per
+    few steps, not once per step); a training call does where elements x calls ahead reach
+    PAYBACK_ELEMENT_CALLS, or its WARM_SHARE where inductor's cache holds the kernel."""
+    if _use is None or _use.calls_ahead is None:
+        return True
+    needed = PAYBACK_ELEMENT_CALLS * (WARM_SHARE if kernels.digest(key) in kernels.warm_kernels() else 1)
+    if torch.is_grad_enabled() and elements * _use.calls_ahead >= needed:
+        return True
+    _use.not_worth.add(key)
+    return False
+
+
+def _compiled_once(key: Key, warm: bool, seconds: float) -> None:
+    """Record a compile of one of key's graphs (`warm`: the kernel was in WARM_INDEX when the run
+    made it): its cost in the run's record, the kernel's name in WARM_INDEX."""
+    name = kernels.digest(key)
+    if _use is not None:
+        _use.compiles.append((warm, seconds))
+    if name not in kernels.warm_kernels():
+        kernels.warm_kernels().add(name)
+        try:
+            with kernels.warm_index().open("a") as index:
+                index.write(name + "\n")
+        except OSError as error:
+            logger.debug("could not note the compiled kernel in %s: %s", kernels.warm_index(), error)
 
 
 def _shape_key(spec: FormatSpec, x: torch.Tensor) -> tuple[int | None, ...]:
@@ -343,7 +258,7 @@ class _CompiledQDQ(torch.autograd.Function):
     the forward kept (x or a packed mask)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, kernel: _Kernel, scale: torch.Tensor | None,
+    def forward(ctx: Any, x: torch.Tensor, kernel: Kernel, scale: torch.Tensor | None,
                 zero_point: torch.Tensor | None) -> torch.Tensor:
         y, saved = kernel.forward(x.detach(), scale, zero_point)
         ctx.kernel, ctx.layout = kernel, _layout(x)

@@ -18,9 +18,10 @@ from finetune.files import write_atomic
 from finetune.lift import LiftedModule
 
 from .data.cache import CachedValue
-from .rates import RateSearch
 from .hooks import Callback, TuningRun
+from .rates import RateSearch
 from .results import UnitResult
+from .threads import pinned
 from .tuner import Tuner
 from .units import parameters_of, tuned_tensor
 
@@ -92,8 +93,8 @@ class Checkpoint(Callback):
 
 def run_fingerprint(sources: dict[str, str | None], config: FastFinetune, inputs: list[CachedValue]) -> dict[str, Any]:
     """What a run's result depends on, so a checkpoint resumes only its own run: the digests of the
-    models (`sources`), the settings, the calibration inputs, torch's version and thread count
-    (float sums, and so the last bits, follow the thread count). cache_budget_bytes is left out:
+    models (`sources`), the settings, the calibration inputs, torch's version and the thread setting
+    (float sums, and so the last bits, follow the thread count: see recon.threads). cache_budget_bytes is left out:
     spilling to disk changes no bit, and lowering it is how a run killed for memory resumes."""
     settings = {key: value for key, value in to_dict(config).items() if key != "cache_budget_bytes"}
     data = hashlib.sha256()
@@ -102,7 +103,7 @@ def run_fingerprint(sources: dict[str, str | None], config: FastFinetune, inputs
             data.update(f"{chunk.dtype}{chunk.shape}".encode())
             data.update(np.asarray(chunk).tobytes())
     return {**sources, "config": settings, "samples": inputs[0].rows, "data": data.hexdigest()[:16],
-            "torch": str(torch.__version__), "threads": torch.get_num_threads()}
+            "torch": str(torch.__version__), "threads": pinned(config.threads)}
 
 
 def digest(data: bytes) -> str:

@@ -32,6 +32,7 @@ from .data.streams import FloatStream, QuantizedStream, cache_inputs
 from .device import deterministic, host_memory_kept
 from .methods import Method, run_methods
 from .results import UnitResult
+from .threads import ThreadPolicy, thread_policy
 from .tuner import Tuner
 from .units import Plan, Unit, cut, find_units
 
@@ -72,12 +73,14 @@ def tune_process(fabric: Fabric, job: Job) -> tuple[onnx.ModelProto | None, dict
     run = _prepare(job)
     with (deterministic(config.seed, config.deterministic, config.allow_tf32, device), host_memory_kept(device),
           ActivationCache(config.cache_budget_bytes) as cache,
-          compiled_kernels(resolve_compile(config.compile, device.type), max(1, config.iterations)) as kernels):
-        tuner, timing = _tune_units(run, job, fabric, cache, sources)
+          compiled_kernels(resolve_compile(config.compile, device.type), max(1, config.iterations)) as kernels,
+          thread_policy(config.threads, device, fabric.world_size) as threads):
+        tuner, timing = _tune_units(run, job, fabric, cache, sources, threads)
         cache_stats = {"peak_bytes_in_memory": cache.peak_in_memory, "peak_bytes_on_disk": cache.peak_on_disk,
                        "spilled_arrays": cache.spilled}
     report = _report(config, device, run.reference is run.module, tuner, [*run.warnings, *tuner.warnings], timing, cache_stats)
     report["kernels"] = kernels.summary()
+    report["threads"] = threads.summary() if threads is not None else None
     for method in run.methods:
         report.update(method.report(run.module, run.units))
     if not fabric.is_global_zero:
@@ -118,8 +121,8 @@ def _check_tunable(module: LiftedModule) -> None:
                              "before tuning it")
 
 
-def _tune_units(run: _Run, job: Job, fabric: Fabric, cache: ActivationCache,
-                sources: dict[str, str | None]) -> tuple[Tuner, dict[str, Any]]:
+def _tune_units(run: _Run, job: Job, fabric: Fabric, cache: ActivationCache, sources: dict[str, str | None],
+                threads: ThreadPolicy | None) -> tuple[Tuner, dict[str, Any]]:
     """Cache the inputs (this process's share of the calibration batches), then tune unit after
     unit, advancing the float and the quantized stream to each; units a resumed run finished
     earlier get their kept weights back where tuning would have left them, so both streams pass
@@ -129,7 +132,10 @@ def _tune_units(run: _Run, job: Job, fabric: Fabric, cache: ActivationCache,
     feeds = CalibrationData(job.data, job.original, limit=config.data_size)
     inputs = cache_inputs(feeds, [info.name for info in feeds.inputs], cache, fabric.global_rank, fabric.world_size)
     plan = cut(module, units)
-    _check_before_any_work(run, job, plan, [value.tensor(0, torch.device("cpu")) for value in inputs], device)
+    sample = [value.tensor(0, torch.device("cpu")) for value in inputs]
+    _check_before_any_work(run, job, plan, sample, device)
+    if threads is not None:
+        threads.begin(module, units, sample, config.batch_size)
     samples = int(sum_across(fabric, [inputs[0].rows])[0])
     if samples < config.batch_size:
         run.warnings.add("fast_finetune.batch_size", f"{config.batch_size} is more than the {samples} calibration samples: "
@@ -148,6 +154,8 @@ def _tune_units(run: _Run, job: Job, fabric: Fabric, cache: ActivationCache,
         finished_weights = job.checkpoint.start(tuner, job.resume)
     with tuner:
         for k, unit in enumerate(units):
+            if threads is not None:
+                threads.unit(k, unit)
             float_inputs, targets = floats.advance(k)
             unit_inputs = stream.before(k, unit)
             if k < tuner.resumed_units:

@@ -1,0 +1,154 @@
+"""Residual blocks found from a graph's structure, for exports whose node names carry no scopes (the
+dynamo exporter's) or whose blocks leave several values live (a decoder's attention mask, rotary
+tables and cache): the Adds that join a branch back onto the stream it left form a chain; the spans
+between consecutive joins repeat with a period (a decoder block's attention half, then its MLP half),
+and each period is one block unit. What a block reads besides the stream (computed without any
+layer, as a mask or a position table is, or a model input such as a past key) is a side input."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from torch import fx
+
+from finetune.lift import FakeQuantize, LiftedModule
+from finetune.lift.kinds import is_add
+
+from .blocks import MAX_BLOCK_LAYERS
+from .sides import SideInput
+from .unit import Unit
+
+
+@dataclass(frozen=True)
+class _Span:
+    """The ops from one stream value (`entry`, excluded) to the next (`exit`), and the layer units in them."""
+
+    entry: fx.Node
+    exit: fx.Node
+    nodes: tuple[fx.Node, ...]
+    layers: tuple[Unit, ...]  # the units whose layers it holds
+
+
+def residual_blocks(module: LiftedModule, units: list[Unit], constant: set[fx.Node]) -> list[Unit]:
+    """`units` with each run of layer units that makes up whole periods of a residual chain (two
+    repetitions at least) replaced by one block unit per period; everything else as it was."""
+    graph = module.graph
+    spans = _spans(module, units, constant)
+    period = _period([tuple((layer.op_type, tuple(module.get_parameter(layer.weight).shape))
+                            for unit in span.layers for layer in unit.layers) for span in spans])
+    if period is None:
+        return units
+    weights = {layer.name for u in units for layer in u.layers}
+    downstream = _descendants({node for node in graph.nodes if node.op == "call_module" and node.target in weights})
+    blocks = [_block(module, spans[k : k + period], constant, downstream) for k in range(0, len(spans), period)]
+    if any(block is None for block in blocks):
+        return units
+    claimed = {id(u) for span in spans for u in span.layers}
+    position = {node.name: i for i, node in enumerate(graph.nodes)}
+    kept = [u for u in units if id(u) not in claimed]
+    return sorted([*kept, *blocks], key=lambda u: position[u.nodes[0]])
+
+
+def _spans(module: LiftedModule, units: list[Unit], constant: set[fx.Node]) -> list[_Span]:
+    """The spans of the longest chain of residual joins each of whose spans holds whole units (their
+    weight layers inside it), one of them at least a layer that scopes left alone, in stream order;
+    [] where there is no such chain of two joins."""
+    name_of = {n.target: n.name for n in module.graph.nodes if n.op == "call_module"}
+    unit_of = {name_of[layer.name]: u for u in units for layer in u.layers}
+    joins = [join for node in module.graph.nodes if (join := _join(module, node, constant)) is not None]
+    following = {entry: node for node, entry in joins}
+    best: list[_Span] = []
+    for node, entry in joins:
+        if any(exit_ is entry for exit_, _ in joins):
+            continue  # not the chain's start
+        chain: list[_Span] = []
+        while node is not None:
+            nodes = _between(entry, node)
+            inside = tuple(dict.fromkeys(unit_of[n.name] for n in nodes if n.name in unit_of))
+            if not inside or any(name_of[layer.name] not in {n.name for n in nodes} for u in inside for layer in u.layers):
+                break
+            chain.append(_Span(entry, node, tuple(nodes), inside))
+            node, entry = following.get(node), node
+        alone = any(u.op_type != "block" for span in chain for u in span.layers)
+        best = chain if alone and len(chain) > len(best) else best
+    return best if len(best) >= 2 else []
+
+
+def _join(module: LiftedModule, node: fx.Node, constant: set[fx.Node]) -> tuple[fx.Node, fx.Node] | None:
+    """(the Add, the stream value it adds a branch back onto) when `node` is an Add of two computed
+    values one of which (its float value, behind any quantizer) the other is computed from."""
+    if node.op != "call_module" or not is_add(module.get_submodule(node.target)):
+        return None
+    args = [a for a in node.args if isinstance(a, fx.Node) and a not in constant]
+    if len(args) != 2:
+        return None
+    for skip, branch in (args, args[::-1]):
+        stream = _float_value(module, skip)
+        if stream in _ancestors(branch):
+            return node, stream
+    return None
+
+
+def _float_value(module: LiftedModule, node: fx.Node) -> fx.Node:
+    """The value behind a chain of quantizers."""
+    while node.op == "call_module" and isinstance(module.get_submodule(node.target), FakeQuantize):
+        node = node.args[0]
+    return node
+
+
+def _ancestors(node: fx.Node) -> set[fx.Node]:
+    """Every node `node` is computed from."""
+    seen: set[fx.Node] = set()
+    stack = list(node.all_input_nodes)
+    while stack:
+        current = stack.pop()
+        if current not in seen:
+            seen.add(current)
+            stack.extend(current.all_input_nodes)
+    return seen
+
+
+def _descendants(nodes: set[fx.Node]) -> set[fx.Node]:
+    """Every node computed from any of `nodes`, those included."""
+    seen: set[fx.Node] = set()
+    stack = list(nodes)
+    while stack:
+        current = stack.pop()
+        if current not in seen:
+            seen.add(current)
+            stack.extend(current.users)
+    return seen
+
+
+def _between(entry: fx.Node, exit_: fx.Node) -> list[fx.Node]:
+    """The nodes computed from `entry` that `exit_` is computed from, `exit_` included, in graph order."""
+    inside = (_ancestors(exit_) | {exit_}) & _descendants({entry})
+    return [n for n in entry.graph.nodes if n in inside and n is not entry]
+
+
+def _period(signatures: list[tuple]) -> int | None:
+    """The shortest period of the spans' layer signatures that repeats at least twice over them all."""
+    count = len(signatures)
+    return next((p for p in range(1, count // 2 + 1)
+                 if count % p == 0 and all(signatures[i] == signatures[i % p] for i in range(count))), None)
+
+
+def _block(module: LiftedModule, spans: list[_Span], constant: set[fx.Node], downstream: set[fx.Node]) -> Unit | None:
+    """The block unit of consecutive spans, or None where it is too large or reads a value besides
+    its entry that a layer computes (then it is no block of a residual stream)."""
+    layers = tuple(layer for span in spans for unit in span.layers for layer in unit.layers)
+    nodes = [n for span in spans for n in span.nodes]
+    inside = set(nodes) | {spans[0].entry}
+    sides = list(dict.fromkeys(i for n in nodes for i in n.all_input_nodes if i not in inside and i not in constant))
+    if len(layers) > MAX_BLOCK_LAYERS or any(side in downstream for side in sides):
+        return None
+    entry, exit_ = spans[0].entry, spans[-1].exit
+    placeholders = [n for n in module.graph.nodes if n.op == "placeholder"]
+    source, argument = ("", placeholders.index(entry)) if entry.op == "placeholder" else (entry.target, None)
+    scope = "/".join(os.path.commonprefix([layer.name.split("/") for layer in layers]))  # /layers/0 of its layers' names
+    return Unit(
+        name=scope if scope.strip("/") else f"{layers[0].name}..{layers[-1].name}", op_type="block", layers=layers, input=entry.name, source=source,
+        source_argument=argument, nodes=tuple(n.name for n in nodes), outputs=(exit_.name,), target_module=exit_.target,
+        side_inputs=tuple(SideInput(side.name) for side in sides),
+    )

@@ -15,7 +15,7 @@ from torch import fx
 from finetune.lift import FakeQuantize, LiftedModule
 from finetune.lift.kinds import is_add
 
-from .blocks import MAX_BLOCK_LAYERS
+from .blocks import MAX_BLOCK_LAYERS, shape_values
 from .sides import SideInput
 from .unit import Unit
 
@@ -41,7 +41,10 @@ def residual_blocks(module: LiftedModule, units: list[Unit], constant: set[fx.No
         return units
     weights = {layer.name for u in units for layer in u.layers}
     downstream = _descendants({node for node in graph.nodes if node.op == "call_module" and node.target in weights})
-    blocks = [_block(module, spans[k : k + period], constant, downstream) for k in range(0, len(spans), period)]
+    shapes = shape_values(module, constant)
+    groups = [_with_own_shapes(module, spans[k : k + period], shapes, constant) for k in range(0, len(spans), period)]
+    module.recompile()
+    blocks = [_block(module, group, constant, downstream) for group in groups]
     if any(block is None for block in blocks):
         return units
     claimed = {id(u) for span in spans for u in span.layers}
@@ -125,6 +128,36 @@ def _between(entry: fx.Node, exit_: fx.Node) -> list[fx.Node]:
     """The nodes computed from `entry` that `exit_` is computed from, `exit_` included, in graph order."""
     inside = (_ancestors(exit_) | {exit_}) & _descendants({entry})
     return [n for n in entry.graph.nodes if n in inside and n is not entry]
+
+
+def _with_own_shapes(module: LiftedModule, spans: list[_Span], shapes: set[fx.Node], constant: set[fx.Node]) -> list[_Span]:
+    """The spans with the shape arithmetic they read from outside (a Reshape's target built from the
+    Shape of a model input, which the dynamo exporter shares between blocks) copied into the first of
+    them, so a block recomputes it for the rows it trains on instead of reading the calibration
+    batch's sizes; the graph computes the same values."""
+    inside = {n for span in spans for n in span.nodes}
+    readers = [n for n in module.graph.nodes if n in inside and any(i in shapes and i not in inside for i in n.all_input_nodes)]
+    if not readers:
+        return spans
+    graph, copies = module.graph, {}
+
+    def copied(node: fx.Node) -> fx.Node:
+        if node not in shapes or node in constant:
+            return node
+        if node not in copies:
+            copies[node] = graph.node_copy(node, copied)
+        return copies[node]
+
+    for reader in readers:  # each copy just before its first reader, after every constant it reads
+        with graph.inserting_before(reader):
+            for value in [i for i in reader.all_input_nodes if i in shapes and i not in inside]:
+                reader.replace_input_with(value, copied(value))
+    for node in reversed(list(graph.nodes)):
+        if node in shapes and not node.users:
+            graph.erase_node(node)
+    first = spans[0]
+    order = [n for n in graph.nodes if n in inside or n in copies.values()]
+    return [_Span(first.entry, first.exit, tuple(n for n in order if n not in inside or n in first.nodes), first.layers), *spans[1:]]
 
 
 def _period(signatures: list[tuple]) -> int | None:

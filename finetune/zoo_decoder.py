@@ -138,13 +138,16 @@ class TinyDecoder(nn.Module):
 
 
 def tiny_decoder(cache: bool, seed: int = 0, shape: DecoderShape | None = None) -> TinyDecoder:
-    """The decoder with seeded weights (normal, 0.02 apart from the norms' gains near 1), in eval mode."""
+    """The decoder with seeded normal weights, in eval mode: the norms' gains near 1, the token table
+    at 0.5 and the layers at 0.25, wide enough that greedy decoding wanders over the vocabulary
+    (smaller weights settle on one token, and 32 equal tokens would tell little)."""
     model = TinyDecoder(shape or DecoderShape(), cache)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             noise = torch.randn(parameter.shape, generator=generator)
-            parameter.copy_(1 + 0.1 * noise if name.endswith("norm.weight") else 0.08 * noise)
+            scale = 0.5 if name.startswith("embed") else 0.25
+            parameter.copy_(1 + 0.1 * noise if name.endswith("norm.weight") else scale * noise)
     return model.eval()
 
 
@@ -176,6 +179,26 @@ def export_decoder(path: str | Path, cache: bool, dynamo: bool, seed: int = 0, o
         torch.onnx.export(model, args, str(path), input_names=inputs, output_names=outputs, opset_version=opset,
                           dynamic_axes=axes, dynamo=False)
     return Path(path)
+
+
+def decoder_feeds(cache: bool, count: int, batch: int = 4, length: int = 8, past: int = 3, seed: int = 1) -> list[dict[str, np.ndarray]]:
+    """`count` feeds of random tokens for the seeded decoder's export: `length` new tokens a row and,
+    with a cache, the keys and values the float decoder computes for `past` tokens before them."""
+    rng, model, shape = np.random.default_rng(seed), tiny_decoder(cache), DecoderShape()
+    feeds = []
+    for _ in range(count):
+        tokens = rng.integers(0, shape.vocabulary, (batch, (past if cache else 0) + length))
+        done = past if cache else 0
+        feed = {"input_ids": tokens[:, done:], "attention_mask": np.ones_like(tokens),
+                "position_ids": np.broadcast_to(np.arange(done, done + length), (batch, length)).copy()}
+        if cache:
+            empty = [torch.zeros(batch, shape.kv_heads, 0, shape.head_size)] * (2 * shape.blocks)
+            with torch.no_grad():
+                presents = model(torch.from_numpy(tokens[:, :past]), torch.ones(batch, past, dtype=torch.int64),
+                                 torch.arange(past).repeat(batch, 1), *empty)[1:]
+            feed.update((name, value.numpy()) for name, value in zip(cache_names(shape, "past_key_values"), presents))
+        feeds.append(feed)
+    return feeds
 
 
 Runner = Callable[[Mapping[str, np.ndarray]], list[np.ndarray]]

@@ -22,7 +22,9 @@ def find_units(
 ) -> list[Unit]:
     """The layer or block units of `module` in graph order. Layers that cannot be tuned (a weight
     other layers share, or one computed by other ops) are left out, and layers that cannot join a
-    block stay layer units: each is a warning, added to `warnings` when given."""
+    block stay layer units: each is a warning, added to `warnings` when given. A residual block
+    (units.residual) gets its own copy of the shape arithmetic it reads, in `module`'s graph: the
+    module computes the same values."""
     warnings = Warnings() if warnings is None else warnings
     if unit not in ("layer", "block"):
         raise ValueError(f"unit must be layer or block, got {unit!r}")

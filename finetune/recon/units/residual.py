@@ -42,11 +42,12 @@ def residual_blocks(module: LiftedModule, units: list[Unit], constant: set[fx.No
     weights = {layer.name for u in units for layer in u.layers}
     downstream = _descendants({node for node in graph.nodes if node.op == "call_module" and node.target in weights})
     shapes = shape_values(module, constant)
-    groups = [_with_own_shapes(module, spans[k : k + period], shapes, constant) for k in range(0, len(spans), period)]
-    module.recompile()
-    blocks = [_block(module, group, constant, downstream) for group in groups]
-    if any(block is None for block in blocks):
+    groups = [spans[k : k + period] for k in range(0, len(spans), period)]
+    if not all(_blockable(group, shapes, constant, downstream) for group in groups):
         return units
+    groups = [_with_own_shapes(module, group, shapes, constant) for group in groups]
+    module.recompile()
+    blocks = [_block(module, group, constant) for group in groups]
     claimed = {id(u) for span in spans for u in span.layers}
     position = {node.name: i for i, node in enumerate(graph.nodes)}
     kept = [u for u in units if id(u) not in claimed]
@@ -139,9 +140,11 @@ def _with_own_shapes(module: LiftedModule, spans: list[_Span], shapes: set[fx.No
     readers = [n for n in module.graph.nodes if n in inside and any(i in shapes and i not in inside for i in n.all_input_nodes)]
     if not readers:
         return spans
-    graph, copies = module.graph, {}
+    graph = module.graph
+    copies: dict[fx.Node, fx.Node] = {}
 
     def copied(node: fx.Node) -> fx.Node:
+        """The block's copy of a shape value (made once, its own inputs first); any other value itself."""
         if node not in shapes or node in constant:
             return node
         if node not in copies:
@@ -152,8 +155,8 @@ def _with_own_shapes(module: LiftedModule, spans: list[_Span], shapes: set[fx.No
         with graph.inserting_before(reader):
             for value in [i for i in reader.all_input_nodes if i in shapes and i not in inside]:
                 reader.replace_input_with(value, copied(value))
-    for node in reversed(list(graph.nodes)):
-        if node in shapes and not node.users:
+    for node in reversed(list(graph.nodes)):  # the originals no reader is left to
+        if node in copies and not node.users:
             graph.erase_node(node)
     first = spans[0]
     order = [n for n in graph.nodes if n in inside or n in copies.values()]
@@ -167,21 +170,35 @@ def _period(signatures: list[tuple]) -> int | None:
                  if count % p == 0 and all(signatures[i] == signatures[i % p] for i in range(count))), None)
 
 
-def _block(module: LiftedModule, spans: list[_Span], constant: set[fx.Node], downstream: set[fx.Node]) -> Unit | None:
-    """The block unit of consecutive spans, or None where it is too large or reads a value besides
-    its entry that a layer computes (then it is no block of a residual stream)."""
+def _blockable(spans: list[_Span], shapes: set[fx.Node], constant: set[fx.Node], downstream: set[fx.Node]) -> bool:
+    """Whether consecutive spans make one block: at most MAX_BLOCK_LAYERS layers, and nothing a layer
+    computes read besides the entry (looking through the shape arithmetic the block will copy)."""
+    nodes = [n for span in spans for n in span.nodes]
+    inside, reads = set(nodes) | {spans[0].entry}, set()
+    stack = [i for n in nodes for i in n.all_input_nodes]
+    while stack:
+        value = stack.pop()
+        if value in inside or value in constant or value in reads:
+            continue
+        reads.add(value)
+        stack.extend(value.all_input_nodes if value in shapes else [])
+    layers = sum(len(unit.layers) for span in spans for unit in span.layers)
+    return layers <= MAX_BLOCK_LAYERS and not any(value in downstream for value in reads - shapes)
+
+
+def _block(module: LiftedModule, spans: list[_Span], constant: set[fx.Node]) -> Unit:
+    """The block unit of consecutive spans, reading its entry and, as side inputs, the other values
+    its ops read (computed without layers: a mask, a position table, a model input such as a past key)."""
     layers = tuple(layer for span in spans for unit in span.layers for layer in unit.layers)
     nodes = [n for span in spans for n in span.nodes]
     inside = set(nodes) | {spans[0].entry}
     sides = list(dict.fromkeys(i for n in nodes for i in n.all_input_nodes if i not in inside and i not in constant))
-    if len(layers) > MAX_BLOCK_LAYERS or any(side in downstream for side in sides):
-        return None
     entry, exit_ = spans[0].entry, spans[-1].exit
     placeholders = [n for n in module.graph.nodes if n.op == "placeholder"]
     source, argument = ("", placeholders.index(entry)) if entry.op == "placeholder" else (entry.target, None)
     scope = "/".join(os.path.commonprefix([layer.name.split("/") for layer in layers]))  # /layers/0 of its layers' names
     return Unit(
-        name=scope if scope.strip("/") else f"{layers[0].name}..{layers[-1].name}", op_type="block", layers=layers, input=entry.name, source=source,
-        source_argument=argument, nodes=tuple(n.name for n in nodes), outputs=(exit_.name,), target_module=exit_.target,
+        name=scope if scope.strip("/") else f"{layers[0].name}..{layers[-1].name}", op_type="block", layers=layers,
+        input=entry.name, source=source, source_argument=argument, nodes=tuple(n.name for n in nodes), outputs=(exit_.name,), target_module=exit_.target,
         side_inputs=tuple(SideInput(side.name) for side in sides),
     )

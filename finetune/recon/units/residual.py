@@ -43,14 +43,15 @@ def residual_blocks(module: LiftedModule, units: list[Unit], constant: set[fx.No
     downstream = _descendants({node for node in graph.nodes if node.op == "call_module" and node.target in weights})
     shapes = shape_values(module, constant)
     groups = [spans[k : k + period] for k in range(0, len(spans), period)]
-    if not all(_blockable(group, shapes, constant, downstream) for group in groups):
-        return units
+    claimed = {id(u) for span in spans for u in span.layers}
+    kept = [u for u in units if id(u) not in claimed]
+    taken = {n.name for span in spans for n in span.nodes}
+    if any(taken.intersection(u.nodes) for u in kept) or not all(_blockable(g, shapes, constant, downstream) for g in groups):
+        return units  # a unit kept would share ops with a block, or a block reads what a layer computes
     groups = [_with_own_shapes(module, group, shapes, constant) for group in groups]
     module.recompile()
     blocks = [_block(module, group, constant) for group in groups]
-    claimed = {id(u) for span in spans for u in span.layers}
     position = {node.name: i for i, node in enumerate(graph.nodes)}
-    kept = [u for u in units if id(u) not in claimed]
     return sorted([*kept, *blocks], key=lambda u: position[u.nodes[0]])
 
 

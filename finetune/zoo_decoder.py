@@ -74,12 +74,10 @@ class Attention(nn.Module):
         if past is not None:
             k, v = torch.cat((past[0], k), dim=2), torch.cat((past[1], v), dim=2)
         group = s.heads // s.kv_heads
-        keys = k[:, :, None].expand(batch, s.kv_heads, group, k.shape[2], s.head_size).reshape(batch, s.heads, -1, s.head_size)
-        values = v[:, :, None].expand(batch, s.kv_heads, group, v.shape[2], s.head_size).reshape(batch, s.heads, -1, s.head_size)
-        scores = (q @ keys.transpose(2, 3)) * s.head_size**-0.5
-        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
-        out = (torch.softmax(scores, dim=-1) @ values).transpose(1, 2).reshape(batch, length, s.heads * s.head_size)
-        return self.o_proj(out), k, v
+        keys, values = (t[:, :, None].expand(batch, s.kv_heads, group, t.shape[2], s.head_size)
+                        .reshape(batch, s.heads, -1, s.head_size) for t in (k, v))  # each key/value head serves `group` queries
+        out = nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask)  # transformers' default attention
+        return self.o_proj(out.transpose(1, 2).reshape(batch, length, s.heads * s.head_size)), k, v
 
 
 class Block(nn.Module):
@@ -127,7 +125,8 @@ class TinyDecoder(nn.Module):
         keys = torch.arange(total, device=x.device)
         queries = torch.arange(length, device=x.device) + (total - length)
         rows = torch.arange(attention_mask.shape[0], device=x.device)
-        padding = attention_mask.to(torch.bool)[rows[:, None, None, None], keys[None, None, None, :]]  # as transformers indexes it
+        # indexed by two index tensors, as transformers builds its padding mask
+        padding = attention_mask.to(torch.bool)[rows[:, None, None, None], keys[None, None, None, :]]
         mask = (keys[None, :] <= queries[:, None])[None, None] & padding
         presents: list[torch.Tensor] = []
         for k, block in enumerate(self.layers):
@@ -162,18 +161,20 @@ def export_decoder(path: str | Path, cache: bool, dynamo: bool, seed: int = 0, o
     model = tiny_decoder(cache, seed)
     shape, batch, length, past = model.shape, 2, 5, 3 if cache else 0
     ids = torch.randint(0, shape.vocabulary, (batch, length), generator=torch.Generator().manual_seed(seed))
-    caches = [torch.zeros(batch, shape.kv_heads, past, shape.head_size) for _ in cache_names(shape, "past_key_values")] if cache else []
+    past_names = cache_names(shape, "past_key_values") if cache else []
+    caches = [torch.zeros(batch, shape.kv_heads, past, shape.head_size) for _ in past_names]
     args = (ids, torch.ones(batch, past + length, dtype=torch.int64), torch.arange(past, past + length).repeat(batch, 1), *caches)
-    inputs = ["input_ids", "attention_mask", "position_ids", *(cache_names(shape, "past_key_values") if cache else [])]
+    inputs = ["input_ids", "attention_mask", "position_ids", *past_names]
     outputs = ["logits", *(cache_names(shape, "present") if cache else [])]
     axes = {"input_ids": {0: "batch", 1: "sequence"}, "attention_mask": {0: "batch", 1: "total"},
             "position_ids": {0: "batch", 1: "sequence"}, "logits": {0: "batch", 1: "sequence"},
             **{name: {0: "batch", 2: "past"} for name in inputs[3:]}, **{name: {0: "batch", 2: "total"} for name in outputs[1:]}}
     if dynamo:
         dims = {name: {axis: torch.export.Dim.DYNAMIC for axis in axes[name]} for name in inputs}
+        past_dims = [tuple(dims[name] for name in past_names)] if cache else []  # *past is one argument: one tuple
+        dynamic = (*(dims[name] for name in inputs[:3]), *past_dims)
         program = torch.onnx.export(model, args, input_names=inputs, output_names=outputs, opset_version=opset, dynamo=True,
-                                    dynamic_shapes=(*(dims[name] for name in inputs[:3]), *([tuple(dims[name] for name in inputs[3:])] if cache else [])),
-                                    optimize=True)
+                                    dynamic_shapes=dynamic, optimize=True, verbose=False)
         program.save(str(path))
     else:
         torch.onnx.export(model, args, str(path), input_names=inputs, output_names=outputs, opset_version=opset,
@@ -181,7 +182,8 @@ def export_decoder(path: str | Path, cache: bool, dynamo: bool, seed: int = 0, o
     return Path(path)
 
 
-def decoder_feeds(cache: bool, count: int, batch: int = 4, length: int = 8, past: int = 3, seed: int = 1) -> list[dict[str, np.ndarray]]:
+def decoder_feeds(cache: bool, count: int, batch: int = 4, length: int = 8, past: int = 3,
+                  seed: int = 1) -> list[dict[str, np.ndarray]]:
     """`count` feeds of random tokens for the seeded decoder's export: `length` new tokens a row and,
     with a cache, the keys and values the float decoder computes for `past` tokens before them."""
     rng, model, shape = np.random.default_rng(seed), tiny_decoder(cache), DecoderShape()

@@ -161,7 +161,8 @@ def _with_own_shapes(module: LiftedModule, spans: list[_Span], shapes: set[fx.No
             graph.erase_node(node)
     first = spans[0]
     order = [n for n in graph.nodes if n in inside or n in copies.values()]
-    return [_Span(first.entry, first.exit, tuple(n for n in order if n not in inside or n in first.nodes), first.layers), *spans[1:]]
+    widened = tuple(n for n in order if n not in inside or n in first.nodes)
+    return [_Span(first.entry, first.exit, widened, first.layers), *spans[1:]]
 
 
 def _period(signatures: list[tuple]) -> int | None:
@@ -172,8 +173,9 @@ def _period(signatures: list[tuple]) -> int | None:
 
 
 def _blockable(spans: list[_Span], shapes: set[fx.Node], constant: set[fx.Node], downstream: set[fx.Node]) -> bool:
-    """Whether consecutive spans make one block: at most MAX_BLOCK_LAYERS layers, and nothing a layer
-    computes read besides the entry (looking through the shape arithmetic the block will copy)."""
+    """Whether consecutive spans make one block: an entry the float model names too, at most
+    MAX_BLOCK_LAYERS layers, and nothing a layer computes read besides the entry (looking through the
+    shape arithmetic the block will copy)."""
     nodes = [n for span in spans for n in span.nodes]
     inside, reads = set(nodes) | {spans[0].entry}, set()
     stack = [i for n in nodes for i in n.all_input_nodes]
@@ -184,7 +186,8 @@ def _blockable(spans: list[_Span], shapes: set[fx.Node], constant: set[fx.Node],
         reads.add(value)
         stack.extend(value.all_input_nodes if value in shapes else [])
     layers = sum(len(unit.layers) for span in spans for unit in span.layers)
-    return layers <= MAX_BLOCK_LAYERS and not any(value in downstream for value in reads - shapes)
+    findable = spans[0].entry.op in ("placeholder", "call_module")  # the float model has it by the same name
+    return findable and layers <= MAX_BLOCK_LAYERS and not any(value in downstream for value in reads - shapes)
 
 
 def _block(module: LiftedModule, spans: list[_Span], constant: set[fx.Node]) -> Unit:
@@ -200,6 +203,7 @@ def _block(module: LiftedModule, spans: list[_Span], constant: set[fx.Node]) -> 
     scope = "/".join(os.path.commonprefix([layer.name.split("/") for layer in layers]))  # /layers/0 of its layers' names
     return Unit(
         name=scope if scope.strip("/") else f"{layers[0].name}..{layers[-1].name}", op_type="block", layers=layers,
-        input=entry.name, source=source, source_argument=argument, nodes=tuple(n.name for n in nodes), outputs=(exit_.name,), target_module=exit_.target,
+        input=entry.name, source=source, source_argument=argument, nodes=tuple(n.name for n in nodes), outputs=(exit_.name,),
+        target_module=exit_.target,
         side_inputs=tuple(SideInput(side.name) for side in sides),
     )

@@ -2,7 +2,8 @@
 exported by the TorchScript and the dynamo exporter, with and without a key/value cache, lifts to
 onnxruntime's logits and greedy tokens, quantizes and lifts within the numerics' bound, tunes with
 GPTQ (the TorchScript export's Flatten of a rank-2 mask stopped it), and its decoder blocks are found
-as units from the residual chain, for both exporters, and tuned by AdaQuant."""
+as units from the residual chain, for both exporters, and tuned by AdaQuant; a chain whose blocks
+would read what a layer computes is no block."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from onnx import TensorProto, helper
+from onnx import helper
 
 from finetune.config import DEFAULT_OP_TYPES, FastFinetune
 from finetune.lift import check_lifted, lift_model
@@ -20,7 +21,11 @@ from finetune.lift.agreement import agrees
 from finetune.onnx.session import inference_session
 from finetune.pipeline import quantize_and_finetune
 from finetune.quantize import quantize_model
+from finetune.lift.graph import constant_nodes
 from finetune.recon import find_units, finetune_model
+from finetune.recon.units.residual import residual_blocks
+from finetune.notices import Warnings
+from finetune.zoo import export_onnx
 from finetune.zoo_decoder import DecoderShape, decoder_feeds, export_decoder, greedy_tokens, tiny_decoder
 
 from .lift_helpers import onnx_model, run_ort, run_torch, tensor
@@ -149,3 +154,38 @@ def test_adaquant_tunes_decoder_blocks_into_a_model_onnxruntime_runs(exports: di
     assert outputs[0].shape == (4, 8, SHAPE.vocabulary) and np.isfinite(outputs[0]).all()
     changed = [a.name for a, b in zip(tuned.graph.initializer, quantized.graph.initializer) if a.raw_data != b.raw_data]
     assert changed
+
+
+class ResidualStack(torch.nn.Module):
+    """Three residual layers, each branch scaled, where `gated`, by a gate a layer computes once from the input."""
+
+    def __init__(self, gated: bool) -> None:
+        super().__init__()
+        self.gate = torch.nn.Linear(16, 16) if gated else None
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate = self.gate(x) if self.gate is not None else 1.0
+        for block in self.blocks:
+            x = x + block(x) * gate
+        return x
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_a_residual_chain_reading_what_a_layer_computes_is_no_block(tmp_path: Path, gated: bool) -> None:
+    """Over layer units, the residual chain of three layers gives three blocks; where every block would
+    read a gate a layer computes, that is no stream a block can be cut from (the gate's layer is tuned
+    apart from the blocks reading it): the units are left as they were, and so is the graph; with
+    unit: block, each layer stays a layer unit, a warning each."""
+    torch.manual_seed(0)
+    path = export_onnx(ResidualStack(gated).eval(), torch.randn(4, 16), tmp_path / "stack.onnx")
+    feeds = [{"x": np.random.default_rng(k).standard_normal((4, 16)).astype(np.float32)} for k in range(2)]
+    lifted = lift_model(quantize_model(path, "INT4_PER_CHANNEL", feeds).model)
+    code, layers = lifted.code, find_units(lifted, DEFAULT_OP_TYPES)
+    units = residual_blocks(lifted, layers, constant_nodes(lifted.graph))
+    assert [u.op_type for u in units] == (["Gemm"] * 4 if gated else ["block"] * 3)
+    assert lifted.code == code
+    if gated:
+        warnings = Warnings()
+        assert find_units(lifted, DEFAULT_OP_TYPES, unit="block", warnings=warnings) == layers
+        assert sorted(w["unit"] for w in warnings) == sorted(u.name for u in layers)

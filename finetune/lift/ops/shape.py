@@ -1,7 +1,7 @@
 """Converters for ops steered by integer inputs (shape, pads, split sizes, slice bounds) that may be
 constant or computed: Reshape with allowzero, Pad with optional axes and every mode, Split-18 with
-num_outputs, Slice with constant bounds, Squeeze, Unsqueeze, Gather and Expand with constant axes, indices
-and shapes held on the host; and Size."""
+num_outputs, Slice with constant bounds, Squeeze, Unsqueeze, Gather and Expand with constant axes,
+indices and shapes held on the host; Flatten at any rank; and Size."""
 
 from __future__ import annotations
 
@@ -140,6 +140,26 @@ def _slice(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
         if min(steps or (1,)) > 0:
             return converted(Slice(starts, ends, axes, steps), node_mapping(node, node.input_values[:1]))
     return converted(OnnxSlice(), node_mapping(node))
+
+
+class Flatten(nn.Module):
+    """ONNX Flatten: the axes before `axis` into one, the rest into another, for an input of any rank
+    (onnx2torch's fails on one of rank below 2, which the TorchScript exporter writes for a tensor
+    indexed by two index tensors, as transformers builds its padding mask)."""
+
+    def __init__(self, axis: int):
+        super().__init__()
+        self.axis = axis
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        axis = self.axis % x.dim() if self.axis < 0 else self.axis
+        return x.reshape(math.prod(x.shape[:axis]), math.prod(x.shape[axis:]))
+
+
+@register("Flatten", (1, 9, 11, 13))
+def _flatten(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
+    """Flatten at its axis (1 unless given; negative counts from the end)."""
+    return converted(Flatten(int(node.attributes.get("axis", 1))), node_mapping(node))
 
 
 class Size(nn.Module):

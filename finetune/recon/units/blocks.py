@@ -36,7 +36,7 @@ def blocks(module: LiftedModule, layers: list[Unit], constant: set[fx.Node], war
     cut point. Layers with no cut point around them, or whose block would read more than its
     entry value (the batch size taken from the input's shape, say), stay layer units: a warning
     for each such layer."""
-    shapes = _shape_values(module, constant)
+    shapes = shape_values(module, constant)
     order = [n for n in module.graph.nodes if n not in constant and n not in shapes and n.op != "output"]
     position = {n: i for i, n in enumerate(order)}
     cuts = _cut_points(module, order, position)
@@ -93,7 +93,7 @@ def _stay_single(group: list[Unit], why: str, warnings: Warnings) -> None:
         warnings.add(layer.name, f"stays a layer unit (unit: block asked for blocks): {why}")
 
 
-def _shape_values(module: LiftedModule, constant: set[fx.Node]) -> set[fx.Node]:
+def shape_values(module: LiftedModule, constant: set[fx.Node]) -> set[fx.Node]:
     """Nodes computed from tensor shapes alone (Shape and what follows only from it and constants)."""
     shapes: set[fx.Node] = set()
     for node in module.graph.nodes:

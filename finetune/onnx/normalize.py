@@ -10,13 +10,13 @@ from typing import Any
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper, shape_inference, version_converter
+from onnx import helper, numpy_helper, version_converter
 
 from finetune.notices import Notice, warn
 
 from .domains import DEFAULT_DOMAINS, MIN_OPSET
 from .graphs import all_graphs, all_nodes, node_reads, rename_reads
-from .io import PROTOBUF_LIMIT
+from .io import infer_shapes_of
 
 logger = logging.getLogger(__name__)
 
@@ -33,13 +33,15 @@ _CONSTANT_ATTRIBUTES: dict[str, type] = {
 
 
 def normalize_model(
-    model: onnx.ModelProto, min_opset: int = MIN_OPSET, notices: list[Notice] | None = None,
+    model: onnx.ModelProto, min_opset: int = MIN_OPSET, notices: list[Notice] | None = None, in_place: bool = False,
 ) -> tuple[onnx.ModelProto, list[str]]:
-    """A normalised copy of `model` and a readable list of what changed (each item also logged);
-    what could not be done (shape inference) is logged at WARNING and added to `notices`. The
-    input is never modified."""
-    result = onnx.ModelProto()
-    result.CopyFrom(model)
+    """A normalised copy of `model` (with `in_place`, the model itself, for a caller that owns it:
+    no second copy of the weights) and a readable list of what changed (each item also logged);
+    what could not be done (shape inference) is logged at WARNING and added to `notices`."""
+    result = model
+    if not in_place:
+        result = onnx.ModelProto()
+        result.CopyFrom(model)
     steps: list[Callable[[onnx.ModelProto], list[str]]] = [
         _sort_topologically,
         lambda m: _upgrade_opset(m, min_opset),
@@ -237,13 +239,12 @@ def infer_shapes(model: onnx.ModelProto, notices: list[Notice] | None = None) ->
 def try_infer_shapes(model: onnx.ModelProto) -> str | None:
     """Run onnx shape inference with data propagation, in place; the reason it could not, if so
     (the model is then unchanged)."""
-    if model.ByteSize() > PROTOBUF_LIMIT:
-        return "the model is larger than 2 GB, more than onnx's shape inference takes"
     try:
-        inferred = shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
+        inferred = infer_shapes_of(model)
     except Exception as error:  # onnx raises InferenceError and C++ runtime errors
         return " ".join(str(error).split())
-    model.CopyFrom(inferred)
+    if inferred is not model:
+        model.CopyFrom(inferred)
     return None
 
 

@@ -1,5 +1,5 @@
-"""onnxruntime sessions, made in one place: from memory, or through a temporary file with external
-data for models over protobuf's 2 GB; by default at ORT_DISABLE_ALL, the level that keeps a QDQ
+"""onnxruntime sessions, made in one place: from memory, or for models over protobuf's 2 GB from a
+temporary model file and data file written tensor by tensor (no copy of the proto); by default at ORT_DISABLE_ALL, the level that keeps a QDQ
 model's simulated numerics exact (above it, DequantizeLinear -> MatMul fuses into kernels that
 quantize activations: DESIGN decision 5)."""
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import onnx
 import onnxruntime as ort
 
-from .io import PROTOBUF_LIMIT, load_model, save_model_atomic
+from .io import needs_external_data, write_with_external_data, write_without_values
 
 DEFAULT_PROVIDERS = ("CPUExecutionProvider",)
 OPTIMIZATION = {
@@ -38,18 +38,29 @@ def inference_session(
     providers = list(providers or DEFAULT_PROVIDERS)
     if not isinstance(model, onnx.ModelProto):
         return ort.InferenceSession(str(model), options, providers=providers)
-    if model.ByteSize() < PROTOBUF_LIMIT:
+    if not needs_external_data(model):
         return ort.InferenceSession(model.SerializeToString(), options, providers=providers)
+    # Through files rather than SessionOptions.add_external_initializers: that needs every large tensor
+    # as a numpy array, a second copy of the weights in memory beside the proto's, while onnxruntime
+    # reads (or maps) a data file per tensor; the file costs disk and time, not memory.
     with tempfile.TemporaryDirectory(prefix="finetune-session-") as folder:  # onnxruntime has read it when it returns
         path = Path(folder) / "model.onnx"
-        save_model_atomic(load_model(model), path)
+        write_with_external_data(model, path)
         return ort.InferenceSession(str(path), options, providers=providers)
 
 
 def load_failure(model: str | os.PathLike | onnx.ModelProto) -> str | None:
-    """onnxruntime's reason, on one line, for refusing to load the model; None when it loads."""
+    """onnxruntime's reason, on one line, for refusing to load the model; None when it loads. A
+    proto is loaded with zeros for its large tensors' values, read from a sparse file: whether a
+    model loads does not depend on them, and no copy of the weights is made."""
     try:
-        inference_session(model)
+        if isinstance(model, onnx.ModelProto):
+            with tempfile.TemporaryDirectory(prefix="finetune-load-") as folder:
+                path = Path(folder) / "model.onnx"
+                write_without_values(model, path)
+                inference_session(path)
+        else:
+            inference_session(model)
     except Exception as error:  # onnxruntime raises its own exception types (Fail, InvalidGraph, ...)
         return " ".join(str(error).split())
     return None

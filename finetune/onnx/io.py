@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-from onnx import helper, shape_inference
+from onnx import helper, shape_inference, version_converter
 
 from finetune.files import write_atomic
 
@@ -181,15 +181,33 @@ def write_with_external_data(model: onnx.ModelProto, path: Path) -> None:
 
 
 def infer_shapes_of(model: onnx.ModelProto) -> onnx.ModelProto:
-    """onnx shape inference (data propagation on) of any size of model: past the threshold it runs
-    on the model without its large tensors' values and the result's graph (its initializers aside)
-    replaces the model's; the proto returned is the one holding the result."""
+    """onnx shape inference (data propagation on) of any size of model (through_header); the
+    proto returned holds the result."""
+    return through_header(model, lambda m: shape_inference.infer_shapes(m, strict_mode=False, data_prop=True))
+
+
+def convert_version_of(model: onnx.ModelProto, opset: int) -> onnx.ModelProto:
+    """onnx's version converter on any size of model (through_header); the proto returned holds the result."""
+    return through_header(model, lambda m: version_converter.convert_version(m, opset))
+
+
+def through_header(model: onnx.ModelProto, transform: Callable[[onnx.ModelProto], onnx.ModelProto]) -> onnx.ModelProto:
+    """`transform` (an onnx tool that serializes its input) of a model of any size: past the
+    threshold it runs on the model's header (large tensors as references, no values read), and
+    the result, but for the tensors, replaces the model's in place (initializers it added join them);
+    the tensors are kept as they are. The proto returned holds the result."""
     if not needs_external_data(model):
-        return shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
-    inferred = shape_inference.infer_shapes(external_header(model, "unused", None), strict_mode=False, data_prop=True)
+        return transform(model)
+    result = transform(external_header(model, "unused", None))
+    kept = {tensor.name for tensor in model.graph.initializer}
+    added = [tensor for tensor in result.graph.initializer if tensor.name not in kept]
+    for field in [f for f, _ in model.ListFields() if f.name != "graph"]:
+        model.ClearField(field.name)
+    _copy_fields(result, model, skip="graph")
     for field in [f for f, _ in model.graph.ListFields() if f.name != "initializer"]:
         model.graph.ClearField(field.name)
-    _copy_fields(inferred.graph, model.graph, skip="initializer")
+    _copy_fields(result.graph, model.graph, skip="initializer")
+    model.graph.initializer.extend(added)
     return model
 
 

@@ -10,13 +10,13 @@ from typing import Any
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper, version_converter
+from onnx import helper, numpy_helper
 
 from finetune.notices import Notice, warn
 
 from .domains import DEFAULT_DOMAINS, MIN_OPSET
 from .graphs import all_graphs, all_nodes, node_reads, rename_reads
-from .io import infer_shapes_of
+from .io import convert_version_of, infer_shapes_of
 
 logger = logging.getLogger(__name__)
 
@@ -71,10 +71,11 @@ def _upgrade_opset(model: onnx.ModelProto, min_opset: int) -> list[str]:
     if opset is None or opset >= min_opset:
         return []
     try:
-        upgraded = version_converter.convert_version(model, min_opset)
+        upgraded = convert_version_of(model, min_opset)
     except Exception as error:  # the converter raises RuntimeError or onnx's C++ errors
         return [f"{OPSET_KEPT} {opset}: onnx's version converter could not upgrade to {min_opset} ({error})"]
-    model.CopyFrom(upgraded)
+    if upgraded is not model:
+        model.CopyFrom(upgraded)
     return [f"upgraded the default opset from {opset} to {min_opset}"]
 
 

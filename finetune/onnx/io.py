@@ -181,23 +181,21 @@ def write_with_external_data(model: onnx.ModelProto, path: Path) -> None:
 
 
 def infer_shapes_of(model: onnx.ModelProto) -> onnx.ModelProto:
-    """onnx shape inference (data propagation on) of any size of model (through_header); the
-    proto returned holds the result."""
+    """onnx shape inference (data propagation on) of the model, in place, through its header."""
     return through_header(model, lambda m: shape_inference.infer_shapes(m, strict_mode=False, data_prop=True))
 
 
 def convert_version_of(model: onnx.ModelProto, opset: int) -> onnx.ModelProto:
-    """onnx's version converter on any size of model (through_header); the proto returned holds the result."""
+    """onnx's version converter on the model, in place, through its header."""
     return through_header(model, lambda m: version_converter.convert_version(m, opset))
 
 
 def through_header(model: onnx.ModelProto, transform: Callable[[onnx.ModelProto], onnx.ModelProto]) -> onnx.ModelProto:
-    """`transform` (an onnx tool that serializes its input) of a model of any size: past the
-    threshold it runs on the model's header (large tensors as references, no values read), and
-    the result, but for the tensors, replaces the model's in place (initializers it added join them);
-    the tensors are kept as they are. The proto returned holds the result."""
-    if not needs_external_data(model):
-        return transform(model)
+    """`transform` (an onnx tool that serializes its input and parses its output) run on the model's
+    header, its large tensors as references (no values read: such tools read the small constants
+    that shapes come from, which the header keeps), and its result, but for the tensors, put in
+    place into the model (initializers it added join them); returns the model. On the whole model
+    such a tool would hold four copies of the weights at once, and past 2 GB cannot run at all."""
     result = transform(external_header(model, "unused", None))
     kept = {tensor.name for tensor in model.graph.initializer}
     added = [tensor for tensor in result.graph.initializer if tensor.name not in kept]

@@ -71,11 +71,9 @@ def _upgrade_opset(model: onnx.ModelProto, min_opset: int) -> list[str]:
     if opset is None or opset >= min_opset:
         return []
     try:
-        upgraded = convert_version_of(model, min_opset)
+        convert_version_of(model, min_opset)
     except Exception as error:  # the converter raises RuntimeError or onnx's C++ errors
         return [f"{OPSET_KEPT} {opset}: onnx's version converter could not upgrade to {min_opset} ({error})"]
-    if upgraded is not model:
-        model.CopyFrom(upgraded)
     return [f"upgraded the default opset from {opset} to {min_opset}"]
 
 
@@ -241,11 +239,9 @@ def try_infer_shapes(model: onnx.ModelProto) -> str | None:
     """Run onnx shape inference with data propagation, in place; the reason it could not, if so
     (the model is then unchanged)."""
     try:
-        inferred = infer_shapes_of(model)
+        infer_shapes_of(model)
     except Exception as error:  # onnx raises InferenceError and C++ runtime errors
         return " ".join(str(error).split())
-    if inferred is not model:
-        model.CopyFrom(inferred)
     return None
 
 

@@ -138,31 +138,37 @@ def test_sessions_shape_inference_and_checker_take_large_models(lowered: None) -
         check_model(model)
 
 
-def test_quantize_through_external_data_gives_the_in_proto_model(tmp_path: Path, lowered: None) -> None:
+# Weights only (int4 codes, an eighth of the weights: the in-proto run's output stays in one proto;
+# int4 needs opset 21, so the version converter runs too), and int8 activations (a calibration session).
+CASES = {"int4": (["--config", "INT4_BLOCK32", "--weight-storage", "compact"], ["q.onnx", "q.onnx.float.onnx"], 21),
+         "a8w8": (["--config", "A8W8", "--random-data", "2"], ["q.onnx"], 17)}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_quantize_through_external_data_gives_the_in_proto_model(tmp_path: Path, lowered: None, case: str) -> None:
+    flags, outputs, opset = CASES[case]
     inline, external = tmp_path / "inline", tmp_path / "external"
     inline.mkdir()
     external.mkdir()
-    onnx.save(stack(opset=17), inline / "model.onnx")  # int4 needs opset 21: the version converter runs too
+    onnx.save(stack(opset=17), inline / "model.onnx")
     save_model_atomic(stack(opset=17), external / "model.onnx", external_data=True)
     inputs = snapshot(external)
     results = {}
     for folder in (inline, external):
         high_water = high_water_kib()
-        command = ["quantize", folder / "model.onnx", "--config", "INT4_BLOCK32", "--weight-storage", "compact",
-                   "-o", folder / "q.onnx"]
-        assert main([str(a) for a in command]) == 0
+        assert main([str(a) for a in ["quantize", folder / "model.onnx", *flags, "-o", folder / "q.onnx"]]) == 0
         summary = json.loads((folder / "q.onnx.summary.json").read_text())
         assert high_water <= summary["peak_rss_kib"] <= high_water_kib()
         results[folder] = load_model(folder / "q.onnx")
     assert snapshot(external) | inputs == snapshot(external)  # the input and its data file, unchanged
-    assert not data_files(inline / "q.onnx")  # 1/8 of the weights as int4 codes: under the threshold, in one proto
-    for name in ("q.onnx", "q.onnx.float.onnx"):  # an input with external data gives outputs with external data
+    assert has_external_data(inline / "q.onnx") == (model_bytes(results[inline]) >= LOWERED)
+    for name in outputs:  # an input with external data gives outputs with external data
         assert has_external_data(external / name) and len(data_files(external / name)) == 1
     assert_same(results[external], results[inline])
-    assert results[inline].opset_import[0].version == 21
+    assert results[inline].opset_import[0].version == opset
     x = np.random.default_rng(2).standard_normal((2, WIDTH)).astype(np.float32)
-    outputs = [inference_session(folder / "q.onnx").run(None, {"x": x})[0] for folder in (inline, external)]
-    np.testing.assert_array_equal(*outputs)
+    values = [inference_session(folder / "q.onnx").run(None, {"x": x})[0] for folder in (inline, external)]
+    np.testing.assert_array_equal(*values)
 
 
 def test_the_output_may_not_be_the_input_or_its_data_file(tmp_path: Path, lowered: None) -> None:

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import logging
 import os
+import tempfile
 from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
 
 import onnx
 import onnxruntime as ort
@@ -19,7 +21,7 @@ from tqdm.auto import tqdm  # installed with lightning, a dependency of finetune
 
 from finetune.onnx.graphs import all_graphs, all_nodes, element_types
 from finetune.onnx.io import load_model
-from finetune.onnx.session import inference_session
+from finetune.onnx.session import copy_for_session, session_of_copy
 
 from .data import Feed
 from .expose import expose_inner_values
@@ -41,18 +43,21 @@ def collect_statistics(
     """Update each observer with its tensor over every batch of `data` and return the observers.
     Initializers are observed once, graph inputs from the feeds, everything else by exposing it
     as an output of a copy of the model (the given model is never modified). Memory: one batch of
-    activations per observed tensor, one weight at a time, and the copy only when a session runs."""
+    activations per observed tensor, one weight at a time, and a copy of the model only when a
+    session runs (past the threshold, a copy of its graph: see copy_for_session)."""
     model = load_model(model) if not isinstance(model, onnx.ModelProto) else model
     constants, fed, computed = _split_sources(model, list(observers))
     for name, tensor in constants.items():
         observers[name].update(numpy_helper.to_array(tensor))
     if not fed and not computed:
         return observers
-    augmented = load_model(model)
-    typed = {name: elem_type for name, elem_type in element_types(augmented.graph).items() if elem_type}
-    carried = expose_inner_values(augmented.graph, set(computed), typed)
-    _expose(augmented, [carried.get(name, name) for name in computed])
-    session = inference_session(augmented, providers)
+    with tempfile.TemporaryDirectory(prefix="finetune-calibrate-") as folder:  # the session has read it when made
+        augmented = copy_for_session(model, Path(folder))
+        typed = {name: elem_type for name, elem_type in element_types(augmented.graph).items() if elem_type}
+        carried = expose_inner_values(augmented.graph, set(computed), typed)
+        _expose(augmented, [carried.get(name, name) for name in computed])
+        session = session_of_copy(augmented, Path(folder), providers)
+    del augmented
     batches = _stream(session, data, observers, fed, computed, carried, progress, log_every)
     if batches == 0:
         raise ValueError("the calibration data gave no batches")

@@ -10,7 +10,7 @@ import math
 import os
 import re
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +18,8 @@ import onnx
 from onnx import helper, shape_inference, version_converter
 
 from finetune.files import write_atomic
+
+from .graphs import all_graphs
 
 PROTOBUF_LIMIT = 2**31 - 1
 # Models of this many serialized bytes or more are written (and handed to onnxruntime, shape
@@ -90,7 +92,7 @@ def has_external_data(source: str | os.PathLike | onnx.ModelProto) -> bool:
     """Whether a model file keeps tensors in external data (read without loading them), so what is
     written from it keeps them so too, whatever its size; a proto in memory holds its data."""
     model = source if isinstance(source, onnx.ModelProto) else onnx.load(str(source), load_external_data=False)
-    return any(tensor.data_location == onnx.TensorProto.EXTERNAL for tensor in _all_initializers(model.graph))
+    return any(tensor.data_location == onnx.TensorProto.EXTERNAL for graph in all_graphs(model.graph) for tensor in graph.initializer)
 
 
 def model_files(path: str | os.PathLike | None) -> list[Path]:
@@ -103,8 +105,7 @@ def model_files(path: str | os.PathLike | None) -> list[Path]:
         model = onnx.load(str(path), load_external_data=False)
     except Exception:  # missing or unreadable: loading it reports that, with the file's name
         return [path]
-    locations = {entry.value for t in _all_initializers(model.graph) for entry in t.external_data if entry.key == "location"}
-    return [path, *(path.parent / location for location in sorted(locations))]
+    return [path, *(path.parent / location for location in sorted(_data_locations(model)))]
 
 
 def save_model_atomic(model: onnx.ModelProto, path: str | os.PathLike, external_data: bool = False) -> None:
@@ -112,7 +113,7 @@ def save_model_atomic(model: onnx.ModelProto, path: str | os.PathLike, external_
     partial write. Models needing it (needs_external_data), or any with `external_data`, keep their
     large tensors in one data file beside it, named after the model and its content: it is written
     (atomically) before the model file, whose rename commits the pair; then the data file the old
-    model read is removed (docs/guarantees.md, "Files")."""
+    model read is removed (docs/guarantees.md, "Models over 2 GB")."""
     path = Path(path)
     stale = _own_data_files(path)
     if not (external_data or needs_external_data(model)):
@@ -153,7 +154,7 @@ def external_header(model: onnx.ModelProto, location: str, sink: Callable[[bytes
     header = copy_without_initializers(model)
     offset = 0
     for tensor in model.graph.initializer:
-        if tensor.ByteSize() < INLINE_TENSOR_BYTES or not tensor.HasField("raw_data"):
+        if not tensor.HasField("raw_data") or _raw_bytes(tensor) < INLINE_TENSOR_BYTES:
             header.graph.initializer.append(tensor)
             continue
         reference = header.graph.initializer.add()
@@ -227,9 +228,9 @@ def write_without_values(model: onnx.ModelProto, path: Path) -> None:
     kernels), in temporary folders."""
     data = path.with_name(path.name + ".data")
     header = external_header(model, data.name, None)
-    ends = [int(e.value) for t in header.graph.initializer for e in t.external_data if e.key in ("offset", "length")]
+    places = [{e.key: e.value for e in tensor.external_data} for tensor in header.graph.initializer]
     with open(data, "wb") as file:
-        file.truncate(sum(ends[-2:]))
+        file.truncate(max((int(p["offset"]) + int(p["length"]) for p in places if p), default=0))
     path.write_bytes(header.SerializeToString())
 
 
@@ -255,13 +256,10 @@ def _copy_fields(source: object, target: object, skip: str) -> None:
             setattr(target, field.name, value)
 
 
-def _all_initializers(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
-    """Initializers of a graph and of its subgraphs."""
-    yield from graph.initializer
-    for node in graph.node:
-        for attribute in node.attribute:
-            for sub in [attribute.g] * attribute.HasField("g") + list(attribute.graphs):
-                yield from _all_initializers(sub)
+def _data_locations(model: onnx.ModelProto) -> set[str]:
+    """The external data files the model's tensors (subgraphs' included) name, relative to it."""
+    return {entry.value for graph in all_graphs(model.graph) for tensor in graph.initializer
+            for entry in tensor.external_data if entry.key == "location"}
 
 
 def _own_data_files(path: Path) -> set[str]:
@@ -276,4 +274,4 @@ def _own_data_files(path: Path) -> set[str]:
         model = onnx.load(str(path), load_external_data=False)
     except Exception:  # protobuf raises several unrelated types; a file that is no model has no data of ours
         return set()
-    return candidates & {entry.value for t in _all_initializers(model.graph) for entry in t.external_data if entry.key == "location"}
+    return candidates & _data_locations(model)

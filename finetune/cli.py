@@ -16,8 +16,8 @@ from finetune.calibrate import CalibrationData, random_data
 from finetune.config import DEVICE_HELP, EarlyStop, FastFinetune, QuantConfig, available_presets, load_config
 from finetune.files import check_output, write_text_atomic
 from finetune.onnx import attach_custom_ops
-from finetune.onnx.io import load_model, save_model_atomic
-from finetune.pipeline import quantize_and_finetune, save_run_config, with_finetune
+from finetune.onnx.io import copy_without_initializers, has_external_data, load_model, model_files, save_model_atomic
+from finetune.pipeline import quantize_and_finetune, save_run_config, with_finetune, with_peak_memory
 from finetune.quantize import format_summary
 from finetune.tools import bf16, evaluate, infer
 from finetune.tools.command import add_common_flags, run_command
@@ -27,19 +27,19 @@ logger = logging.getLogger(__name__)
 
 def attach_ops(args: argparse.Namespace) -> None:
     """Add function bodies for com.finetune / com.amd.quark nodes so stock onnxruntime runs them."""
-    check_output(args.output, args.input)
+    check_output(args.output, *model_files(args.input))
     model = load_model(args.input)
     attached = attach_custom_ops(model)
-    if attached.SerializeToString() == model.SerializeToString():
+    if copy_without_initializers(attached) == copy_without_initializers(model):  # attaching leaves the weights alone
         logger.warning("%s needs no function bodies (it has no com.finetune / com.amd.quark node without one): "
                        "the output is an unchanged copy", args.input)
-    save_model_atomic(attached, args.output)
+    save_model_atomic(attached, args.output, external_data=has_external_data(args.input))
     logger.info("wrote %s", args.output)
 
 
 def quantize(args: argparse.Namespace) -> None:
     """Quantize a float model with a preset or YAML config and calibration data."""
-    check_output(args.output, args.model, args.data, args.evaluation_data)
+    check_output(args.output, *model_files(args.model), args.data, args.evaluation_data)
     overrides: dict = {"preset": args.config}
     if args.op_types:
         overrides["op_types"] = args.op_types
@@ -61,11 +61,11 @@ def quantize(args: argparse.Namespace) -> None:
     result = quantize_and_finetune(args.model, config, data, args.output.parent, name, resume=args.resume, model_path=args.output)
     if result.model is None:
         return  # another process of a data-parallel run: the first one writes and reports
-    summary_path = args.output.with_name(args.output.name + ".summary.json")
-    write_text_atomic(summary_path, json.dumps(result.summary, indent=1))
     if result.float_model is not None and float_path is not None:  # quantized only: tuning had it already
-        save_model_atomic(result.float_model, float_path)
+        save_model_atomic(result.float_model, float_path, external_data=has_external_data(args.model))
         logger.info("wrote %s, the float model the codes were made from (tune --float-model takes it)", float_path)
+    summary_path = args.output.with_name(args.output.name + ".summary.json")
+    write_text_atomic(summary_path, json.dumps(with_peak_memory(result.summary), indent=1))
     save_run_config(config, _config_path(args.output))
     print(format_summary(result.summary))
     if result.auto_mp_report is not None:
@@ -86,7 +86,7 @@ def _float_model_path(output: Path, source: Path) -> Path:
     """Where `quantize` writes, with weights stored as codes, the float graph they were made from
     (normalised, batch norms folded, equalised, smoothed): what `tune --float-model` takes in a second
     step, as the codes alone lose the float values. Checked before any work, as the output is."""
-    return check_output(output.with_name(output.name + ".float.onnx"), source)
+    return check_output(output.with_name(output.name + ".float.onnx"), *model_files(source))
 
 
 def tune(args: argparse.Namespace) -> None:
@@ -94,7 +94,7 @@ def tune(args: argparse.Namespace) -> None:
     from finetune.recon import finetune_model  # lightning takes seconds to import: only for this command
     from finetune.recon.report import format_report
 
-    check_output(args.output, args.model, args.float_model, args.data)
+    check_output(args.output, *model_files(args.model), *model_files(args.float_model), args.data)
     config = load_config(args.config) if args.config else QuantConfig()
     if config.fast_finetune is None:
         logger.info("no fast_finetune section in the config: starting from the defaults (AdaRound)")

@@ -16,8 +16,9 @@ import onnxruntime
 import torch
 
 from finetune.config import QuantConfig, load_config, save_config, to_dict
-from finetune.onnx.io import save_model_atomic
+from finetune.onnx.io import has_external_data, save_model_atomic
 from finetune.quantize import quantize_model
+from finetune.quantize.summary import peak_rss_kib
 
 
 @dataclass
@@ -52,12 +53,12 @@ def quantize_and_finetune(
             raise ValueError("--resume continues a fine-tuning run; an auto mixed precision run starts afresh")
         result = auto_mixed_precision(model, config, data, output_dir=output_dir, name=f"{name}.automp" if output_dir else name,
                                       model_path=model_path)
-        return PipelineResult(result.model, result.summary, result.finetune_report, result.report, result.config)
+        return PipelineResult(result.model, with_peak_memory(result.summary), result.finetune_report, result.report, result.config)
     if config.fast_finetune is None:
         quantized = quantize_model(model, config, data)
         if model_path is not None:
-            save_model_atomic(quantized.model, model_path)
-        return PipelineResult(quantized.model, quantized.summary, None, float_model=quantized.float_model)
+            save_model_atomic(quantized.model, model_path, external_data=has_external_data(model))
+        return PipelineResult(quantized.model, with_peak_memory(quantized.summary), None, float_model=quantized.float_model)
     from finetune.recon import finetune_model, preflight  # lightning takes seconds to import: only when tuning
 
     if data is None:  # what tuning needs is checked before the quantizer's calibration pass
@@ -67,7 +68,14 @@ def quantize_and_finetune(
     float_model = quantized.float_model
     tuned, report = finetune_model(quantized.model, data, config.fast_finetune, float_model, output_dir, name, callbacks, resume,
                                    model_path, bf16_as_cast=config.bf16_as_cast)
-    return PipelineResult(tuned, quantized.summary, report)
+    return PipelineResult(tuned, with_peak_memory(quantized.summary), report)
+
+
+def with_peak_memory(summary: dict[str, Any]) -> dict[str, Any]:
+    """The summary with `peak_rss_kib` brought up to now (the writes and tuning after quantizing count)."""
+    if summary is not None:
+        summary["peak_rss_kib"] = peak_rss_kib()
+    return summary
 
 
 def without_finetune(config: QuantConfig) -> QuantConfig:

@@ -483,8 +483,7 @@ def test_collect_statistics_matches_the_model_op_by_op(
     external: bool, batches: list[np.ndarray], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     if external:
-        for module in ("finetune.onnx.io", "finetune.onnx.session"):  # as if the model were over 2 GB
-            monkeypatch.setattr(f"{module}.PROTOBUF_LIMIT", 0)
+        monkeypatch.setattr("finetune.onnx.io.EXTERNAL_DATA_THRESHOLD", 0)  # as if the model were over 2 GB
     model = conv_matmul_model()
     before = model.SerializeToString()
     names = ["x", "w_conv", "conv_out", "relu_out", "y"]

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import logging
 import os
+import tempfile
 from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
 
-import numpy as np
 import onnx
 import onnxruntime as ort
 from onnx import numpy_helper
@@ -20,7 +21,7 @@ from tqdm.auto import tqdm  # installed with lightning, a dependency of finetune
 
 from finetune.onnx.graphs import all_graphs, all_nodes, element_types
 from finetune.onnx.io import load_model
-from finetune.onnx.session import inference_session
+from finetune.onnx.session import copy_for_session, session_of_copy
 
 from .data import Feed
 from .expose import expose_inner_values
@@ -42,25 +43,29 @@ def collect_statistics(
     """Update each observer with its tensor over every batch of `data` and return the observers.
     Initializers are observed once, graph inputs from the feeds, everything else by exposing it
     as an output of a copy of the model (the given model is never modified). Memory: one batch of
-    activations per observed tensor."""
-    augmented = load_model(model)
-    constants, fed, computed = _split_sources(augmented, list(observers))
-    for name, value in constants.items():
-        observers[name].update(value)
+    activations per observed tensor, one weight at a time, and a copy of the model only when a
+    session runs (past the threshold, a copy of its graph: see copy_for_session)."""
+    model = load_model(model) if not isinstance(model, onnx.ModelProto) else model
+    constants, fed, computed = _split_sources(model, list(observers))
+    for name, tensor in constants.items():
+        observers[name].update(numpy_helper.to_array(tensor))
     if not fed and not computed:
         return observers
-    typed = {name: elem_type for name, elem_type in element_types(augmented.graph).items() if elem_type}
-    carried = expose_inner_values(augmented.graph, set(computed), typed)
-    _expose(augmented, [carried.get(name, name) for name in computed])
-    session = inference_session(augmented, providers)
+    with tempfile.TemporaryDirectory(prefix="finetune-calibrate-") as folder:  # the session has read it when made
+        augmented = copy_for_session(model, Path(folder))
+        typed = {name: elem_type for name, elem_type in element_types(augmented.graph).items() if elem_type}
+        carried = expose_inner_values(augmented.graph, set(computed), typed)
+        _expose(augmented, [carried.get(name, name) for name in computed])
+        session = session_of_copy(augmented, Path(folder), providers)
+    del augmented
     batches = _stream(session, data, observers, fed, computed, carried, progress, log_every)
     if batches == 0:
         raise ValueError("the calibration data gave no batches")
     return observers
 
 
-def _split_sources(model: onnx.ModelProto, names: list[str]) -> tuple[dict[str, np.ndarray], list[str], list[str]]:
-    """Observed names split into initializer values, graph inputs and tensors computed by nodes
+def _split_sources(model: onnx.ModelProto, names: list[str]) -> tuple[dict[str, onnx.TensorProto], list[str], list[str]]:
+    """Observed names split into initializers, graph inputs and tensors computed by nodes
     (subgraphs' included); a name that is none of these is an error."""
     initializers = {tensor.name: tensor for graph in all_graphs(model.graph) for tensor in graph.initializer}
     inputs = {value.name for value in model.graph.input} - set(initializers)
@@ -69,7 +74,7 @@ def _split_sources(model: onnx.ModelProto, names: list[str]) -> tuple[dict[str, 
     unknown = [name for name in names if name not in initializers and name not in inputs and name not in produced]
     if unknown:
         raise ValueError(f"observed tensors {unknown} are not inputs, initializers or node outputs of the model")
-    constants = {name: numpy_helper.to_array(initializers[name]) for name in names if name in initializers}
+    constants = {name: initializers[name] for name in names if name in initializers}
     fed = [name for name in names if name in inputs]
     computed = [name for name in names if name in produced and name not in initializers]
     return constants, fed, computed

@@ -40,7 +40,7 @@ def export_model(module: LiftedModule, original_model: str | Path | onnx.ModelPr
         tensor.CopyFrom(numpy_helper.from_array(_stored_array(module.get_parameter(name), source, tensor), tensor.name))
     if bf16_as_cast:
         bf16_pairs_to_casts(model)
-    return attach_custom_ops(model, (CUSTOM_DOMAIN, QUARK_DOMAIN) if attach_ops else (CUSTOM_DOMAIN,))
+    return attach_custom_ops(model, (CUSTOM_DOMAIN, QUARK_DOMAIN) if attach_ops else (CUSTOM_DOMAIN,), in_place=True)
 
 
 def _stored_array(value: torch.Tensor, source: ParamSource, tensor: onnx.TensorProto) -> np.ndarray:

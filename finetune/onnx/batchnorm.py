@@ -34,7 +34,10 @@ FOLD_CHANGE = "fold_batch_norm:"  # how the list of changes starts its entry, wh
 def fold_batch_norms(model: onnx.ModelProto, notices: list[Notice] | None = None) -> tuple[onnx.ModelProto, list[str]]:
     """A copy of a normalised, constant-folded float `model` with every foldable BatchNormalization of
     its main graph folded into the Conv or Gemm before it, and what changed; the input is never
-    modified. Subgraph bodies are left as they are."""
+    modified (a model without BatchNormalization is handed back as it is: no copy of its weights).
+    Subgraph bodies are left as they are."""
+    if not any(node.op_type == "BatchNormalization" for node in model.graph.node):
+        return model, []
     result = onnx.ModelProto()
     result.CopyFrom(model)
     graph = result.graph

@@ -10,13 +10,13 @@ from typing import Any
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper, shape_inference, version_converter
+from onnx import helper, numpy_helper
 
 from finetune.notices import Notice, warn
 
 from .domains import DEFAULT_DOMAINS, MIN_OPSET
 from .graphs import all_graphs, all_nodes, node_reads, rename_reads
-from .io import PROTOBUF_LIMIT
+from .io import convert_version_of, infer_shapes_of
 
 logger = logging.getLogger(__name__)
 
@@ -33,13 +33,15 @@ _CONSTANT_ATTRIBUTES: dict[str, type] = {
 
 
 def normalize_model(
-    model: onnx.ModelProto, min_opset: int = MIN_OPSET, notices: list[Notice] | None = None,
+    model: onnx.ModelProto, min_opset: int = MIN_OPSET, notices: list[Notice] | None = None, in_place: bool = False,
 ) -> tuple[onnx.ModelProto, list[str]]:
-    """A normalised copy of `model` and a readable list of what changed (each item also logged);
-    what could not be done (shape inference) is logged at WARNING and added to `notices`. The
-    input is never modified."""
-    result = onnx.ModelProto()
-    result.CopyFrom(model)
+    """A normalised copy of `model` (with `in_place`, the model itself, for a caller that owns it:
+    no second copy of the weights) and a readable list of what changed (each item also logged);
+    what could not be done (shape inference) is logged at WARNING and added to `notices`."""
+    result = model
+    if not in_place:
+        result = onnx.ModelProto()
+        result.CopyFrom(model)
     steps: list[Callable[[onnx.ModelProto], list[str]]] = [
         _sort_topologically,
         lambda m: _upgrade_opset(m, min_opset),
@@ -69,10 +71,9 @@ def _upgrade_opset(model: onnx.ModelProto, min_opset: int) -> list[str]:
     if opset is None or opset >= min_opset:
         return []
     try:
-        upgraded = version_converter.convert_version(model, min_opset)
+        convert_version_of(model, min_opset)
     except Exception as error:  # the converter raises RuntimeError or onnx's C++ errors
         return [f"{OPSET_KEPT} {opset}: onnx's version converter could not upgrade to {min_opset} ({error})"]
-    model.CopyFrom(upgraded)
     return [f"upgraded the default opset from {opset} to {min_opset}"]
 
 
@@ -237,13 +238,10 @@ def infer_shapes(model: onnx.ModelProto, notices: list[Notice] | None = None) ->
 def try_infer_shapes(model: onnx.ModelProto) -> str | None:
     """Run onnx shape inference with data propagation, in place; the reason it could not, if so
     (the model is then unchanged)."""
-    if model.ByteSize() > PROTOBUF_LIMIT:
-        return "the model is larger than 2 GB, more than onnx's shape inference takes"
     try:
-        inferred = shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
+        infer_shapes_of(model)
     except Exception as error:  # onnx raises InferenceError and C++ runtime errors
         return " ".join(str(error).split())
-    model.CopyFrom(inferred)
     return None
 
 

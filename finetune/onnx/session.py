@@ -1,5 +1,5 @@
-"""onnxruntime sessions, made in one place: from memory, or through a temporary file with external
-data for models over protobuf's 2 GB; by default at ORT_DISABLE_ALL, the level that keeps a QDQ
+"""onnxruntime sessions, made in one place: from memory, or for models over protobuf's 2 GB from a
+temporary model file and data file written tensor by tensor (no copy of the proto); by default at ORT_DISABLE_ALL, the level that keeps a QDQ
 model's simulated numerics exact (above it, DequantizeLinear -> MatMul fuses into kernels that
 quantize activations: DESIGN decision 5)."""
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import onnx
 import onnxruntime as ort
 
-from .io import PROTOBUF_LIMIT, load_model, save_model_atomic
+from .io import external_header, has_external_data, load_model, needs_external_data, write_with_external_data, write_without_values
 
 DEFAULT_PROVIDERS = ("CPUExecutionProvider",)
 OPTIMIZATION = {
@@ -38,18 +38,53 @@ def inference_session(
     providers = list(providers or DEFAULT_PROVIDERS)
     if not isinstance(model, onnx.ModelProto):
         return ort.InferenceSession(str(model), options, providers=providers)
-    if model.ByteSize() < PROTOBUF_LIMIT:
+    if not needs_external_data(model):
         return ort.InferenceSession(model.SerializeToString(), options, providers=providers)
+    # Through files rather than SessionOptions.add_external_initializers: that needs every large tensor
+    # as a numpy array, a second copy of the weights in memory beside the proto's, while onnxruntime
+    # reads (or maps) a data file per tensor; the file costs disk and time, not memory.
     with tempfile.TemporaryDirectory(prefix="finetune-session-") as folder:  # onnxruntime has read it when it returns
-        path = Path(folder) / "model.onnx"
-        save_model_atomic(load_model(model), path)
+        path = Path(folder) / SESSION_FILE
+        write_with_external_data(model, path)
         return ort.InferenceSession(str(path), options, providers=providers)
 
 
+SESSION_FILE = "model.onnx"  # a session's model file in its temporary folder, with SESSION_FILE.data beside it
+
+
+def copy_for_session(model: onnx.ModelProto, folder: Path) -> onnx.ModelProto:
+    """A copy of the model to rewrite (outputs added, say) before `session_of_copy(copy, folder)`:
+    past the threshold, its large tensors are written once to a data file in `folder` and the copy
+    refers to them, so no second copy of the weights is held in memory."""
+    if not needs_external_data(model):
+        return load_model(model)
+    with open(folder / f"{SESSION_FILE}.data", "wb") as data:
+        return external_header(model, f"{SESSION_FILE}.data", data.write)
+
+
+def session_of_copy(
+    copy: onnx.ModelProto, folder: Path, providers: Sequence[str] | None = None, optimization: str = EXACT,
+) -> ort.InferenceSession:
+    """A session for a copy made by copy_for_session in `folder`."""
+    if not has_external_data(copy):
+        return inference_session(copy, providers, optimization)
+    path = folder / SESSION_FILE
+    path.write_bytes(copy.SerializeToString())
+    return inference_session(path, providers, optimization)
+
+
 def load_failure(model: str | os.PathLike | onnx.ModelProto) -> str | None:
-    """onnxruntime's reason, on one line, for refusing to load the model; None when it loads."""
+    """onnxruntime's reason, on one line, for refusing to load the model; None when it loads. A
+    proto is loaded with zeros for its large tensors' values, read from a sparse file: whether a
+    model loads does not depend on them, and no copy of the weights is made."""
     try:
-        inference_session(model)
+        if isinstance(model, onnx.ModelProto):
+            with tempfile.TemporaryDirectory(prefix="finetune-load-") as folder:
+                path = Path(folder) / SESSION_FILE
+                write_without_values(model, path)
+                inference_session(path)
+        else:
+            inference_session(model)
     except Exception as error:  # onnxruntime raises its own exception types (Fail, InvalidGraph, ...)
         return " ".join(str(error).split())
     return None

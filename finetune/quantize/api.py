@@ -16,7 +16,7 @@ from finetune.onnx import attach_custom_ops
 from finetune.onnx.batchnorm import fold_batch_norms
 from finetune.onnx.equalize import equalize_model
 from finetune.onnx.fold import fold_constants
-from finetune.onnx.io import load_model
+from finetune.onnx.io import load_model, model_bytes
 from finetune.onnx.normalize import normalize_model
 from finetune.onnx.qdq import bf16_pairs_to_casts
 from finetune.onnx.session import require_loads
@@ -53,8 +53,9 @@ def quantize_model(
         raise ValueError("the config has a fast_finetune section, which quantize_model does not run: call "
                          "finetune.pipeline.quantize_and_finetune to quantize and tune, or drop the section")
     notices: list[Notice] = []
-    original = load_model(model)
-    normalized, changes = normalize_model(original, notices=notices)
+    normalized = load_model(model)  # our own copy, normalised in place: one copy of the weights, not two
+    bytes_before = model_bytes(normalized)
+    normalized, changes = normalize_model(normalized, notices=notices, in_place=True)
     for change in fold_constants(normalized, notices=notices):  # a weight computed from constants (Transpose(W)) becomes one to quantize and tune
         logger.info(change)
         changes.append(change)
@@ -83,11 +84,11 @@ def quantize_model(
     uses = calibrated_uses(uses, qparams)
     if alignments is not None:
         alignments += align_scales(normalized, config, uses, qparams, notices)
-    quantized = attach_custom_ops(insert_qdq(normalized, uses, qparams, config.weight_storage))
+    quantized = attach_custom_ops(insert_qdq(normalized, uses, qparams, config.weight_storage), in_place=True)
     if config.bf16_as_cast:
         changes.append(f"bf16_as_cast: {bf16_pairs_to_casts(quantized)} bfloat16 quantize-dequantize pair(s) written as Cast pairs")
-    require_loads(quantized, original, "quantize")
-    summary = summarize(original, quantized, uses, changes, notices, time.perf_counter() - start, alignments, smoothing)
+    require_loads(quantized, model, "quantize")
+    summary = summarize(bytes_before, quantized, uses, changes, notices, time.perf_counter() - start, alignments, smoothing)
     return QuantizeResult(quantized, summary, float_model)
 
 

@@ -14,7 +14,8 @@ from onnx import numpy_helper
 from finetune.formats import FormatSpec, IntSpec, float_codes, int_codes
 from finetune.onnx.dtypes import numpy_dtype
 from finetune.onnx.fold import drop_unused_initializers
-from finetune.onnx.graphs import all_graphs
+from finetune.onnx.graphs import all_graphs, graph_reads
+from finetune.onnx.io import copy_without_initializers
 from finetune.onnx.qdq import make_qdq, uses_standard_ops
 
 from .calibrate import QParams
@@ -26,15 +27,20 @@ def insert_qdq(model: onnx.ModelProto, uses: list[Use], qparams: QParams, weight
     """A copy with one quantize-dequantize per distinct (tensor, format chain), each consumer
     rewired to the one of its format; compact weight storage keeps codes + DequantizeLinear where
     standard (int32 biases always); float16 tensors are quantized in float32 between Casts
-    (FORMATS.md)."""
-    result = onnx.ModelProto()
-    result.CopyFrom(model)
-    types, _ = tensor_types_and_ranks(result)
+    (FORMATS.md). Only the initializers the copy still reads are copied (weights stored as codes
+    are not: on a large model, no second copy of the weights)."""
+    result = copy_without_initializers(model)
+    types, _ = tensor_types_and_ranks(model)
     half = {name for name, elem_type in types.items() if elem_type == onnx.TensorProto.FLOAT16}
-    inserter = _Inserter(result.graph, qparams, weight_storage == "compact", half)
+    inserter = _Inserter(result.graph, {t.name: t for t in model.graph.initializer}, qparams, weight_storage == "compact", half)
     for use in uses:
         inserter.rewire(use)
     inserter.finish()
+    added = list(result.graph.initializer)  # the quantizers' scales, zero points and codes: after the model's own
+    read = graph_reads(result.graph)
+    del result.graph.initializer[:]
+    result.graph.initializer.extend(tensor for tensor in model.graph.initializer if tensor.name in read)
+    result.graph.initializer.extend(added)
     drop_unused_initializers(result)
     return result
 
@@ -42,14 +48,16 @@ def insert_qdq(model: onnx.ModelProto, uses: list[Use], qparams: QParams, weight
 class _Inserter:
     """Adds the QDQ chains to a graph and its subgraphs: each created once per graph that reads
     it, placed before its first consumer there; new initializers go to the main graph, which
-    every subgraph sees."""
+    every subgraph sees. `weights`: the main graph's initializers, read where the graph has none."""
 
-    def __init__(self, graph: onnx.GraphProto, qparams: QParams, compact: bool, half: set[str]) -> None:
+    def __init__(
+        self, graph: onnx.GraphProto, weights: dict[str, onnx.TensorProto], qparams: QParams, compact: bool, half: set[str],
+    ) -> None:
         self.graph, self.qparams, self.compact, self.half = graph, qparams, compact, half
         self.graphs = list(all_graphs(graph))
         self.owner = {n.name: index for index, each in enumerate(self.graphs) for n in each.node}
         self.nodes = {n.name: n for each in self.graphs for n in each.node}
-        self.initializers = {t.name: t for each in self.graphs for t in each.initializer}
+        self.initializers = {**weights, **{t.name: t for each in self.graphs for t in each.initializer}}
         self.outputs: dict[tuple, str] = {}
         self.added: dict[str, list[onnx.NodeProto]] = defaultdict(list)
 

@@ -5,6 +5,7 @@ what was not done as configured, with the reason) and its table."""
 from __future__ import annotations
 
 import dataclasses
+import resource
 from collections import Counter
 from typing import Any
 
@@ -12,6 +13,7 @@ import onnx
 
 from finetune.formats import NAMED_BLOCK_FORMATS, BFPSpec, FloatSpec, FormatSpec, IntSpec, MXSpec
 from finetune.notices import Notice, describe
+from finetune.onnx.io import model_bytes
 
 from .plan import Use, with_producer_formats
 
@@ -42,10 +44,10 @@ def format_attributes(spec: FormatSpec) -> str:
 
 
 def summarize(
-    original: onnx.ModelProto, quantized: onnx.ModelProto, uses: list[Use], changes: list[str], notices: list[Notice],
+    bytes_before: int, quantized: onnx.ModelProto, uses: list[Use], changes: list[str], notices: list[Notice],
     seconds: float, alignments: list[dict[str, Any]] | None = None, smoothing: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Tensors per format and role, model sizes, what normalisation (and equalisation) changed,
+    """Tensors per format and role, model sizes (`bytes_before`: the input's), what normalisation (and equalisation) changed,
     the warnings ({"tensor" | "node" | "model" | "config": name, "reason": ...} each), with
     npu_cnn the scales and formats its alignments changed (finetune.quantize.npu) and with
     smooth_quant what it did to each layer (finetune.quantize.smooth)."""
@@ -55,17 +57,24 @@ def summarize(
         "tensors_per_format": [{"role": r, "format": f, "tensors": n, **({"attributes": a} if a else {})}
                                for (r, f, a), n in sorted(per_format.items())],
         "quantized_nodes": len({u.node for u in uses}),
-        "model_bytes_before": original.ByteSize(),
-        "model_bytes_after": quantized.ByteSize(),
+        "model_bytes_before": bytes_before,
+        "model_bytes_after": model_bytes(quantized),
         "normalization": changes,
         "warnings": [notice.as_dict() for notice in notices],
         "seconds": round(seconds, 3),
+        "peak_rss_kib": peak_rss_kib(),
     }
     if alignments is not None:
         summary["npu_cnn_alignments"] = alignments
     if smoothing is not None:
         summary["smooth_quant"] = smoothing
     return summary
+
+
+def peak_rss_kib() -> int:
+    """The most resident memory this process has used so far, in KiB (ru_maxrss, KiB on Linux):
+    the `peak_rss_kib` of every summary, measured when it is written."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
 def format_summary(summary: dict[str, Any]) -> str:
@@ -75,7 +84,7 @@ def format_summary(summary: dict[str, Any]) -> str:
               for row in summary["tensors_per_format"]]
     before, after = summary["model_bytes_before"], summary["model_bytes_after"]
     lines.append(f"quantized nodes: {summary['quantized_nodes']}; model size {before:,} -> {after:,} bytes "
-                 f"({after / before:.2f}x); {summary['seconds']:.2f} s")
+                 f"({after / before:.2f}x); {summary['seconds']:.2f} s; peak memory {summary['peak_rss_kib'] / 2**20:.2f} GiB")
     if "npu_cnn_alignments" in summary:
         lines.append(f"npu_cnn: {len(summary['npu_cnn_alignments'])} scale or format alignment(s)")
     if "smooth_quant" in summary:

@@ -24,7 +24,7 @@ def make_session(
 ) -> ort.InferenceSession:
     """A session on `providers` for the model with its custom ops attached; a provider lacking
     kernels raises ValueError listing every node concerned."""
-    model = attach_custom_ops(load_model(model))
+    model = attach_custom_ops(load_model(model), in_place=True)
     try:
         return inference_session(model, providers, optimization)
     except Exception as error:  # onnxruntime raises its own exception types, one per status code

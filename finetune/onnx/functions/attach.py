@@ -107,13 +107,17 @@ def _import_domains(model: onnx.ModelProto, domains: set[str]) -> None:
         model.opset_import.append(helper.make_opsetid(domain, DOMAIN_VERSION))
 
 
-def attach_custom_ops(model: onnx.ModelProto, domains: Collection[str] = DOMAINS) -> onnx.ModelProto:
-    """A copy of `model` in which every node of `domains` (com.finetune and com.amd.quark by default;
+def attach_custom_ops(
+    model: onnx.ModelProto, domains: Collection[str] = DOMAINS, in_place: bool = False,
+) -> onnx.ModelProto:
+    """A copy of `model` (with `in_place`, the model itself, for a caller that owns it: no second
+    copy of the weights) in which every node of `domains` (com.finetune and com.amd.quark by default;
     subgraphs included) has a standard-op function body, so stock onnxruntime runs it, and in which
-    no declared 0 dimension (see _forget_zero_dims) misleads those bodies; idempotent, the input is
-    untouched."""
-    result = onnx.ModelProto()
-    result.CopyFrom(model)
+    no declared 0 dimension (see _forget_zero_dims) misleads those bodies; idempotent."""
+    result = model
+    if not in_place:
+        result = onnx.ModelProto()
+        result.CopyFrom(model)
     custom = [node for node in all_nodes(result.graph) if node.domain in domains]
     if not custom:
         return result

@@ -16,7 +16,7 @@ from finetune.files import check_output
 from finetune.onnx.domains import MIN_OPSET
 from finetune.onnx.fold import tensor_types
 from finetune.onnx.graphs import has_subgraphs
-from finetune.onnx.io import load_model, save_model_atomic
+from finetune.onnx.io import has_external_data, load_model, model_files, save_model_atomic
 from finetune.onnx.normalize import default_opset, normalize_model
 
 from ..optimize import optimize
@@ -32,9 +32,9 @@ def convert_file(
     input_path: str | os.PathLike, output_path: str | os.PathLike, fmt: str = "with_cast", source: str = "auto",
 ) -> onnx.ModelProto:
     """Convert the model at `input_path` and write it atomically to `output_path` (never the input)."""
-    output_path = check_output(output_path, input_path)
+    output_path = check_output(output_path, *model_files(input_path))
     model = convert(load_model(input_path), fmt, source)
-    save_model_atomic(model, output_path)
+    save_model_atomic(model, output_path, external_data=has_external_data(input_path))
     logger.info("wrote %s (%s)", output_path, fmt)
     return model
 

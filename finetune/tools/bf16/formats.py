@@ -42,7 +42,7 @@ class _CustomQDQ(Format):
         return chain.ending_in(dst)
 
     def finish(self, model: onnx.ModelProto) -> None:
-        model.CopyFrom(attach_custom_ops(model))
+        attach_custom_ops(model, in_place=True)
 
 
 class _SimulateBF16(Format):

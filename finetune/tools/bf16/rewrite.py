@@ -14,7 +14,7 @@ from onnx import TensorProto, helper, numpy_helper
 from finetune.formats import BF16
 from finetune.onnx.domains import DEFAULT_DOMAINS
 from finetune.onnx.fold import infer_types, tensor_types
-from finetune.onnx.io import PROTOBUF_LIMIT
+from finetune.onnx.io import check_model
 from finetune.onnx.normalize import default_opset
 from finetune.onnx.qdq import make_qdq
 
@@ -89,8 +89,7 @@ class Format:
         self.finish(model)
         infer_types(model)
         model.ir_version = max(model.ir_version, helper.find_min_ir_version_for(list(model.opset_import), True))
-        if model.ByteSize() < PROTOBUF_LIMIT:
-            onnx.checker.check_model(model)
+        check_model(model)
 
 
 class Rewriter:

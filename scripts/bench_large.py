@@ -1,0 +1,132 @@
+"""Peak memory of a model over 2 GB (JSON on stdout, progress on stderr): a stack of seeded-weight
+MatMul layers (fp32, external data) is loaded, quantized to INT4 weight-only in groups of 128 along
+the reduction axis (codes stored: INT4_BLOCK32 with block_size 128, weight_storage compact) and
+written by the pipeline; then the output is loaded and run in onnxruntime beside the float model.
+Each step runs in a process of its own, so each peak RSS (ru_maxrss) is that step's alone; the
+target for quantizing is the weights' size + 2 GB.
+
+    python scripts/bench_large.py                                   # 2.5 GB of weights
+    python scripts/bench_large.py --gigabytes 0.3 --threshold 100000000   # develop: external path below 2 GB
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+CONFIG = {"preset": "INT4_BLOCK32", "weight": {"block_size": 128}, "weight_storage": "compact"}
+SEED = 0
+
+
+def build(path: Path, gigabytes: float, width: int) -> dict[str, Any]:
+    """Write a chain of MatMul layers of `width` x `width` seeded weights (scaled to keep the
+    activations' size) holding about `gigabytes` of fp32 weights, with external data."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    from finetune.onnx.io import save_model_atomic
+
+    layers = max(1, round(gigabytes * 1e9 / (width * width * 4)))
+    rng = np.random.default_rng(SEED)
+    graph = helper.make_graph([], "large", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["batch", width])],
+                              [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["batch", width])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=10)
+    for index in range(layers):  # one layer's weights at a time, straight into the model (make_graph would copy them)
+        weight = rng.standard_normal((width, width), dtype=np.float32) / np.float32(np.sqrt(width))
+        model.graph.initializer.append(numpy_helper.from_array(weight, f"w{index}"))
+        model.graph.node.append(helper.make_node("MatMul", ["x" if index == 0 else f"h{index - 1}", f"w{index}"],
+                                                 [f"h{index}" if index < layers - 1 else "y"], name=f"layer{index}"))
+    save_model_atomic(model, path, external_data=True)
+    return {"layers": layers, "width": width, "weight_bytes": layers * width * width * 4}
+
+
+def quantize(path: Path, output: Path) -> dict[str, Any]:
+    """Load, quantize and write through the pipeline, as `finetune quantize` does."""
+    from finetune.pipeline import quantize_and_finetune
+
+    result = quantize_and_finetune(path, CONFIG, None, model_path=output)
+    return {"quantized_nodes": result.summary["quantized_nodes"], "summary_peak_rss_kib": result.summary["peak_rss_kib"]}
+
+
+def check(path: Path, output: Path, width: int) -> dict[str, Any]:
+    """Load the output in onnxruntime and run it beside the float model on one seeded input."""
+    from finetune.onnx.session import inference_session
+
+    x = np.random.default_rng(SEED + 1).standard_normal((4, width), dtype=np.float32)
+    quantized = inference_session(output).run(None, {"x": x})[0]
+    reference = inference_session(path).run(None, {"x": x})[0]
+    return {"loads_in_onnxruntime": True,
+            "relative_error": float(np.linalg.norm(quantized - reference) / np.linalg.norm(reference))}
+
+
+def files_bytes(path: Path) -> int:
+    """Bytes of a model file and the data files beside it named after it."""
+    return sum(f.stat().st_size for f in path.parent.iterdir() if f.name == path.name or f.name.startswith(path.name + "."))
+
+
+def step(name: str, args: argparse.Namespace, folder: Path) -> dict[str, Any]:
+    """Run one step in a fresh process (one thread) and return its JSON, with its seconds."""
+    command = [sys.executable, __file__, "--step", name, "--folder", str(folder), "--gigabytes", str(args.gigabytes),
+               "--width", str(args.width), "--threshold", str(args.threshold)]
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    print(f"bench_large: {name} ...", file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    result = subprocess.run(command, env=environment, check=True, stdout=subprocess.PIPE, text=True)
+    return {**json.loads(result.stdout), "seconds": round(time.perf_counter() - start, 1)}
+
+
+def run_step(args: argparse.Namespace) -> dict[str, Any]:
+    """This process's step, with its peak RSS."""
+    import torch
+
+    import finetune.onnx.io
+
+    torch.set_num_threads(1)
+    finetune.onnx.io.EXTERNAL_DATA_THRESHOLD = args.threshold
+    folder = Path(args.folder)
+    model, output = folder / "large.onnx", folder / "large.int4.onnx"
+    if args.step == "build":
+        result = build(model, args.gigabytes, args.width)
+    elif args.step == "quantize":
+        result = quantize(model, output)
+    else:
+        result = check(model, output, args.width)
+    return {**result, "peak_rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--gigabytes", type=float, default=2.5, help="fp32 weights to generate (10^9 bytes)")
+    parser.add_argument("--width", type=int, default=4096, help="each layer's input and output width")
+    parser.add_argument("--threshold", type=int, default=2**31 - 1, help="EXTERNAL_DATA_THRESHOLD in bytes")
+    parser.add_argument("--step", choices=["build", "quantize", "check"], help=argparse.SUPPRESS)
+    parser.add_argument("--folder", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.step:
+        print(json.dumps(run_step(args)))
+        return
+    with tempfile.TemporaryDirectory(prefix="bench-large-") as folder:
+        built = step("build", args, Path(folder))
+        quantized = step("quantize", args, Path(folder))
+        checked = step("check", args, Path(folder))
+        model, output = Path(folder) / "large.onnx", Path(folder) / "large.int4.onnx"
+        sizes = {"model_bytes": files_bytes(model), "output_bytes": files_bytes(output),
+                 "output_files": sorted(f.name for f in Path(folder).iterdir() if f.name.startswith(output.name))}
+    target_kib = (built["weight_bytes"] + 2 * 2**30) // 1024
+    print(json.dumps({"config": CONFIG, **sizes, "build": built, "quantize": quantized, "check": checked,
+                      "quantize_target_kib": target_kib, "quantize_within_target": quantized["peak_rss_kib"] <= target_kib},
+                     indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -271,7 +271,7 @@ def ort_rerun_seconds(quantized: onnx.ModelProto, calibration: list[dict[str, np
 
 def run_case(model: str, preset: str, directory: Path, iterations: int, adaquant_lr: float | None, unit: str,
              device: str = "cpu", devices: int = 1, ort_rerun: bool = True, patience: int | None = None,
-             overhead: bool = False) -> dict[str, Any]:
+             overhead: bool = False, compile_kernels: str = "auto") -> dict[str, Any]:
     """Quantize, measure, fine-tune (on `device`, or data-parallel over `devices` of its kind; with
     `patience`, each unit stops early once its loss has not improved for that many iterations, 0:
     never; without, the default early stopping),
@@ -286,6 +286,7 @@ def run_case(model: str, preset: str, directory: Path, iterations: int, adaquant
     unit = AUTO_UNIT[algorithm] if unit == "auto" else unit
     config = FastFinetune(algorithm=algorithm, iterations=iterations, seed=0, lr=adaquant_lr if algorithm == "adaquant" else None,
                           unit=unit, device=device, devices=devices, strategy="ddp_spawn",
+                          compile={"auto": "auto", "true": True, "false": False}[compile_kernels],
                           early_stop=EarlyStop() if patience is None
                           else EarlyStop(enabled=patience > 0, patience=max(1, patience)))
     start = time.perf_counter()
@@ -363,6 +364,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--unit", choices=["auto", "layer", "block"], default="auto",
                         help="reconstruction unit (default auto: layers for AdaRound, blocks for AdaQuant)")
     parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--compile", choices=["auto", "true", "false"], default="auto",
+                        help="fast_finetune.compile (default auto)")
     parser.add_argument("--device", default="cpu", help="where to tune: cpu, cuda:0, hip:0 (default cpu); with cuda the "
                         "case reports the GPU memory peak")
     parser.add_argument("--devices", type=int, default=1, help="tune data-parallel over this many devices of that kind "
@@ -392,7 +395,7 @@ def child(args: argparse.Namespace) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
     model, preset, directory = args.case
     print(json.dumps(run_case(model, preset, Path(directory), args.iterations, args.adaquant_lr, args.unit, args.device,
-                              args.devices, not args.no_ort_rerun, args.early_stop, args.overhead)))
+                              args.devices, not args.no_ort_rerun, args.early_stop, args.overhead, args.compile)))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -440,7 +443,7 @@ def main(argv: list[str] | None = None) -> None:
 def run_child(model: str, preset: str, directory: Path, args: argparse.Namespace) -> dict[str, Any]:
     """One case in a fresh process (its own peak RSS); wall time measured around it."""
     command = [sys.executable, __file__, "--case", model, preset, str(directory), "--iterations", str(args.iterations),
-               "--unit", args.unit, "--device", args.device, "--devices", str(args.devices),
+               "--unit", args.unit, "--device", args.device, "--devices", str(args.devices), "--compile", args.compile,
                *(["--no-ort-rerun"] if args.no_ort_rerun else []), *(["--overhead"] if args.overhead else []),
                *(["--early-stop", str(args.early_stop)] if args.early_stop is not None else []),
                *(["--adaquant-lr", str(args.adaquant_lr)] if args.adaquant_lr else [])]

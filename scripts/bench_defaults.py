@@ -1,0 +1,83 @@
+"""The defaults against the best explicit setting (JSON on stdout, progress on stderr): each
+bench_finetune case tuned at the defaults (`threads: auto`, `compile: auto`) and at every explicit
+pair of {1 thread, all threads} x {compile on, off}, each in a fresh process, side by side in one run;
+`--cache cold` gives every run an empty inductor cache (a user's first run), `warm` one that an
+earlier run of the same case filled. `--load N` runs N CPU-bound jobs of two threads beside every
+run (a shared machine). What issue 43 asks: default_over_best at most 1.1 quiet, cold and warm.
+
+    python scripts/bench_defaults.py --models digits --presets XINT8 --iterations 20
+    python scripts/bench_defaults.py --models digits,transformer,textcls --presets MX4 --iterations 100 --cache warm
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from bench_finetune import parse_args as finetune_args  # a script beside this one, on sys.path when run as one
+from bench_finetune import prepare, run_child
+from bench_shared import competing
+
+# name -> (threads: None for auto, compile)
+SETTINGS: dict[str, tuple[int | None, str]] = {
+    "defaults": (None, "auto"),
+    "1 thread, compiled": (1, "true"), "1 thread, eager": (1, "false"),
+    "all threads, compiled": (os.cpu_count() or 1, "true"), "all threads, eager": (os.cpu_count() or 1, "false"),
+}
+
+
+def tune_seconds(model: str, preset: str, directory: Path, args: argparse.Namespace, setting: str, cache: Path) -> float:
+    """Quantize-and-tune wall seconds of one case at one setting, in a fresh process using `cache`."""
+    threads, compile_kernels = SETTINGS[setting]
+    child_args = finetune_args(["--iterations", str(args.iterations), "--no-ort-rerun", "--compile", compile_kernels,
+                                *(["--threads", str(threads)] if threads else [])])
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache)
+    case = run_child(model, preset, directory, child_args)
+    return case["quantize_seconds"] + case["finetune_wall_seconds"]
+
+
+def measure_case(model: str, preset: str, directory: Path, args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
+    """Every setting of one case; with a warm cache, each setting's cache is filled by a run first."""
+    seconds: dict[str, float] = {}
+    for number, setting in enumerate(SETTINGS):
+        cache = scratch / f"inductor-{model}-{preset}-{number}"
+        if args.cache == "warm":
+            tune_seconds(model, preset, directory, args, setting, cache)
+        jobs = competing(args.load) if args.load else []
+        try:
+            seconds[setting] = tune_seconds(model, preset, directory, args, setting, cache)
+        finally:
+            for job in jobs:
+                job.kill()
+                job.wait()
+        print(f"{model} {preset} {setting}: {seconds[setting]:.1f} s", file=sys.stderr, flush=True)
+    best = min((name for name in SETTINGS if name != "defaults"), key=seconds.__getitem__)
+    return {"model": model, "preset": preset, "seconds": seconds, "best_explicit": best,
+            "default_over_best": round(seconds["defaults"] / seconds[best], 3)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="digits,transformer", help="bench_finetune models (default digits,transformer)")
+    parser.add_argument("--presets", default="MX4,XINT8", help="bench_finetune presets (default MX4,XINT8)")
+    parser.add_argument("--iterations", type=int, default=100, help="iterations per unit (default 100)")
+    parser.add_argument("--cache", choices=["cold", "warm"], default="cold", help="inductor cache of each run (default cold)")
+    parser.add_argument("--load", type=int, default=0, help="CPU-bound jobs of two threads beside each run (default 0)")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as folder:
+        scratch, cases = Path(folder), []
+        for model in args.models.split(","):
+            prepare(model, scratch / model, None)
+            cases += [measure_case(model, preset, scratch / model, args, scratch) for preset in args.presets.split(",")]
+    json.dump({"cpus": os.cpu_count(), "cache": args.cache, "competing_jobs": args.load, "iterations": args.iterations,
+               "load_average_after": os.getloadavg(), "cases": cases}, sys.stdout, indent=1)
+    print()
+
+
+if __name__ == "__main__":
+    main()

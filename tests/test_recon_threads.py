@@ -14,7 +14,7 @@ import torch
 
 from finetune.config import ConfigError, FastFinetune
 from finetune.recon import finetune_model
-from finetune.recon.threads import SMALL_STEP_FLOPS, LoadMeter, ThreadPolicy, cgroup_quota, cpu_allowance, pinned
+from finetune.recon.threads import SMALL_STEP_FLOPS, LoadMeter, ThreadPolicy, cgroup_quota, cpu_allowance
 
 from .recon_helpers import one_thread, quantized  # noqa: F401  (fixtures)
 
@@ -67,10 +67,11 @@ def test_a_number_or_the_environment_pins_the_count(monkeypatch: pytest.MonkeyPa
     pinned_by_environment = policy(most=2, busy=4.0)
     assert pinned_by_environment.choose("unit", 1.0) == 2
     assert pinned_by_environment.summary()["stretches"][0]["reason"] == "OMP_NUM_THREADS=2"
-    assert pinned("auto") == "OMP_NUM_THREADS=2" and pinned(3) == 3
+    assert pinned_by_environment.fingerprint() == 2 and policy(setting=3).fingerprint() == 3
     monkeypatch.delenv("OMP_NUM_THREADS")
     monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
-    assert pinned("auto") == "auto"
+    assert policy(most=1).fingerprint() == 1  # auto at most one thread is one thread
+    assert policy(most=4).fingerprint() == "auto, at most 4"
 
 
 @pytest.mark.parametrize(("files", "expected"), [

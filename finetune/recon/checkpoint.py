@@ -21,7 +21,6 @@ from .data.cache import CachedValue
 from .hooks import Callback, TuningRun
 from .rates import RateSearch
 from .results import UnitResult
-from .threads import pinned
 from .tuner import Tuner
 from .units import parameters_of, tuned_tensor
 
@@ -91,10 +90,11 @@ class Checkpoint(Callback):
                            "(resume=True) to continue from there", len(results), len(tuner.units), self.path)
 
 
-def run_fingerprint(sources: dict[str, str | None], config: FastFinetune, inputs: list[CachedValue]) -> dict[str, Any]:
+def run_fingerprint(sources: dict[str, str | None], config: FastFinetune, inputs: list[CachedValue],
+                    threads: int | str) -> dict[str, Any]:
     """What a run's result depends on, so a checkpoint resumes only its own run: the digests of the
-    models (`sources`), the settings, the calibration inputs, torch's version and the thread setting
-    (float sums, and so the last bits, follow the thread count: see recon.threads). cache_budget_bytes is left out:
+    models (`sources`), the settings, the calibration inputs, torch's version and the thread counts
+    (`threads`: float sums, and so the last bits, follow them; see recon.threads). cache_budget_bytes is left out:
     spilling to disk changes no bit, and lowering it is how a run killed for memory resumes."""
     settings = {key: value for key, value in to_dict(config).items() if key != "cache_budget_bytes"}
     data = hashlib.sha256()
@@ -103,7 +103,7 @@ def run_fingerprint(sources: dict[str, str | None], config: FastFinetune, inputs
             data.update(f"{chunk.dtype}{chunk.shape}".encode())
             data.update(np.asarray(chunk).tobytes())
     return {**sources, "config": settings, "samples": inputs[0].rows, "data": data.hexdigest()[:16],
-            "torch": str(torch.__version__), "threads": pinned(config.threads)}
+            "torch": str(torch.__version__), "threads": threads}
 
 
 def digest(data: bytes) -> str:

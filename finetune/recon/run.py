@@ -150,7 +150,8 @@ def _tune_units(run: _Run, job: Job, fabric: Fabric, cache: ActivationCache, sou
     tuner = Tuner(config, fabric, units, job.callbacks, held_out, run.methods)
     finished_weights = {}
     if job.checkpoint is not None:
-        job.checkpoint.fingerprint = run_fingerprint(sources, config, inputs)
+        counts = threads.fingerprint() if threads is not None else torch.get_num_threads()
+        job.checkpoint.fingerprint = run_fingerprint(sources, config, inputs, counts)
         finished_weights = job.checkpoint.start(tuner, job.resume)
     with tuner:
         for k, unit in enumerate(units):

@@ -133,6 +133,16 @@ class ThreadPolicy:
         model_flops, self._unit_flops = step_flops(module, units, sample, rows)
         self.choose("set-up and streams", model_flops)
 
+    def fingerprint(self) -> int | str:
+        """What a checkpoint records of the counts (float sums follow them): the count where every
+        stretch takes it (a number, OMP_NUM_THREADS, or torch at one thread before the run), else
+        auto with its most."""
+        if self.setting != "auto":
+            return int(self.setting)
+        if self.most == 1 or any(os.environ.get(name) for name in THREAD_VARIABLES):
+            return self.most
+        return f"auto, at most {self.most}"
+
     def unit(self, k: int, unit: Unit) -> None:
         """Choose the count of unit k's stream passes and steps."""
         self.choose(unit.name, self._unit_flops[k])
@@ -172,13 +182,6 @@ class ThreadPolicy:
         return {"setting": self.setting, "allowance": self.allowance[1],
                 "counts": sorted({entry["threads"] for entry in self.chosen}), "stretches": self.chosen,
                 "bytes_may_follow_load": any(entry["by_load"] for entry in self.chosen)}
-
-
-def pinned(setting: ThreadSetting) -> int | str:
-    """What a checkpoint records of the thread setting: the number it pins, the environment's, or auto."""
-    if setting != "auto":
-        return int(setting)
-    return next((f"{name}={os.environ[name]}" for name in THREAD_VARIABLES if os.environ.get(name)), "auto")
 
 
 def step_flops(module: LiftedModule, units: list[Unit], sample: list[torch.Tensor], rows: int) -> tuple[float, list[float]]:

@@ -70,11 +70,18 @@ def tune_process(fabric: Fabric, job: Job) -> tuple[onnx.ModelProto | None, dict
     config, original, device = job.config, job.original, fabric.device
     sources = {"model": digest(original.SerializeToString()),
                "float_model": digest(job.float_model.SerializeToString()) if job.float_model is not None else None}
+    with thread_policy(config.threads, device, fabric.world_size) as threads:
+        return _tune_and_export(fabric, job, sources, threads)
+
+
+def _tune_and_export(fabric: Fabric, job: Job, sources: dict[str, str | None],
+                     threads: ThreadPolicy | None) -> tuple[onnx.ModelProto | None, dict[str, Any]]:
+    """tune_process's work, under the run's thread policy."""
+    config, original, device = job.config, job.original, fabric.device
     run = _prepare(job)
     with (deterministic(config.seed, config.deterministic, config.allow_tf32, device), host_memory_kept(device),
           ActivationCache(config.cache_budget_bytes) as cache,
-          compiled_kernels(resolve_compile(config.compile, device.type), max(1, config.iterations)) as kernels,
-          thread_policy(config.threads, device, fabric.world_size) as threads):
+          compiled_kernels(resolve_compile(config.compile, device.type), max(1, config.iterations)) as kernels):
         tuner, timing = _tune_units(run, job, fabric, cache, sources, threads)
         cache_stats = {"peak_bytes_in_memory": cache.peak_in_memory, "peak_bytes_on_disk": cache.peak_on_disk,
                        "spilled_arrays": cache.spilled}

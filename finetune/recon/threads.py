@@ -147,12 +147,13 @@ class ThreadPolicy:
         """Choose the count of unit k's stream passes and steps."""
         self.choose(unit.name, self._unit_flops[k])
 
-    def choose(self, stretch: str, step_flops: float | None) -> int:
+    def choose(self, stretch: str, step_flops: float | None, sets_bytes: bool = True) -> int:
         """Set and return the thread count for `stretch`, whose steps each run `step_flops` forward
-        operations (None: unknown, counted as large)."""
+        operations (None: unknown, counted as large); `sets_bytes` False for a stretch whose sums
+        reach no output (the checks before any work)."""
         count, reason, by_load = self._decide(step_flops)
         torch.set_num_threads(count)
-        self.chosen.append({"stretch": stretch, "threads": count, "reason": reason, "by_load": by_load})
+        self.chosen.append({"stretch": stretch, "threads": count, "reason": reason, "by_load": by_load and sets_bytes})
         return count
 
     def _decide(self, step_flops: float | None) -> tuple[int, str, bool]:
@@ -209,6 +210,8 @@ def thread_policy(setting: ThreadSetting, device: torch.device, processes: int) 
         return
     before = torch.get_num_threads()
     try:
-        yield ThreadPolicy(setting, processes, before)
+        policy = ThreadPolicy(setting, processes, before)
+        policy.choose("checks before any work", None, sets_bytes=False)
+        yield policy
     finally:
         torch.set_num_threads(before)

@@ -92,13 +92,13 @@ class BlockBody(ABC, Generic[SpecT]):
     def quantize_blocks(self, b: Body, x: str, quantize: Callable[[str, str], str]) -> str:
         """x in blocks of `block_size` along `axis`, each replaced by quantize(values, 2^(E-127)) for E
         the exponent field of its largest finite magnitude; NaN and Inf pass through (outside E, and
-        zero among the values)."""
+        kept by the last Where). `quantize` is element-wise given the scale, so whatever it makes of
+        a NaN or Inf stays at that element, which the last Where replaces."""
         blocks, undo = to_blocks(b, x, self.spec.axis, [self.spec.block_size])
         magnitude = b.op("Abs", blocks)
         finite = b.op("LessOrEqual", magnitude, b.const(FLT_MAX))
-        values = b.op("Where", finite, blocks, b.const(0.0))
         shared = exponent_power(b, b.reduce_max(b.op("Where", finite, magnitude, b.const(0.0)), [2]))
-        return undo(b.op("Where", finite, quantize(values, shared), blocks))
+        return undo(b.op("Where", finite, quantize(blocks, shared), blocks))
 
 
 def broadcast_along(b: Body, parameter: str, x: str, axis: int) -> str:

@@ -47,30 +47,31 @@ class BFPBody(BlockBody[BFPSpec]):
 
     def _prime(self, b: Body, x: str) -> str:
         """to_bfp_prime: block exponent E, per-sub-block shift d <= 2^shift_bits - 1, subnormals
-        flushed, and a block holding NaN or Inf becomes all NaN."""
+        flushed (x * [|x| >= 2^-126] + 0, which is +0 as Where's 0 is), and a block holding NaN
+        or Inf becomes all NaN."""
         s = self.spec
         m = s.mantissa_bits
         inner = [s.block_size // s.sub_block_size, s.sub_block_size]
         blocks, undo = to_blocks(b, x, s.axis, inner)
         magnitude = b.op("Abs", blocks)
-        finite = b.op("LessOrEqual", magnitude, b.const(FLT_MAX))
-        ranked = b.op("Where", finite, magnitude, b.const(np.inf))
+        ranked = b.op("Where", b.op("LessOrEqual", magnitude, b.const(FLT_MAX)), magnitude, b.const(np.inf))
         sub_max = b.reduce_max(ranked, [3])
         block_max = b.reduce_max(sub_max, [2])
         poisoned = b.op("Greater", block_max, b.const(FLT_MAX))
         shared = exponent_power(b, b.op("Where", poisoned, b.const(0.0), block_max))
         scale = b.op("Div", b.op("Mul", shared, b.const(pow2(1 - m))), self._shift_power(b, sub_max, shared))
-        flushed = b.op("Where", b.op("Less", magnitude, b.const(FLT_MIN)), b.const(0.0), blocks)
+        normal = b.op("Cast", b.op("GreaterOrEqual", magnitude, b.const(FLT_MIN)), to=TensorProto.FLOAT)
+        flushed = b.op("Add", b.op("Mul", blocks, normal), b.const(0.0))
         limit = 2.0**m - 1
         y = scaled_round(b, flushed, scale, -limit, limit, s.rounding_mode)
         return undo(b.op("Where", poisoned, b.const(np.nan), y))
 
     def _shift_power(self, b: Body, sub_max: str, shared: str) -> str:
         """2^d per sub-block, d = min(E - e_sub, 2^shift_bits - 1), by comparing the sub-block
-        maximum with 2^(E-127-k+1); a sub-block of zeros and subnormals may get a larger d, which
-        cannot matter because all its elements flush to zero."""
+        maximum with 2^(E-127-k+1) (a factor 1 + [below], exactly 1 or 2); a sub-block of zeros and
+        subnormals may get a larger d, which cannot matter because all its elements flush to zero."""
         power = b.const(1.0)
         for k in range(1, 2**self.spec.sub_block_shift_bits):
-            below = b.op("Less", sub_max, b.op("Mul", shared, b.const(pow2(1 - k))))
-            power = b.op("Mul", power, b.op("Where", below, b.const(2.0), b.const(1.0)))
+            below = b.op("Cast", b.op("Less", sub_max, b.op("Mul", shared, b.const(pow2(1 - k)))), to=TensorProto.FLOAT)
+            power = b.op("Mul", power, b.op("Add", below, b.const(1.0)))
         return power

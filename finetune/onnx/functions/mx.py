@@ -19,7 +19,7 @@ class MXBody(BlockBody[MXSpec]):
         name = f"{s.element_dtype}_b{s.block_size}_ax{s.axis}"
         return name + (f"_rm{s.rounding_mode}" if s.element.is_int else "")
 
-    def build(self, b: Body, x: str) -> str:
+    def build(self, b: Body, x: str, ordinary: bool = False) -> str:
         """y for float32 x, following FORMATS.md: shared scale 2^(E-127-emax), no E8M0 clamp."""
         element = self.spec.element
 
@@ -30,7 +30,7 @@ class MXBody(BlockBody[MXSpec]):
                 return scaled_round(b, values, step, -128.0, 127.0, self.spec.rounding_mode)
             return b.op("Mul", self._element_round(b, b.op("Div", values, scale), element), scale)
 
-        return self.quantize_blocks(b, x, quantize)
+        return self.quantize_blocks(b, x, quantize, ordinary)
 
     @staticmethod
     def _element_round(b: Body, v: str, element: MXElement) -> str:

@@ -57,11 +57,11 @@ class EncoderLayer(nn.Module):
 class MiniLM(nn.Module):
     """Token and position embeddings, LAYERS encoder layers, mean pooling: a sentence embedding."""
 
-    def __init__(self) -> None:
+    def __init__(self, layers: int = LAYERS) -> None:
         super().__init__()
         self.tokens, self.positions = nn.Embedding(VOCABULARY, HIDDEN), nn.Embedding(SEQUENCE, HIDDEN)
         self.norm = nn.LayerNorm(HIDDEN)
-        self.layers = nn.ModuleList(EncoderLayer() for _ in range(LAYERS))
+        self.layers = nn.ModuleList(EncoderLayer() for _ in range(layers))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [batch, tokens] -> [batch, hidden]."""
@@ -109,6 +109,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--batch", type=int, default=4, help="sequences per evaluation")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--layers", type=int, default=LAYERS, help="encoder layers (fewer for a quick check)")
     parser.add_argument("--formats", nargs="*", default=BLOCK_PRESETS, help="block-format presets to measure")
     parser.add_argument("--profile", action="store_true", help="per-op-type seconds of one profiled run")
     parser.add_argument("--compare", type=Path, help="an earlier run's JSON: report whether each output is identical")
@@ -116,7 +117,7 @@ def main() -> None:
     torch.manual_seed(0)
     feed = {"x": token_batch(args.batch, 1)}
     with tempfile.TemporaryDirectory() as folder:
-        path = export_onnx(MiniLM(), torch.from_numpy(token_batch(2, 0)), Path(folder) / "minilm.onnx")
+        path = export_onnx(MiniLM(args.layers), torch.from_numpy(token_batch(2, 0)), Path(folder) / "minilm.onnx")
         calibration = [{"x": token_batch(2, 2)}]
         rows = {}
         for preset in [INT8, *args.formats]:
@@ -131,7 +132,7 @@ def main() -> None:
         for name, row in rows.items():
             row["same_bits_as_compared"] = name in earlier and earlier[name]["sha256"] == row["sha256"]
     print(json.dumps({"benchmark": "bench_ort_formats", "weights": "seeded random (all-MiniLM-L6-v2 shapes)",
-                      "batch": args.batch, "sequence": SEQUENCE, "repeats": args.repeats,
+                      "layers": args.layers, "batch": args.batch, "sequence": SEQUENCE, "repeats": args.repeats,
                       "onnxruntime": ort.__version__, "formats": rows,
                       "max_vs_int8": max(r["vs_int8"] for name, r in rows.items() if name != INT8)}, indent=1))
 

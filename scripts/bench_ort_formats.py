@@ -77,9 +77,13 @@ def token_batch(count: int, seed: int) -> np.ndarray:
 
 
 def op_totals(session: ort.InferenceSession) -> dict[str, float]:
-    """Seconds per op type from the profile of a session that has run (the ten largest)."""
+    """Seconds per op type from the profile of a session that has run (the ten largest); the
+    profile file is removed once read."""
     totals: collections.Counter[str] = collections.Counter()
-    for event in json.loads(Path(session.end_profiling()).read_text()):
+    profile = Path(session.end_profiling())
+    events = json.loads(profile.read_text())
+    profile.unlink()
+    for event in events:
         if event.get("cat") == "Node" and event["name"].endswith("_kernel_time"):
             totals[event["args"]["op_name"]] += event["dur"] / 1e6
     return {op: round(seconds, 3) for op, seconds in totals.most_common(10)}

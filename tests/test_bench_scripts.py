@@ -180,3 +180,19 @@ def test_conformance_reports_real_control_flow_and_recurrent_models() -> None:
         # 0 here; a last-bit difference of another CPU's sums may move one MX6 element a step (< 1e-2 at these magnitudes)
         assert quantized["quantized_nodes"] > 0 and quantized["lifted_vs_onnxruntime_max_abs"] < 1e-2
         assert 0 < quantized["mean_probability_gap"] < 0.5
+
+
+@pytest.mark.slow
+def test_bench_ort_formats_reports_ratios_to_int8_and_output_digests(tmp_path: Path) -> None:
+    """One encoder layer, two formats; a second run compared with the first finds the same bits."""
+    command = [sys.executable, str(SCRIPTS / "bench_ort_formats.py"), "--layers", "1", "--batch", "1",
+               "--repeats", "1", "--formats", "MXINT8", "MX4"]
+    first = subprocess.run([*command, "--profile"], capture_output=True, text=True, check=True).stdout
+    report = json.loads(first)
+    assert set(report["formats"]) == {"A8W8", "MXINT8", "MX4"} and report["layers"] == 1
+    for row in report["formats"].values():
+        assert row["seconds"] > 0 and row["vs_int8"] > 0 and row["op_seconds"]
+    assert report["formats"]["MXINT8"]["sha256"] != report["formats"]["MX4"]["sha256"]
+    (tmp_path / "first.json").write_text(first)
+    second = subprocess.run([*command, "--compare", str(tmp_path / "first.json")], capture_output=True, text=True, check=True)
+    assert all(row["same_bits_as_compared"] for row in json.loads(second.stdout)["formats"].values())

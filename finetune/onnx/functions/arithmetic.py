@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+from onnx import TensorProto, helper, numpy_helper
 
 from ..domains import REDUCE_AXES_INPUT_OPSET, RESHAPE_ALLOWZERO_OPSET
 
@@ -30,14 +30,15 @@ def pow2(k: int) -> float:
 class Body:
     """Collects the nodes of one function body written for a given default-domain opset."""
 
-    def __init__(self, opset: int) -> None:
+    def __init__(self, opset: int, prefix: str = "t") -> None:
         self.opset = opset
+        self.prefix = prefix  # distinct per body, so the names of an If's branches never clash
         self.nodes: list[onnx.NodeProto] = []
         self._constants: dict[tuple[str, tuple[int, ...], bytes], str] = {}
 
     def op(self, op_type: str, *inputs: str, **attributes: Any) -> str:
         """Append a node with one fresh output and return that output's name."""
-        output = f"t{len(self.nodes)}"
+        output = f"{self.prefix}{len(self.nodes)}"
         self.nodes.append(helper.make_node(op_type, list(inputs), [output], **attributes))
         return output
 
@@ -68,18 +69,26 @@ class Body:
         return self.nodes
 
 
-def exponent_power(b: Body, v: str) -> str:
+def exponent_power(b: Body, v: str, bounded: bool = False) -> str:
     """2^(E-127) for the float32 exponent field E of each finite v >= 0 (2^-127 for zeros and
     subnormals), exactly: Rump-Ogita-Oishi's NextPowerTwo, (2^24 v + v) - 2^24 v, halved when above
-    v, on v pre-scaled by 2^-64 where 2^24 v could overflow."""
-    large = b.op("GreaterOrEqual", v, b.const(pow2(64)))
-    small = b.op("Where", large, b.op("Mul", v, b.const(pow2(-64))), v)
-    lifted = b.op("Mul", small, b.const(pow2(24)))
-    ceiling = b.op("Sub", b.op("Add", lifted, small), lifted)  # 0 when small is a power of two
-    ceiling = b.op("Where", b.op("Equal", ceiling, b.const(0.0)), small, ceiling)
-    floor = b.op("Where", b.op("Greater", ceiling, small), b.op("Mul", ceiling, b.const(0.5)), ceiling)
-    restored = b.op("Where", large, b.op("Mul", floor, b.const(pow2(64))), floor)
-    return b.op("Max", restored, b.const(pow2(-127)))
+    v, on v pre-scaled by 2^-64 where 2^24 v could overflow (never, where `bounded` promises v < 2^64).
+    Selections are products with 0/1 masks (Where is many times slower in onnxruntime); each
+    factor is 1 or a power of two (1 + 2^64 rounds to 2^64), so every product is exact."""
+    lift = None
+    if not bounded:
+        large = b.op("Cast", b.op("GreaterOrEqual", v, b.const(pow2(64))), to=TensorProto.FLOAT)
+        lift = b.op("Add", b.op("Mul", large, b.const(pow2(64))), b.const(1.0))  # 2^64 where large, else 1
+        v = b.op("Div", v, lift)
+    lifted = b.op("Mul", v, b.const(pow2(24)))
+    ceiling = b.op("Sub", b.op("Add", lifted, v), lifted)  # 0 when v is a power of two
+    exact = b.op("Cast", b.op("Equal", ceiling, b.const(0.0)), to=TensorProto.FLOAT)
+    ceiling = b.op("Add", ceiling, b.op("Mul", v, exact))
+    above = b.op("Cast", b.op("Greater", ceiling, v), to=TensorProto.FLOAT)
+    floor = b.op("Mul", ceiling, b.op("Sub", b.const(1.0), b.op("Mul", above, b.const(0.5))))
+    if lift is not None:
+        floor = b.op("Mul", floor, lift)
+    return b.op("Max", floor, b.const(pow2(-127)))
 
 
 def _is_tie(b: Body, v: str) -> str:
@@ -89,9 +98,13 @@ def _is_tie(b: Body, v: str) -> str:
 
 
 def _round_half_away(b: Body, v: str) -> str:
-    """Round to nearest integer, ties away from zero (rounding_mode 0)."""
-    away = b.op("Add", v, b.op("Mul", b.op("Sign", v), b.const(0.5)))
-    return b.op("Where", _is_tie(b, v), away, b.op("Round", v))
+    """Round to nearest integer, ties away from zero (rounding_mode 0): floor(|v| + (1/2 - 2^-25))
+    is exact for every finite v (the sum rounds to the next integer exactly when |v| is at or past
+    a half; checked on all ties and their neighbours), times v / (|v| + 2^-149), which is +-1
+    wherever the floor is nonzero and keeps the sign of a zero result (Sign(-0) is +0)."""
+    magnitude = b.op("Abs", v)
+    rounded = b.op("Floor", b.op("Add", magnitude, b.const(0.5 - pow2(-25))))
+    return b.op("Mul", rounded, b.op("Div", v, b.op("Add", magnitude, b.const(pow2(-149)))))
 
 
 def _round_half_up(b: Body, v: str) -> str:

@@ -16,7 +16,7 @@ from ..domains import CASTLIKE_OPSET, DOMAIN_VERSION, DOMAINS, MIN_OPSET, OVERLO
 from ..graphs import all_graphs, all_nodes, element_types
 from ..normalize import default_opset
 from .arithmetic import Body
-from .blocks import BlockBody
+from .blocks import BlockBody, needs_general_body
 from .linear import LinearSpec
 from .nodes import check_allowed, node_spec
 
@@ -26,18 +26,27 @@ from .nodes import check_allowed, node_spec
 def _qdq_function(
     domain: str, op_type: str, spec: BlockBody, opset: int, io_type: int | None
 ) -> onnx.FunctionProto:
-    """y = qdq(x) in float32 for x of any float type (CastLike, or io_type below opset 15); a
-    one-element x (rank 0 included, whatever the axis) comes back unchanged apart from the
-    pre-rounding, as AMD Quark's kernels return it."""
-    b = Body(opset)
+    """y = qdq(x) in float32 for x of any float type (CastLike, or io_type below opset 15). An If
+    picks the body: the ordinary one, without the rare-case handling, unless x needs the general
+    one (needs_general_body), where a one-element x (rank 0 included, whatever the axis) comes back
+    unchanged apart from the pre-rounding, as AMD Quark's kernels return it."""
+    b, general, ordinary = Body(opset), Body(opset, "g"), Body(opset, "o")
     x = spec.prepare(b, b.op("Cast", "x", to=TensorProto.FLOAT) if io_type != TensorProto.FLOAT else "x")
-    y = spec.build(b, x)
-    y = b.op("Where", b.op("Equal", b.op("Size", x), b.const(1, np.int64)), x, y)
+    single = general.op("Equal", general.op("Size", x), general.const(1, np.int64))
+    general_y = general.op("Where", single, x, spec.build(general, x))
+    ordinary_y = spec.build(ordinary, x, ordinary=True)
+    y = b.op("If", needs_general_body(b, x), then_branch=_branch(general, general_y, "general"),
+             else_branch=_branch(ordinary, ordinary_y, "ordinary"))
     if io_type is None:
         y = b.op("CastLike", y, "x")
     elif io_type != TensorProto.FLOAT:
         y = b.op("Cast", y, to=io_type)
     return _function(domain, op_type, spec.overload + _io_suffix(io_type), ["x"], b.finish(y), opset)
+
+
+def _branch(body: Body, output: str, name: str) -> onnx.GraphProto:
+    """One branch of the body's If: its nodes, reading the function's values by name, and its output."""
+    return helper.make_graph(body.nodes, name, [], [helper.make_tensor_value_info(output, TensorProto.FLOAT, None)])
 
 
 def _linear_function(

@@ -30,11 +30,11 @@ class BFPBody(BlockBody[BFPSpec]):
             return x
         return b.op("Cast", b.op("Cast", x, to=TensorProto.BFLOAT16), to=TensorProto.FLOAT)
 
-    def build(self, b: Body, x: str) -> str:
-        """y for float32 x, following FORMATS.md."""
-        return self._prime(b, x) if self.spec.bfp_method == "to_bfp_prime" else self._plain(b, x)
+    def build(self, b: Body, x: str, ordinary: bool = False) -> str:
+        """y for float32 x, following FORMATS.md (`ordinary`: see BlockBody.build)."""
+        return (self._prime if self.spec.bfp_method == "to_bfp_prime" else self._plain)(b, x, ordinary)
 
-    def _plain(self, b: Body, x: str) -> str:
+    def _plain(self, b: Body, x: str, ordinary: bool) -> str:
         """to_bfp: one shared exponent over the block's finite elements; NaN/Inf pass through."""
         m = self.spec.mantissa_bits
         limit = 2.0**m - 1
@@ -43,34 +43,38 @@ class BFPBody(BlockBody[BFPSpec]):
             scale = b.op("Mul", shared, b.const(pow2(1 - m)))
             return scaled_round(b, values, scale, -limit, limit, self.spec.rounding_mode)
 
-        return self.quantize_blocks(b, x, quantize)
+        return self.quantize_blocks(b, x, quantize, ordinary)
 
-    def _prime(self, b: Body, x: str) -> str:
+    def _prime(self, b: Body, x: str, ordinary: bool) -> str:
         """to_bfp_prime: block exponent E, per-sub-block shift d <= 2^shift_bits - 1, subnormals
-        flushed, and a block holding NaN or Inf becomes all NaN."""
+        flushed (x * [|x| >= 2^-126] + 0, which is +0 as Where's 0 is), and a block holding NaN
+        or Inf becomes all NaN."""
         s = self.spec
         m = s.mantissa_bits
         inner = [s.block_size // s.sub_block_size, s.sub_block_size]
         blocks, undo = to_blocks(b, x, s.axis, inner)
         magnitude = b.op("Abs", blocks)
-        finite = b.op("LessOrEqual", magnitude, b.const(FLT_MAX))
-        ranked = b.op("Where", finite, magnitude, b.const(np.inf))
+        ranked = magnitude
+        if not ordinary:
+            ranked = b.op("Where", b.op("LessOrEqual", magnitude, b.const(FLT_MAX)), magnitude, b.const(np.inf))
         sub_max = b.reduce_max(ranked, [3])
         block_max = b.reduce_max(sub_max, [2])
-        poisoned = b.op("Greater", block_max, b.const(FLT_MAX))
-        shared = exponent_power(b, b.op("Where", poisoned, b.const(0.0), block_max))
+        poisoned = None if ordinary else b.op("Greater", block_max, b.const(FLT_MAX))
+        finite_max = block_max if ordinary else b.op("Where", poisoned, b.const(0.0), block_max)
+        shared = exponent_power(b, finite_max, bounded=ordinary)
         scale = b.op("Div", b.op("Mul", shared, b.const(pow2(1 - m))), self._shift_power(b, sub_max, shared))
-        flushed = b.op("Where", b.op("Less", magnitude, b.const(FLT_MIN)), b.const(0.0), blocks)
+        normal = b.op("Cast", b.op("GreaterOrEqual", magnitude, b.const(FLT_MIN)), to=TensorProto.FLOAT)
+        flushed = b.op("Add", b.op("Mul", blocks, normal), b.const(0.0))
         limit = 2.0**m - 1
         y = scaled_round(b, flushed, scale, -limit, limit, s.rounding_mode)
-        return undo(b.op("Where", poisoned, b.const(np.nan), y))
+        return undo(y if poisoned is None else b.op("Where", poisoned, b.const(np.nan), y))
 
     def _shift_power(self, b: Body, sub_max: str, shared: str) -> str:
         """2^d per sub-block, d = min(E - e_sub, 2^shift_bits - 1), by comparing the sub-block
-        maximum with 2^(E-127-k+1); a sub-block of zeros and subnormals may get a larger d, which
-        cannot matter because all its elements flush to zero."""
+        maximum with 2^(E-127-k+1) (a factor 1 + [below], exactly 1 or 2); a sub-block of zeros and
+        subnormals may get a larger d, which cannot matter because all its elements flush to zero."""
         power = b.const(1.0)
         for k in range(1, 2**self.spec.sub_block_shift_bits):
-            below = b.op("Less", sub_max, b.op("Mul", shared, b.const(pow2(1 - k))))
-            power = b.op("Mul", power, b.op("Where", below, b.const(2.0), b.const(1.0)))
+            below = b.op("Cast", b.op("Less", sub_max, b.op("Mul", shared, b.const(pow2(1 - k)))), to=TensorProto.FLOAT)
+            power = b.op("Mul", power, b.op("Add", below, b.const(1.0)))
         return power

@@ -14,7 +14,7 @@ from onnx import numpy_helper
 
 from finetune.formats import BFPSpec, MXSpec
 
-from .arithmetic import FLT_MAX, Body, exponent_power
+from .arithmetic import FLT_MAX, Body, exponent_power, pow2
 
 _INT64_MAX = np.iinfo(np.int64).max
 
@@ -86,19 +86,35 @@ class BlockBody(ABC, Generic[SpecT]):
         return x
 
     @abstractmethod
-    def build(self, b: Body, x: str) -> str:
-        """y for float32 x, following FORMATS.md."""
+    def build(self, b: Body, x: str, ordinary: bool = False) -> str:
+        """y for float32 x, following FORMATS.md; `ordinary` promises what needs_general_body checks
+        (more than one element, all finite and below 2^64 in magnitude), so the rare-case handling is
+        left out. The ordinary to_bfp and MX bodies end in + 0, which turns -0 into +0 as the general
+        body's last Where does (onnxruntime's Where of three same-shape tensors does; broadcast ones
+        keep -0, as to_bfp_prime's does)."""
 
-    def quantize_blocks(self, b: Body, x: str, quantize: Callable[[str, str], str]) -> str:
+    def quantize_blocks(self, b: Body, x: str, quantize: Callable[[str, str], str], ordinary: bool = False) -> str:
         """x in blocks of `block_size` along `axis`, each replaced by quantize(values, 2^(E-127)) for E
         the exponent field of its largest finite magnitude; NaN and Inf pass through (outside E, and
-        zero among the values)."""
+        kept by the last Where). `quantize` is element-wise given the scale, so whatever it makes of
+        a NaN or Inf stays at that element, which the last Where replaces."""
         blocks, undo = to_blocks(b, x, self.spec.axis, [self.spec.block_size])
         magnitude = b.op("Abs", blocks)
+        if ordinary:
+            shared = exponent_power(b, b.reduce_max(magnitude, [2]), bounded=True)
+            return undo(b.op("Add", quantize(blocks, shared), b.const(0.0)))
         finite = b.op("LessOrEqual", magnitude, b.const(FLT_MAX))
-        values = b.op("Where", finite, blocks, b.const(0.0))
         shared = exponent_power(b, b.reduce_max(b.op("Where", finite, magnitude, b.const(0.0)), [2]))
-        return undo(b.op("Where", finite, quantize(values, shared), blocks))
+        return undo(b.op("Where", finite, quantize(blocks, shared), blocks))
+
+
+def needs_general_body(b: Body, x: str) -> str:
+    """Whether x takes the general body rather than the ordinary one: it has one element (returned
+    as it is) or a NaN, an Inf or a magnitude of 2^64 or more. One sum finds the last three:
+    floor(|x| 2^-64) is 0 for every other element, and a sum of terms >= 0 is 0 only when all are."""
+    beyond = b.op("ReduceSum", b.op("Floor", b.op("Mul", b.op("Abs", x), b.const(pow2(-64)))), keepdims=0)
+    rare = b.op("Not", b.op("LessOrEqual", beyond, b.const(0.0)))
+    return b.op("Or", rare, b.op("Equal", b.op("Size", x), b.const(1, np.int64)))
 
 
 def broadcast_along(b: Body, parameter: str, x: str, axis: int) -> str:

@@ -3,6 +3,8 @@ as FORMATS.md."""
 
 from __future__ import annotations
 
+from onnx import TensorProto
+
 from finetune.formats import MXElement, MXSpec
 
 from .arithmetic import Body, pow2, round_significand, scaled_round
@@ -19,7 +21,7 @@ class MXBody(BlockBody[MXSpec]):
         name = f"{s.element_dtype}_b{s.block_size}_ax{s.axis}"
         return name + (f"_rm{s.rounding_mode}" if s.element.is_int else "")
 
-    def build(self, b: Body, x: str) -> str:
+    def build(self, b: Body, x: str, ordinary: bool = False) -> str:
         """y for float32 x, following FORMATS.md: shared scale 2^(E-127-emax), no E8M0 clamp."""
         element = self.spec.element
 
@@ -30,15 +32,19 @@ class MXBody(BlockBody[MXSpec]):
                 return scaled_round(b, values, step, -128.0, 127.0, self.spec.rounding_mode)
             return b.op("Mul", self._element_round(b, b.op("Div", values, scale), element), scale)
 
-        return self.quantize_blocks(b, x, quantize)
+        return self.quantize_blocks(b, x, quantize, ordinary)
 
     @staticmethod
     def _element_round(b: Body, v: str, element: MXElement) -> str:
-        """v rounded to the element format (RNE, with its subnormals), saturated at its largest value."""
+        """v rounded to the element format (RNE, with its subnormals), saturated at its largest value.
+        The subnormal or the normal rounding is picked by 0/1 factors, exact for the finite v of a
+        block (the sign of a zero may differ from Where's; the body's last step makes every zero +0)."""
         subnormal_step = element.min_normal_exponent - element.mantissa_bits
         steps = b.op("Round", b.op("Mul", v, b.const(pow2(-subnormal_step))))
         subnormal = b.op("Mul", steps, b.const(pow2(subnormal_step)))
         normal = round_significand(b, v, element.mantissa_bits + 1)
         is_subnormal = b.op("Less", b.op("Abs", v), b.const(pow2(element.min_normal_exponent)))
-        rounded = b.op("Where", is_subnormal, subnormal, normal)
+        pick = b.op("Cast", is_subnormal, to=TensorProto.FLOAT)
+        kept = b.op("Mul", normal, b.op("Sub", b.const(1.0), pick))
+        rounded = b.op("Add", b.op("Mul", subnormal, pick), kept)
         return b.op("Clip", rounded, b.const(-element.max_value), b.const(element.max_value))

@@ -180,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     amp.add_argument("--ladder", nargs="+", metavar="PRESET", help="rungs, cheapest first (e.g. MX4 MX6 MX9)")
     amp.add_argument("--target", type=float, help="the metric the final model must reach")
     amp.add_argument("--max-drop", type=float, help="or: how far below the float model's metric it may fall")
-    amp.add_argument("--metric", help="l2, cosine, top1_agreement, top1_accuracy (labels.npy) or module:function")
+    amp.add_argument("--metric", help="l2, cosine, top1_agreement, top1_accuracy (labels.npy), perplexity, next_token_agreement (token folders) or module:function")
     amp.add_argument("--evaluation-data", type=Path, help="folder to judge the target on (default: the calibration data)")
     _add_finetune_flags(q)
     q.set_defaults(run=quantize)

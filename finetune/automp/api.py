@@ -32,7 +32,7 @@ from .measure import (
     switch_source,
     torch_metric,
 )
-from .metrics import Metric, MetricFn, resolve_metric
+from .metrics import Metric, MetricFn, logits_output_index, resolve_metric
 from .parallel import Processes
 from .report import build_report, held, summary_line, write_report
 from .search import Point, Search
@@ -151,6 +151,9 @@ def prepare_mixed_precision(
     rungs = ladders(settings)
     base = dataclasses.replace(config, auto_mixed_precision=None, fast_finetune=None, weight_storage="float", bf16_as_cast=False)
     base_quantized = quantize_model(model, base, data)
+    if chosen_metric.needs_tokens:  # language-model metrics judge the logits, whichever output index the section names
+        settings = dataclasses.replace(settings, output_index=logits_output_index(base_quantized.float_model))
+        config = dataclasses.replace(config, auto_mixed_precision=settings)
     items, fixed = search_items(base_quantized.float_model, base, settings)
     if not items:
         raise ValueError(f"auto_mixed_precision: the model has no node of the target op types {list(settings.target_op_types)} "

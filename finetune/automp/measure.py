@@ -20,7 +20,7 @@ from finetune.onnx.session import inference_session
 from finetune.quantize import quantize_model
 
 from .ladder import Item, Rung, assigned_config
-from .metrics import Metric, check_outputs, relative_l2
+from .metrics import Metric, check_outputs, next_token_targets, relative_l2
 from .parallel import Processes
 from .resume import candidate_outputs, cut_tails
 from .switch import SwitchableModel, SwitchSource
@@ -49,6 +49,8 @@ def evaluation_set(float_model: onnx.ModelProto, source: Any, data: Any, labels:
         raise ValueError("auto mixed precision needs data: pass --data (or data= in Python)")
     feeds = list(CalibrationData(source, float_model))
     labels = labels if labels is not None else data_labels(source, float_model)
+    if metric.needs_tokens:
+        labels = next_token_targets(feeds)
     session = inference_session(float_model)
     outputs = session.get_outputs()
     if settings.output_index >= len(outputs):

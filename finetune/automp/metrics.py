@@ -1,5 +1,7 @@
 """The metrics a mixed-precision search judges a candidate by: each compares the candidate's
-outputs with the float model's (and the labels, for accuracy) over the whole evaluation set."""
+outputs with the float model's (and the labels, for accuracy) over the whole evaluation set.
+Language-model metrics (perplexity, next-token agreement) read a decoder's logits and take as
+labels the next-token targets of the token folder (`next_token_targets`)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
+import onnx
 
 MetricFn = Callable[[np.ndarray, np.ndarray, "np.ndarray | None"], float]  # (outputs, float outputs, labels)
 
@@ -22,6 +25,7 @@ class Metric:
     higher_is_better: bool = True
     needs_labels: bool = False
     needs_scores: bool = False  # top-1 metrics: the output must be a batch of score vectors
+    needs_tokens: bool = False  # language-model metrics: the logits output, next-token targets as labels
 
     def __call__(self, outputs: np.ndarray, float_outputs: np.ndarray, labels: np.ndarray | None) -> float:
         """The metric's value; NaN is an error (a target cannot be judged against it)."""
@@ -69,11 +73,74 @@ def top1_accuracy(outputs: np.ndarray, float_outputs: np.ndarray, labels: np.nda
     return float((outputs.argmax(axis=-1) == labels).mean())
 
 
+IGNORED = -1  # a next-token target no position predicts (the last one, padding)
+
+
+def next_token_targets(feeds: list[dict[str, np.ndarray]]) -> np.ndarray:
+    """[samples, positions] next-token ids from the feeds' `input_ids` (int64 [batch, seq]): the id
+    at t+1 for position t, IGNORED at the last position and wherever attention_mask is 0 at t or t+1
+    (padding neither predicts nor is predicted)."""
+    targets = []
+    for feed in feeds:
+        if "input_ids" not in feed or np.ndim(feed["input_ids"]) != 2:
+            raise ValueError(f"language-model metrics need an input_ids input of shape [batch, seq]; the feeds hold "
+                             f"{sorted(feed)}: give token folders (.npy/.npz of input_ids)")
+        ids = np.asarray(feed["input_ids"], dtype=np.int64)
+        mask = np.asarray(feed.get("attention_mask", np.ones_like(ids)))[:, -ids.shape[1]:] != 0
+        target = np.full(ids.shape, IGNORED, dtype=np.int64)
+        kept = mask[:, :-1] & mask[:, 1:]
+        target[:, :-1] = np.where(kept, ids[:, 1:], IGNORED)
+        targets.append(target)
+    return np.concatenate(targets)
+
+
+def perplexity(outputs: np.ndarray, float_outputs: np.ndarray, labels: np.ndarray | None) -> float:
+    """exp(mean negative log-likelihood of each next token) over the predicted positions, from the
+    logits [samples, positions, vocabulary] in float64 (log-softmax by log-sum-exp)."""
+    kept = _predicted(labels)
+    logits = outputs[kept].astype(np.float64)
+    peak = logits.max(axis=-1, keepdims=True)
+    log_norm = np.log(np.exp(logits - peak).sum(axis=-1)) + peak[:, 0]
+    chosen = np.take_along_axis(logits, labels[kept][:, None], axis=-1)[:, 0]
+    return float(np.exp((log_norm - chosen).mean()))
+
+
+def next_token_agreement(outputs: np.ndarray, float_outputs: np.ndarray, labels: np.ndarray | None) -> float:
+    """Share of predicted positions whose argmax next token is the float model's."""
+    kept = _predicted(labels)
+    return float((outputs[kept].argmax(axis=-1) == float_outputs[kept].argmax(axis=-1)).mean())
+
+
+def _predicted(labels: np.ndarray | None) -> np.ndarray:
+    """The positions a next token is predicted at (targets not IGNORED)."""
+    if labels is None:
+        raise ValueError("language-model metrics need next-token targets (next_token_targets of the token feeds)")
+    return labels != IGNORED
+
+
+def logits_output_index(model: onnx.ModelProto) -> int:
+    """The index of a decoder's logits: the output named `logits`, else its one float output of rank
+    3; a one-line error naming the outputs where neither picks one."""
+    outputs = list(model.graph.output)
+    named = [k for k, out in enumerate(outputs) if out.name == "logits"]
+    floats = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE}
+    rank3 = [k for k, out in enumerate(outputs) if out.type.tensor_type.elem_type in floats
+             and out.type.tensor_type.HasField("shape") and len(out.type.tensor_type.shape.dim) == 3]
+    found = named or rank3
+    if len(found) != 1:
+        described = ", ".join(f"{out.name} (rank {len(out.type.tensor_type.shape.dim)})" for out in outputs)
+        raise ValueError(f"language-model metrics need the logits output: name it 'logits' or leave one float output of "
+                         f"rank 3; the model's outputs are {described}")
+    return found[0]
+
+
 METRICS = {
     "l2": Metric("l2", relative_l2, higher_is_better=False),
     "cosine": Metric("cosine", mean_cosine),
     "top1_agreement": Metric("top1_agreement", top1_agreement, needs_scores=True),
     "top1_accuracy": Metric("top1_accuracy", top1_accuracy, needs_labels=True, needs_scores=True),
+    "perplexity": Metric("perplexity", perplexity, higher_is_better=False, needs_tokens=True),
+    "next_token_agreement": Metric("next_token_agreement", next_token_agreement, needs_tokens=True),
 }
 
 
@@ -97,6 +164,11 @@ def resolve_metric(metric: str | MetricFn | Metric) -> Metric:
 
 def check_outputs(metric: Metric, float_outputs: np.ndarray, labels: np.ndarray | None, output_index: int) -> None:
     """Refuse, before any search, a metric the outputs or labels cannot serve."""
+    if metric.needs_tokens and (float_outputs.ndim != 3 or labels is None or labels.shape != float_outputs.shape[:2]):
+        raise ValueError(f"metric {metric.name} needs output {output_index} to be logits [samples, positions, vocabulary] "
+                         f"matching the token inputs, but it has shape {list(float_outputs.shape)}")
+    if metric.needs_tokens and not (labels != IGNORED).any():
+        raise ValueError(f"metric {metric.name}: no position predicts a next token (sequences of one token or all masked)")
     if metric.needs_scores and (float_outputs.ndim != 2 or float_outputs.shape[1] < 2):
         raise ValueError(f"metric {metric.name} needs output {output_index} to be a batch of class scores (samples x "
                          f"classes), but it has shape {list(float_outputs.shape)}: use l2 or cosine")

@@ -180,3 +180,15 @@ def test_conformance_reports_real_control_flow_and_recurrent_models() -> None:
         # 0 here; a last-bit difference of another CPU's sums may move one MX6 element a step (< 1e-2 at these magnitudes)
         assert quantized["quantized_nodes"] > 0 and quantized["lifted_vs_onnxruntime_max_abs"] < 1e-2
         assert 0 < quantized["mean_probability_gap"] < 0.5
+
+
+def test_bench_llm_int4_reports_perplexity_and_both_weight_forms_timed() -> None:
+    result = subprocess.run([sys.executable, str(SCRIPTS / "bench_llm_int4.py"), "--sequences", "2", "--length", "12",
+                             "--repeats", "1"], capture_output=True, text=True, check=True)
+    report = json.loads(result.stdout)
+    perplexity = report["perplexity"]
+    assert report["evaluation_tokens"] == 2 * 4 * 11 and all(value >= 1 for value in perplexity.values())
+    assert perplexity["int4_g32_matmul_nbits"] == pytest.approx(perplexity["int4_g32"], rel=1e-4)  # same codes, other sums
+    for optimized in ("unoptimized", "optimized"):
+        assert set(report[f"seconds_per_pass_{optimized}"]) == {"float", "int4_g32_qdq", "int4_g32_matmul_nbits",
+                                                                "int4_g128_qdq", "int4_g128_matmul_nbits"}

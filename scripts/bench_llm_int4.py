@@ -22,7 +22,8 @@ import numpy as np
 import onnx
 import onnxruntime
 
-from finetune.automp.metrics import METRICS, next_token_targets
+from finetune.automp.metrics import METRICS
+from finetune.calibrate.tokens import next_token_targets
 from finetune.export.matmul_nbits import to_matmul_nbits
 from finetune.onnx.session import inference_session
 from finetune.quantize import quantize_model

@@ -1,9 +1,10 @@
 """Language-model metrics: perplexity and next-token agreement against a hand computation, padding
 excluded, the logits output picked or refused, and end to end on the tiny decoder (float vs RTN INT4
-in onnxruntime, and automatic mixed precision judged by perplexity)."""
+in onnxruntime, automatic mixed precision judged by perplexity, and `finetune evaluate --tokens`)."""
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -13,9 +14,11 @@ import pytest
 from onnx import helper
 
 from finetune.automp import auto_mixed_precision
-from finetune.automp.metrics import METRICS, IGNORED, logits_output_index, next_token_targets
+from finetune.automp.metrics import METRICS
+from finetune.calibrate.tokens import IGNORED, logits_output_index, next_token_targets
 from finetune.onnx.session import inference_session
 from finetune.quantize import quantize_model
+from finetune.tools.evaluate import evaluate_folders, main
 from finetune.zoo_decoder import decoder_feeds, export_decoder
 
 from .recon_helpers import one_thread  # noqa: F401  (autouse fixture)
@@ -95,3 +98,25 @@ def test_automp_judged_by_perplexity_meets_its_budget(decoder: dict) -> None:
     report = result.report
     assert report["metric"] == "perplexity" and report["chosen"]["met"]
     assert report["chosen"]["onnxruntime_metric"] <= report["target"] == pytest.approx(report["float_metric"] + 150)
+
+
+def test_evaluate_reports_perplexity_of_logits_folders_over_their_tokens(decoder: dict, tmp_path: Path,
+                                                                         capsys: pytest.CaptureFixture) -> None:
+    float_model = onnx.load(decoder["path"])
+    quantized = quantize_model(float_model, "INT4_PER_CHANNEL", decoder["tokens"]).model
+    for folder, model in (("float", float_model), ("int4", quantized)):
+        (tmp_path / folder).mkdir()
+        session = inference_session(model)
+        for path in sorted(decoder["tokens"].glob("*.npz")):
+            np.save(tmp_path / folder / f"{path.stem}.npy", session.run(None, dict(np.load(path)))[0])
+    main(["--baseline_results_folder", str(tmp_path / "float"), "--quantized_results_folder", str(tmp_path / "int4"),
+          "--tokens", str(decoder["tokens"]), "--json"])
+    reported = json.loads(capsys.readouterr().out)["language_model"]
+    float_ppl, float_logits, targets = _perplexity(float_model, decoder["tokens"])
+    int4_ppl, int4_logits, _ = _perplexity(quantized, decoder["tokens"])
+    assert reported["positions"] == int((targets != IGNORED).sum())
+    assert reported["baseline_perplexity"] == float_ppl and reported["quantized_perplexity"] == int4_ppl  # the same sums
+    assert reported["next_token_agreement"] == pytest.approx(METRICS["next_token_agreement"](int4_logits, float_logits, targets),
+                                                             rel=1e-12)  # per-file shares weighted back
+    with pytest.raises(FileNotFoundError, match="no token file 00.npz or 00.npy"):
+        evaluate_folders(tmp_path / "float", tmp_path / "int4", tmp_path)

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import onnx
 
+from finetune.calibrate.tokens import logits_output_index
 from finetune.config import ConfigError, QuantConfig, load_config
 from finetune.config.automp import AutoMixedPrecision
 from finetune.onnx.io import load_model, save_model_atomic
@@ -32,7 +33,7 @@ from .measure import (
     switch_source,
     torch_metric,
 )
-from .metrics import Metric, MetricFn, logits_output_index, resolve_metric
+from .metrics import Metric, MetricFn, resolve_metric
 from .parallel import Processes
 from .report import build_report, held, summary_line, write_report
 from .search import Point, Search

@@ -14,13 +14,14 @@ import onnx
 import torch
 
 from finetune.calibrate import CalibrationData, data_labels, model_inputs
+from finetune.calibrate.tokens import next_token_targets
 from finetune.config import QuantConfig
 from finetune.config.automp import AutoMixedPrecision
 from finetune.onnx.session import inference_session
 from finetune.quantize import quantize_model
 
 from .ladder import Item, Rung, assigned_config
-from .metrics import Metric, check_outputs, next_token_targets, relative_l2
+from .metrics import Metric, check_outputs, relative_l2
 from .parallel import Processes
 from .resume import candidate_outputs, cut_tails
 from .switch import SwitchableModel, SwitchSource

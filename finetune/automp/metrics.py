@@ -1,7 +1,7 @@
 """The metrics a mixed-precision search judges a candidate by: each compares the candidate's
 outputs with the float model's (and the labels, for accuracy) over the whole evaluation set.
-Language-model metrics (perplexity, next-token agreement) read a decoder's logits and take as
-labels the next-token targets of the token folder (`next_token_targets`)."""
+Language-model metrics (perplexity, next-token agreement; calibrate.tokens) read a decoder's
+logits and take as labels the next-token targets of the token folder."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
-import onnx
+
+from finetune.calibrate.tokens import IGNORED, next_token_agreement, perplexity
 
 MetricFn = Callable[[np.ndarray, np.ndarray, "np.ndarray | None"], float]  # (outputs, float outputs, labels)
 
@@ -71,67 +72,6 @@ def top1_accuracy(outputs: np.ndarray, float_outputs: np.ndarray, labels: np.nda
     if labels is None:
         raise ValueError("top1_accuracy needs labels")
     return float((outputs.argmax(axis=-1) == labels).mean())
-
-
-IGNORED = -1  # a next-token target no position predicts (the last one, padding)
-
-
-def next_token_targets(feeds: list[dict[str, np.ndarray]]) -> np.ndarray:
-    """[samples, positions] next-token ids from the feeds' `input_ids` (int64 [batch, seq]): the id
-    at t+1 for position t, IGNORED at the last position and wherever attention_mask is 0 at t or t+1
-    (padding neither predicts nor is predicted)."""
-    targets = []
-    for feed in feeds:
-        if "input_ids" not in feed or np.ndim(feed["input_ids"]) != 2:
-            raise ValueError(f"language-model metrics need an input_ids input of shape [batch, seq]; the feeds hold "
-                             f"{sorted(feed)}: give token folders (.npy/.npz of input_ids)")
-        ids = np.asarray(feed["input_ids"], dtype=np.int64)
-        mask = np.asarray(feed.get("attention_mask", np.ones_like(ids)))[:, -ids.shape[1]:] != 0
-        target = np.full(ids.shape, IGNORED, dtype=np.int64)
-        kept = mask[:, :-1] & mask[:, 1:]
-        target[:, :-1] = np.where(kept, ids[:, 1:], IGNORED)
-        targets.append(target)
-    return np.concatenate(targets)
-
-
-def perplexity(outputs: np.ndarray, float_outputs: np.ndarray, labels: np.ndarray | None) -> float:
-    """exp(mean negative log-likelihood of each next token) over the predicted positions, from the
-    logits [samples, positions, vocabulary] in float64 (log-softmax by log-sum-exp)."""
-    kept = _predicted(labels)
-    logits = outputs[kept].astype(np.float64)
-    peak = logits.max(axis=-1, keepdims=True)
-    log_norm = np.log(np.exp(logits - peak).sum(axis=-1)) + peak[:, 0]
-    chosen = np.take_along_axis(logits, labels[kept][:, None], axis=-1)[:, 0]
-    return float(np.exp((log_norm - chosen).mean()))
-
-
-def next_token_agreement(outputs: np.ndarray, float_outputs: np.ndarray, labels: np.ndarray | None) -> float:
-    """Share of predicted positions whose argmax next token is the float model's."""
-    kept = _predicted(labels)
-    return float((outputs[kept].argmax(axis=-1) == float_outputs[kept].argmax(axis=-1)).mean())
-
-
-def _predicted(labels: np.ndarray | None) -> np.ndarray:
-    """The positions a next token is predicted at (targets not IGNORED)."""
-    if labels is None:
-        raise ValueError("language-model metrics need next-token targets (next_token_targets of the token feeds)")
-    return labels != IGNORED
-
-
-def logits_output_index(model: onnx.ModelProto) -> int:
-    """The index of a decoder's logits: the output named `logits`, else its one float output of rank
-    3; a one-line error naming the outputs where neither picks one."""
-    outputs = list(model.graph.output)
-    named = [k for k, out in enumerate(outputs) if out.name == "logits"]
-    floats = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE}
-    rank3 = [k for k, out in enumerate(outputs) if out.type.tensor_type.elem_type in floats
-             and out.type.tensor_type.HasField("shape") and len(out.type.tensor_type.shape.dim) == 3]
-    found = named or rank3
-    if len(found) != 1:
-        described = ", ".join(f"{out.name} (rank {len(out.type.tensor_type.shape.dim)})" for out in outputs)
-        raise ValueError(f"language-model metrics need the logits output: name it 'logits' or leave one float output of "
-                         f"rank 3; the model's outputs are {described}")
-    return found[0]
 
 
 METRICS = {

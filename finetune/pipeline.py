@@ -54,11 +54,11 @@ def quantize_and_finetune(
             raise ValueError("--resume continues a fine-tuning run; an auto mixed precision run starts afresh")
         result = auto_mixed_precision(model, config, data, output_dir=output_dir, name=f"{name}.automp" if output_dir else name,
                                       model_path=model_path)
-        final = runtime_form(result.model, config, model_path, has_external_data(model))
+        final = runtime_form(result.model, config, result.summary, model_path, has_external_data(model))
         return PipelineResult(final, with_peak_memory(result.summary), result.finetune_report, result.report, result.config)
     if config.fast_finetune is None:
         quantized = quantize_model(model, config, data)
-        final = runtime_form(quantized.model, config, None, False)
+        final = runtime_form(quantized.model, config, quantized.summary, None, False)
         if model_path is not None:
             save_model_atomic(final, model_path, external_data=has_external_data(model))
         return PipelineResult(final, with_peak_memory(quantized.summary), None, float_model=quantized.float_model)
@@ -71,18 +71,21 @@ def quantize_and_finetune(
     float_model = quantized.float_model
     tuned, report = finetune_model(quantized.model, data, config.fast_finetune, float_model, output_dir, name, callbacks, resume,
                                    model_path, bf16_as_cast=config.bf16_as_cast)
-    return PipelineResult(runtime_form(tuned, config, model_path, has_external_data(model)), with_peak_memory(quantized.summary),
-                          report)
+    final = runtime_form(tuned, config, quantized.summary, model_path, has_external_data(model))
+    return PipelineResult(final, with_peak_memory(quantized.summary), report)
 
 
-def runtime_form(model: onnx.ModelProto, config: QuantConfig, model_path: str | Path | None,
-                 external_data: bool) -> onnx.ModelProto:
+def runtime_form(model: onnx.ModelProto, config: QuantConfig, summary: dict[str, Any] | None,
+                 model_path: str | Path | None, external_data: bool) -> onnx.ModelProto:
     """The final model in the form the config asks onnxruntime to run: with weight_storage
-    matmul_nbits, its 4-bit MatMul weights as MatMulNBits (export.matmul_nbits), rewritten to
-    `model_path` where the search or the tuning already wrote the QDQ form there."""
+    matmul_nbits, its 4-bit MatMul weights as MatMulNBits (export.matmul_nbits; the weights left QDQ
+    listed in the summary's `matmul_nbits_kept_qdq`), rewritten to `model_path` where the search or
+    the tuning already wrote the QDQ form there."""
     if config.weight_storage != "matmul_nbits":
         return model
-    packed, _ = to_matmul_nbits(model)
+    packed, kept = to_matmul_nbits(model)
+    if summary is not None:
+        summary["matmul_nbits_kept_qdq"] = kept
     if model_path is not None:
         save_model_atomic(packed, model_path, external_data=external_data)
     return packed

@@ -104,4 +104,5 @@ def test_the_pipeline_writes_the_tiny_decoder_with_matmul_nbits(tmp_path: Path) 
     assert not any(node.op_type == "DequantizeLinear" for node in written.graph.node)
     qdq = quantize_and_finetune(path, {**config, "weight_storage": "compact"}, feeds).model
     assert written.graph == result.model.graph == to_matmul_nbits(qdq)[0].graph  # the compact codes, packed
+    assert result.summary["matmul_nbits_kept_qdq"] == []  # every block weight of the decoder feeds a MatMul
     assert np.isfinite(inference_session(written).run(None, feeds[0])[0]).all()

@@ -55,7 +55,7 @@ def quantize(args: argparse.Namespace) -> None:
     config = with_finetune(config, _finetune_overrides(args, config))
     if args.resume and config.fast_finetune is None:
         raise ValueError("--resume continues a fine-tuning run: add --finetune, or a config with a fast_finetune section")
-    float_path = _float_model_path(args.output, args.model) if config.weight_storage == "compact" else None
+    float_path = _float_model_path(args.output, args.model) if config.weight_storage != "float" else None
     data = _calibration_data(args)
     name = args.output.name if config.auto_mixed_precision is not None else _report_name(args.output)  # the search adds .automp
     result = quantize_and_finetune(args.model, config, data, args.output.parent, name, resume=args.resume, model_path=args.output)
@@ -173,14 +173,15 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--op-types", nargs="+", help="op types to quantize (default: the config's, e.g. Conv ConvTranspose Gemm MatMul)")
     q.add_argument("--exclude-nodes", nargs="+", help="node names or full-match regular expressions to leave in float")
     q.add_argument("--per-channel", action=argparse.BooleanOptionalAction, default=None, help="INT weights per channel")
-    q.add_argument("--weight-storage", choices=["float", "compact"], help="float initializers + QDQ, or stored codes")
+    q.add_argument("--weight-storage", choices=["float", "compact", "matmul_nbits"],
+                   help="float initializers + QDQ, stored codes, or stored codes with 4-bit MatMul weights as MatMulNBits")
     q.add_argument("-o", "--output", type=Path, required=True, help="where to write the quantized model")
     amp = q.add_argument_group("automatic mixed precision (override the config's auto_mixed_precision section)")
     amp.add_argument("--auto-mp", action="store_true", help="search per-layer precision against a target")
     amp.add_argument("--ladder", nargs="+", metavar="PRESET", help="rungs, cheapest first (e.g. MX4 MX6 MX9)")
     amp.add_argument("--target", type=float, help="the metric the final model must reach")
     amp.add_argument("--max-drop", type=float, help="or: how far below the float model's metric it may fall")
-    amp.add_argument("--metric", help="l2, cosine, top1_agreement, top1_accuracy (labels.npy) or module:function")
+    amp.add_argument("--metric", help="l2, cosine, top1_agreement, top1_accuracy (labels.npy), perplexity, next_token_agreement (token folders) or module:function")
     amp.add_argument("--evaluation-data", type=Path, help="folder to judge the target on (default: the calibration data)")
     _add_finetune_flags(q)
     q.set_defaults(run=quantize)

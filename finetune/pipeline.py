@@ -16,6 +16,7 @@ import onnxruntime
 import torch
 
 from finetune.config import QuantConfig, load_config, save_config, to_dict
+from finetune.export.matmul_nbits import to_matmul_nbits
 from finetune.onnx.io import has_external_data, save_model_atomic
 from finetune.quantize import quantize_model
 from finetune.quantize.summary import peak_rss_kib
@@ -53,12 +54,14 @@ def quantize_and_finetune(
             raise ValueError("--resume continues a fine-tuning run; an auto mixed precision run starts afresh")
         result = auto_mixed_precision(model, config, data, output_dir=output_dir, name=f"{name}.automp" if output_dir else name,
                                       model_path=model_path)
-        return PipelineResult(result.model, with_peak_memory(result.summary), result.finetune_report, result.report, result.config)
+        final = runtime_form(result.model, config, result.summary, model_path, has_external_data(model))
+        return PipelineResult(final, with_peak_memory(result.summary), result.finetune_report, result.report, result.config)
     if config.fast_finetune is None:
         quantized = quantize_model(model, config, data)
+        final = runtime_form(quantized.model, config, quantized.summary, None, False)
         if model_path is not None:
-            save_model_atomic(quantized.model, model_path, external_data=has_external_data(model))
-        return PipelineResult(quantized.model, with_peak_memory(quantized.summary), None, float_model=quantized.float_model)
+            save_model_atomic(final, model_path, external_data=has_external_data(model))
+        return PipelineResult(final, with_peak_memory(quantized.summary), None, float_model=quantized.float_model)
     from finetune.recon import finetune_model, preflight  # lightning takes seconds to import: only when tuning
 
     if data is None:  # what tuning needs is checked before the quantizer's calibration pass
@@ -68,7 +71,24 @@ def quantize_and_finetune(
     float_model = quantized.float_model
     tuned, report = finetune_model(quantized.model, data, config.fast_finetune, float_model, output_dir, name, callbacks, resume,
                                    model_path, bf16_as_cast=config.bf16_as_cast)
-    return PipelineResult(tuned, with_peak_memory(quantized.summary), report)
+    final = runtime_form(tuned, config, quantized.summary, model_path, has_external_data(model))
+    return PipelineResult(final, with_peak_memory(quantized.summary), report)
+
+
+def runtime_form(model: onnx.ModelProto, config: QuantConfig, summary: dict[str, Any] | None,
+                 model_path: str | Path | None, external_data: bool) -> onnx.ModelProto:
+    """The final model in the form the config asks onnxruntime to run: with weight_storage
+    matmul_nbits, its 4-bit MatMul weights as MatMulNBits (export.matmul_nbits; the weights left QDQ
+    listed in the summary's `matmul_nbits_kept_qdq`), rewritten to `model_path` where the search or
+    the tuning already wrote the QDQ form there."""
+    if config.weight_storage != "matmul_nbits":
+        return model
+    packed, kept = to_matmul_nbits(model)
+    if summary is not None:
+        summary["matmul_nbits_kept_qdq"] = kept
+    if model_path is not None:
+        save_model_atomic(packed, model_path, external_data=external_data)
+    return packed
 
 
 def with_peak_memory(summary: dict[str, Any]) -> dict[str, Any]:

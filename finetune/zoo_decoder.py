@@ -155,10 +155,12 @@ def cache_names(shape: DecoderShape, kind: str) -> list[str]:
     return [f"{kind}.{k}.{part}" for k in range(shape.blocks) for part in ("key", "value")]
 
 
-def export_decoder(path: str | Path, cache: bool, dynamo: bool, seed: int = 0, opset: int = 18) -> Path:
-    """The seeded decoder exported to `path` by torch.onnx's TorchScript exporter (dynamo False) or
-    its dynamo exporter, with dynamic batch and sequence (and past sequence) lengths."""
-    model = tiny_decoder(cache, seed)
+def export_decoder(path: str | Path, cache: bool, dynamo: bool, seed: int = 0, opset: int = 18,
+                   shape: DecoderShape | None = None) -> Path:
+    """The seeded decoder (of `shape`, default DecoderShape()) exported to `path` by torch.onnx's
+    TorchScript exporter (dynamo False) or its dynamo exporter, with dynamic batch and sequence (and
+    past sequence) lengths."""
+    model = tiny_decoder(cache, seed, shape)
     shape, batch, length, past = model.shape, 2, 5, 3 if cache else 0
     ids = torch.randint(0, shape.vocabulary, (batch, length), generator=torch.Generator().manual_seed(seed))
     past_names = cache_names(shape, "past_key_values") if cache else []

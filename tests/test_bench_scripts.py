@@ -196,3 +196,15 @@ def test_bench_ort_formats_reports_ratios_to_int8_and_output_digests(tmp_path: P
     (tmp_path / "first.json").write_text(first)
     second = subprocess.run([*command, "--compare", str(tmp_path / "first.json")], capture_output=True, text=True, check=True)
     assert all(row["same_bits_as_compared"] for row in json.loads(second.stdout)["formats"].values())
+
+
+def test_bench_llm_int4_reports_perplexity_and_both_weight_forms_timed() -> None:
+    result = subprocess.run([sys.executable, str(SCRIPTS / "bench_llm_int4.py"), "--sequences", "2", "--length", "12",
+                             "--repeats", "1"], capture_output=True, text=True, check=True)
+    report = json.loads(result.stdout)
+    perplexity = report["perplexity"]
+    assert report["evaluation_tokens"] == 2 * 4 * 11 and all(value >= 1 for value in perplexity.values())
+    assert perplexity["int4_g32_matmul_nbits"] == pytest.approx(perplexity["int4_g32"], rel=1e-4)  # same codes, other sums
+    for optimized in ("unoptimized", "optimized"):
+        assert set(report[f"seconds_per_pass_{optimized}"]) == {"float", "int4_g32_qdq", "int4_g32_matmul_nbits",
+                                                                "int4_g128_qdq", "int4_g128_matmul_nbits"}

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import onnx
 
+from finetune.calibrate.tokens import logits_output_index
 from finetune.config import ConfigError, QuantConfig, load_config
 from finetune.config.automp import AutoMixedPrecision
 from finetune.onnx.io import load_model, save_model_atomic
@@ -151,6 +152,9 @@ def prepare_mixed_precision(
     rungs = ladders(settings)
     base = dataclasses.replace(config, auto_mixed_precision=None, fast_finetune=None, weight_storage="float", bf16_as_cast=False)
     base_quantized = quantize_model(model, base, data)
+    if chosen_metric.needs_tokens:  # language-model metrics judge the logits, whichever output index the section names
+        settings = dataclasses.replace(settings, output_index=logits_output_index(base_quantized.float_model))
+        config = dataclasses.replace(config, auto_mixed_precision=settings)
     items, fixed = search_items(base_quantized.float_model, base, settings)
     if not items:
         raise ValueError(f"auto_mixed_precision: the model has no node of the target op types {list(settings.target_op_types)} "

@@ -14,6 +14,7 @@ import onnx
 import torch
 
 from finetune.calibrate import CalibrationData, data_labels, model_inputs
+from finetune.calibrate.tokens import next_token_targets
 from finetune.config import QuantConfig
 from finetune.config.automp import AutoMixedPrecision
 from finetune.onnx.session import inference_session
@@ -49,6 +50,8 @@ def evaluation_set(float_model: onnx.ModelProto, source: Any, data: Any, labels:
         raise ValueError("auto mixed precision needs data: pass --data (or data= in Python)")
     feeds = list(CalibrationData(source, float_model))
     labels = labels if labels is not None else data_labels(source, float_model)
+    if metric.needs_tokens:
+        labels = next_token_targets(feeds)
     session = inference_session(float_model)
     outputs = session.get_outputs()
     if settings.output_index >= len(outputs):

@@ -1,5 +1,7 @@
 """The metrics a mixed-precision search judges a candidate by: each compares the candidate's
-outputs with the float model's (and the labels, for accuracy) over the whole evaluation set."""
+outputs with the float model's (and the labels, for accuracy) over the whole evaluation set.
+Language-model metrics (perplexity, next-token agreement; calibrate.tokens) read a decoder's
+logits and take as labels the next-token targets of the token folder."""
 
 from __future__ import annotations
 
@@ -9,6 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
+
+from finetune.calibrate.tokens import IGNORED, next_token_agreement, perplexity
 
 MetricFn = Callable[[np.ndarray, np.ndarray, "np.ndarray | None"], float]  # (outputs, float outputs, labels)
 
@@ -22,6 +26,7 @@ class Metric:
     higher_is_better: bool = True
     needs_labels: bool = False
     needs_scores: bool = False  # top-1 metrics: the output must be a batch of score vectors
+    needs_tokens: bool = False  # language-model metrics: the logits output, next-token targets as labels
 
     def __call__(self, outputs: np.ndarray, float_outputs: np.ndarray, labels: np.ndarray | None) -> float:
         """The metric's value; NaN is an error (a target cannot be judged against it)."""
@@ -74,6 +79,8 @@ METRICS = {
     "cosine": Metric("cosine", mean_cosine),
     "top1_agreement": Metric("top1_agreement", top1_agreement, needs_scores=True),
     "top1_accuracy": Metric("top1_accuracy", top1_accuracy, needs_labels=True, needs_scores=True),
+    "perplexity": Metric("perplexity", perplexity, higher_is_better=False, needs_tokens=True),
+    "next_token_agreement": Metric("next_token_agreement", next_token_agreement, needs_tokens=True),
 }
 
 
@@ -97,6 +104,11 @@ def resolve_metric(metric: str | MetricFn | Metric) -> Metric:
 
 def check_outputs(metric: Metric, float_outputs: np.ndarray, labels: np.ndarray | None, output_index: int) -> None:
     """Refuse, before any search, a metric the outputs or labels cannot serve."""
+    if metric.needs_tokens and (float_outputs.ndim != 3 or labels is None or labels.shape != float_outputs.shape[:2]):
+        raise ValueError(f"metric {metric.name} needs output {output_index} to be logits [samples, positions, vocabulary] "
+                         f"matching the token inputs, but it has shape {list(float_outputs.shape)}")
+    if metric.needs_tokens and not (labels != IGNORED).any():
+        raise ValueError(f"metric {metric.name}: no position predicts a next token (sequences of one token or all masked)")
     if metric.needs_scores and (float_outputs.ndim != 2 or float_outputs.shape[1] < 2):
         raise ValueError(f"metric {metric.name} needs output {output_index} to be a batch of class scores (samples x "
                          f"classes), but it has shape {list(float_outputs.shape)}: use l2 or cosine")

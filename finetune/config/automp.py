@@ -13,7 +13,7 @@ from finetune.formats import bits_per_element
 from .formats import DEFAULT_OP_TYPES, FormatChoice, Override
 from .schema import ConfigError, Section
 
-METRICS = ("l2", "cosine", "top1_agreement", "top1_accuracy")  # or "module:function" (see finetune.automp.metrics)
+METRICS = ("l2", "cosine", "top1_agreement", "top1_accuracy", "perplexity", "next_token_agreement")  # or "module:function" (see finetune.automp.metrics)
 Rung = str | Override  # a preset name or path, or the {activation, weight, bias} formats of a layer at that rung
 TensorRung = str | FormatChoice  # a preset name or path (its activation or weight format), or one format
 GOALS = ("target", "max_drop", "keep_top", "lower")  # exactly one of these says what the search aims at
@@ -73,7 +73,7 @@ class AutoMixedPrecision(Section):
             raise ConfigError("target", f"give exactly one of {', '.join(GOALS)} (got {goals or 'none'})")
         if self.metric not in METRICS and ":" not in self.metric:
             raise ConfigError("metric", f"must be one of {', '.join(METRICS)} or 'module:function'; got {self.metric!r}")
-        if self.metric in ("cosine", "top1_agreement", "top1_accuracy") and self.target is not None and not 0 <= self.target <= 1:
+        if self.metric in ("cosine", "top1_agreement", "top1_accuracy", "next_token_agreement") and self.target is not None and not 0 <= self.target <= 1:
             raise ConfigError("target", f"{self.metric} lies in [0, 1]; got {self.target}")
         if isinstance(self.ladder, tuple) and not self.ladder:
             raise ConfigError("ladder", "needs at least one rung")

@@ -17,7 +17,7 @@ Schema (YAML keys are the dataclass field names; `preset:` is the one extra key,
     fold_batch_norm: true  # fold each BatchNormalization into the Conv/Gemm before it (onnx.batchnorm)
     cross_layer_equalization: false  # rescale Conv pairs to equal channel ranges before quantizing
     smooth_quant: null     # or {alpha: 0.5}: SmoothQuant of MatMul/Gemm/Conv inputs before quantizing (config.smooth)
-    weight_storage: float  # float | compact
+    weight_storage: float  # float | compact | matmul_nbits (compact, then 4-bit MatMul weights as MatMulNBits)
     bf16_as_cast: false    # write bfloat16 QDQ pairs as Cast(to bfloat16) -> Cast(to float) in the final model
     npu_cnn: false         # Vitis AI / Ryzen AI NPU constraints for CNNs: shared scales around Concat, pooling, Pad, Slice (config.npu)
     fast_finetune: null    # or a FastFinetune mapping
@@ -61,7 +61,7 @@ class QuantConfig(Section):
     fold_batch_norm: bool = True
     cross_layer_equalization: bool = False
     smooth_quant: SmoothQuant | None = None
-    weight_storage: Literal["float", "compact"] = "float"
+    weight_storage: Literal["float", "compact", "matmul_nbits"] = "float"
     bf16_as_cast: bool = False  # the final model's bfloat16 quantize-dequantize pairs as Cast pairs
     npu_cnn: bool = False  # NPU CNN constraints (finetune.config.npu), AMD Quark's enable_npu_cnn
     fast_finetune: FastFinetune | None = None

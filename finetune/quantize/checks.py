@@ -37,7 +37,7 @@ def check_plan(model: onnx.ModelProto, config: QuantConfig, uses: list[Use], cha
     check_names(model, config, notices, any(c.startswith(FOLD_CHANGE) for c in changes))
     check_opset(model, uses, changes)
     check_weights_finite(model, uses)
-    warn(logger, notices, format_notices(model, uses, config.weight_storage == "compact"))
+    warn(logger, notices, format_notices(model, uses, config.weight_storage != "float"))
 
 
 def check_opset(model: onnx.ModelProto, uses: list[Use], changes: list[str]) -> None:

@@ -32,7 +32,7 @@ def insert_qdq(model: onnx.ModelProto, uses: list[Use], qparams: QParams, weight
     result = copy_without_initializers(model)
     types, _ = tensor_types_and_ranks(model)
     half = {name for name, elem_type in types.items() if elem_type == onnx.TensorProto.FLOAT16}
-    inserter = _Inserter(result.graph, {t.name: t for t in model.graph.initializer}, qparams, weight_storage == "compact", half)
+    inserter = _Inserter(result.graph, {t.name: t for t in model.graph.initializer}, qparams, weight_storage != "float", half)
     for use in uses:
         inserter.rewire(use)
     inserter.finish()

@@ -7,6 +7,10 @@ peak is the baseline's peak-to-peak range, and SSIM is computed when the array i
 after dropping leading size-1 axes, three axes with 1, 3 or 4 channels first (CHW, as models lay
 out images) or last (HWC) and both spatial sides at least 7 (SSIM's window). Other arrays
 (logits, token features, 2-D matrices) get no SSIM.
+
+With `--tokens FOLDER` (a token folder: .npy of input_ids or .npz with input_ids and optionally
+attention_mask, named as the result files), the results are a decoder's logits and the report adds
+each model's perplexity and their next-token agreement over all files (finetune.calibrate.tokens).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import numpy as np
 from skimage.io import imread
 from skimage.metrics import peak_signal_noise_ratio, structural_similarity
 
+from finetune.calibrate.tokens import IGNORED, negative_log_likelihoods, next_token_agreement, next_token_targets
 from finetune.files import check_output, write_text_atomic
 
 from .command import run_command, tool_parser
@@ -46,15 +51,52 @@ class FileMetrics:
     ssim: float | None
 
 
-def evaluate_folders(baseline: str | Path, quantized: str | Path) -> dict:
-    """Metrics of every file pair and over all of them: {'files': [...], 'overall': {...}}."""
+def evaluate_folders(baseline: str | Path, quantized: str | Path, tokens: str | Path | None = None) -> dict:
+    """Metrics of every file pair and over all of them: {'files': [...], 'overall': {...}}, and with
+    `tokens` {'language_model': {...}} (language_model_metrics)."""
     pairs = pair_files(Path(baseline), Path(quantized))
     loaded = [(name, _load(a), _load(b)) for name, a, b in pairs]
     mismatched = [f"{name}: {list(a.shape)} vs {list(b.shape)}" for name, a, b in loaded if a.shape != b.shape]
     if mismatched:
         raise ValueError("files differ in shape between the folders:\n  " + "\n  ".join(mismatched))
     files = [compare(name, a, b) for name, a, b in loaded]
-    return {"files": [dataclasses.asdict(f) for f in files], "overall": overall(files)}
+    report = {"files": [dataclasses.asdict(f) for f in files], "overall": overall(files)}
+    if tokens is not None:
+        report["language_model"] = language_model_metrics(loaded, Path(tokens))
+    return report
+
+
+def language_model_metrics(loaded: list[tuple[str, np.ndarray, np.ndarray]], tokens: Path) -> dict[str, float | int]:
+    """Perplexity of the baseline and the quantized logits and their next-token agreement, over the
+    predicted positions of all files (each result file's tokens: the token file of its stem)."""
+    nll: dict[str, list[np.ndarray]] = {"baseline": [], "quantized": []}
+    agreements, positions = 0.0, 0
+    for name, baseline, quantized in loaded:
+        targets = next_token_targets([_token_feed(tokens, Path(name).stem)])
+        if baseline.ndim != 3 or baseline.shape[:2] != targets.shape:
+            raise ValueError(f"{name}: {list(baseline.shape)} are not logits [batch, seq, vocabulary] for the tokens "
+                             f"{list(targets.shape)} in {tokens}: give the logits output's results")
+        count = int((targets != IGNORED).sum())
+        nll["baseline"].append(negative_log_likelihoods(baseline, targets))
+        nll["quantized"].append(negative_log_likelihoods(quantized, targets))
+        agreements += next_token_agreement(quantized, baseline, targets) * count
+        positions += count
+    if not positions:
+        raise ValueError(f"no position of the tokens in {tokens} predicts a next token (one-token or masked sequences)")
+    result: dict[str, float | int] = {"positions": positions, "next_token_agreement": agreements / positions}
+    for side, values in nll.items():
+        result[f"{side}_perplexity"] = float(np.exp(np.concatenate(values).mean()))
+    return result
+
+
+def _token_feed(tokens: Path, stem: str) -> dict[str, np.ndarray]:
+    """The token file `stem`.npz (input_ids, attention_mask) or `stem`.npy (input_ids) of a token folder."""
+    for suffix in (".npz", ".npy"):
+        path = tokens / f"{stem}{suffix}"
+        if path.is_file():
+            loaded = np.load(path, allow_pickle=False)
+            return dict(loaded) if suffix == ".npz" else {"input_ids": loaded}
+    raise FileNotFoundError(f"no token file {stem}.npz or {stem}.npy in {tokens}: name token files as the result files")
 
 
 def pair_files(baseline: Path, quantized: Path) -> list[tuple[str, Path, Path]]:
@@ -197,13 +239,15 @@ def run(args: argparse.Namespace) -> None:
     """Print the table, or the JSON with `--json` (to a file with `--json PATH`)."""
     if args.json not in (None, "-"):
         check_output(args.json, args.baseline_results_folder, args.quantized_results_folder)
-    report = evaluate_folders(args.baseline_results_folder, args.quantized_results_folder)
+    report = evaluate_folders(args.baseline_results_folder, args.quantized_results_folder, args.tokens)
     if args.json == "-":
         print(to_json(report))
         return
     if args.json:
         write_text_atomic(args.json, to_json(report) + "\n")
     print(format_table(report))
+    if "language_model" in report:
+        print(" ".join(f"{key} {value:.6g}" for key, value in report["language_model"].items()))
 
 
 def add_arguments(parser: argparse.ArgumentParser, positional: bool) -> None:
@@ -218,6 +262,8 @@ def add_arguments(parser: argparse.ArgumentParser, positional: bool) -> None:
         parser.add_argument("--quantized_results_folder", type=Path, required=True, help=help_b)
     parser.add_argument("--json", nargs="?", const="-", metavar="PATH",
                         help="print the report as JSON instead of the table, or write it to PATH as well")
+    parser.add_argument("--tokens", type=Path, metavar="FOLDER",
+                        help="the token folder the results are logits of: adds perplexity and next-token agreement")
     parser.set_defaults(run=run)
 
 

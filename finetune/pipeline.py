@@ -67,7 +67,7 @@ def quantize_and_finetune(
     quantized = quantize_model(model, dataclasses.replace(without_finetune(config), bf16_as_cast=False), data)
     float_model = quantized.float_model
     tuned, report = finetune_model(quantized.model, data, config.fast_finetune, float_model, output_dir, name, callbacks, resume,
-                                   model_path, bf16_as_cast=config.bf16_as_cast)
+                                   model_path, bf16_as_cast=config.bf16_as_cast, external_data=has_external_data(model))
     return PipelineResult(tuned, with_peak_memory(quantized.summary), report)
 
 

@@ -20,9 +20,10 @@ from finetune.formats.compiled import compiled_kernels, resolve_compile
 from finetune.lift import FakeQuantize, LiftedModule, check_lifted, lift_model
 from finetune.lift.params import fold_computed_weights
 from finetune.notices import Warnings
+from finetune.onnx.io import model_digest
 
 from .audit import nondeterministic_on_cuda, refuse_nondeterministic
-from .checkpoint import Checkpoint, digest, run_fingerprint
+from .checkpoint import Checkpoint, run_fingerprint
 from .data.cache import ActivationCache
 from .data.heldout import hold_out
 from .data.reference import SELF_REFERENCE, choose_reference, float_starts
@@ -68,9 +69,10 @@ def tune_process(fabric: Fabric, job: Job) -> tuple[onnx.ModelProto | None, dict
     """Lift, tune every unit and export, in this process (one of a data-parallel run's, or the
     only one). Only the first process exports: the others return no model."""
     config, original, device = job.config, job.original, fabric.device
-    sources = {"model": digest(original.SerializeToString()),
-               "float_model": digest(job.float_model.SerializeToString()) if job.float_model is not None else None}
+    sources = {"model": model_digest(original),
+               "float_model": model_digest(job.float_model) if job.float_model is not None else None}
     run = _prepare(job)
+    job.float_model = None  # lifted as the reference: its proto, a copy of the weights, is not read again
     with (deterministic(config.seed, config.deterministic, config.allow_tf32, device), host_memory_kept(device),
           ActivationCache(config.cache_budget_bytes) as cache,
           compiled_kernels(resolve_compile(config.compile, device.type), max(1, config.iterations)) as kernels,

@@ -62,11 +62,14 @@ class LiftedModule(fx.GraphModule):
         return copied
 
 
-def lift_model(model: str | Path | onnx.ModelProto) -> LiftedModule:
+def lift_model(model: str | Path | onnx.ModelProto, owned: bool = False) -> LiftedModule:
     """A torch GraphModule computing what onnxruntime computes for the model (inputs in graph
     order; one output as a tensor, several as a tuple), with fake-quant modules for its QDQ
-    patterns and `finetune_params` mapping each trainable parameter to its ParamSource."""
-    normalized, _ = normalize_model(load_model(model))
+    patterns and `finetune_params` mapping each trainable parameter to its ParamSource. The model
+    is normalised in its own copy (with `owned`, a proto the caller hands over: in place, and left
+    without its trainable weights' values), each weight's bytes dropped from it once they are a
+    parameter: the weights are held once more at most while lifting, not twice."""
+    normalized, _ = normalize_model(model if owned else load_model(model), in_place=True)
     module = _Builder(normalized.graph, _Shared.of(normalized)).build()
     module.finetune_params = _merged_sources(module)
     _freeze_unmapped_parameters(module)
@@ -233,6 +236,7 @@ class _Builder:
         value = transform.apply(array) if transform is not None else to_torch(array)
         if name in self.shared.trainable and value.is_floating_point():
             value = nn.Parameter(value)
+            self.graph.initializers[name].proto.ClearField("raw_data")  # its bytes live in the parameter now
         self.shared.made[name] = (value, transform)
         return value
 

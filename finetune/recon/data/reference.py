@@ -35,9 +35,10 @@ def choose_reference(module: LiftedModule, float_model: onnx.ModelProto | None, 
     equalised or smoothed first, as AMD Quark does to Conv pairs) is refused where those weights are
     stored as codes (their float values would be lost) and set aside with a warning where they are
     stored as float (they are the float weights). A weight stored as codes without a float model has
-    its dequantized codes as reference, which is reported."""
+    its dequantized codes as reference, which is reported. The float model is lifted in place: its
+    proto is left without its weights' values (one copy of the weights fewer)."""
     if float_model is not None:
-        reference = lift_model(float_model)
+        reference = lift_model(float_model, owned=True)
         differing = [layer.name for layer, parameter, value, coded in float_values(module, reference, units)
                      if parameter == layer.weight and differs(module, layer, value, warnings, coded)]
         if not differing:

@@ -66,9 +66,8 @@ def lift_model(model: str | Path | onnx.ModelProto, owned: bool = False) -> Lift
     """A torch GraphModule computing what onnxruntime computes for the model (inputs in graph
     order; one output as a tensor, several as a tuple), with fake-quant modules for its QDQ
     patterns and `finetune_params` mapping each trainable parameter to its ParamSource. The model
-    is normalised in its own copy (with `owned`, a proto the caller hands over: in place, and left
-    without its trainable weights' values), each weight's bytes dropped from it once they are a
-    parameter: the weights are held once more at most while lifting, not twice."""
+    is normalised in one copy of its own, or with `owned` (a proto the caller hands over and drops
+    afterwards, the only way its memory is freed) in place: no copy."""
     normalized, _ = normalize_model(model if owned else load_model(model), in_place=True)
     module = _Builder(normalized.graph, _Shared.of(normalized)).build()
     module.finetune_params = _merged_sources(module)
@@ -236,7 +235,6 @@ class _Builder:
         value = transform.apply(array) if transform is not None else to_torch(array)
         if name in self.shared.trainable and value.is_floating_point():
             value = nn.Parameter(value)
-            self.graph.initializers[name].proto.ClearField("raw_data")  # its bytes live in the parameter now
         self.shared.made[name] = (value, transform)
         return value
 

@@ -72,7 +72,6 @@ def tune_process(fabric: Fabric, job: Job) -> tuple[onnx.ModelProto | None, dict
     sources = {"model": model_digest(original),
                "float_model": model_digest(job.float_model) if job.float_model is not None else None}
     run = _prepare(job)
-    job.float_model = None  # lifted as the reference: its proto, a copy of the weights, is not read again
     with (deterministic(config.seed, config.deterministic, config.allow_tf32, device), host_memory_kept(device),
           ActivationCache(config.cache_budget_bytes) as cache,
           compiled_kernels(resolve_compile(config.compile, device.type), max(1, config.iterations)) as kernels,
@@ -96,6 +95,12 @@ def _prepare(job: Job) -> _Run:
     config, original = job.config, job.original
     for change in fold_computed_weights(original):  # so a weight computed from constants is tuned too
         logger.info("weights computed from constants: %s", change)
+    float_module = None
+    if job.float_model is not None:
+        for change in carry_smoothing(job.float_model, original):  # SmoothQuant: the float model in the codes' coordinates
+            logger.info("float model smoothed as the quantized one: %s", change)
+        float_module = lift_model(job.float_model, owned=True)
+        job.float_model = None  # its proto, a copy of the weights, is freed before the QDQ model is lifted
     module = lift_model(original)
     _check_tunable(module)
     warnings = Warnings()
@@ -105,10 +110,7 @@ def _prepare(job: Job) -> _Run:
     methods = run_methods(config)
     for method in methods:
         units = method.prepare(module, units, warnings)
-    if job.float_model is not None:
-        for change in carry_smoothing(job.float_model, original):  # SmoothQuant: the float model in the codes' coordinates
-            logger.info("float model smoothed as the quantized one: %s", change)
-    return _Run(module, units, methods, choose_reference(module, job.float_model, units, warnings), warnings)
+    return _Run(module, units, methods, choose_reference(module, float_module, units, warnings), warnings)
 
 
 def _check_tunable(module: LiftedModule) -> None:

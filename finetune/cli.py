@@ -100,7 +100,7 @@ def tune(args: argparse.Namespace) -> None:
         logger.info("no fast_finetune section in the config: starting from the defaults (AdaRound)")
         config = with_finetune(config, {"algorithm": "adaround"})
     config = with_finetune(config, _finetune_overrides(args, config))
-    data = CalibrationData(args.data, load_model(args.model), limit=config.fast_finetune.data_size)
+    data = CalibrationData(args.data, load_model(args.model, external_values=False), limit=config.fast_finetune.data_size)
     tuned, report = finetune_model(args.model, data, config.fast_finetune, args.float_model, args.output.parent,
                                    _report_name(args.output), resume=args.resume, model_path=args.output, attach_ops=args.attach_ops)
     if tuned is None:
@@ -147,9 +147,9 @@ def _calibration_data(args: argparse.Namespace) -> object:
     if args.data and args.random_data:
         raise ValueError("give either --data or --random-data, not both")
     if args.random_data:
-        return random_data(load_model(args.model), args.random_data, seed=0)
+        return random_data(load_model(args.model, external_values=False), args.random_data, seed=0)
     if args.data:
-        return CalibrationData(args.data, load_model(args.model), limit=args.data_size)
+        return CalibrationData(args.data, load_model(args.model, external_values=False), limit=args.data_size)
     return None
 
 

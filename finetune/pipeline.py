@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
@@ -17,8 +18,8 @@ import torch
 
 from finetune.config import QuantConfig, load_config, save_config, to_dict
 from finetune.export.matmul_nbits import to_matmul_nbits
-from finetune.onnx.io import has_external_data, save_model_atomic
-from finetune.quantize import quantize_model
+from finetune.onnx.io import has_external_data, needs_external_data, save_model_atomic, write_with_external_data
+from finetune.quantize import QuantizeResult, quantize_model
 from finetune.quantize.summary import peak_rss_kib
 
 
@@ -68,9 +69,10 @@ def quantize_and_finetune(
         raise ValueError("fast finetune needs calibration data: pass --data (or data= in Python)")
     preflight(model, config.fast_finetune)
     quantized = quantize_model(model, dataclasses.replace(without_finetune(config), bf16_as_cast=False), data)
-    float_model = quantized.float_model
-    tuned, report = finetune_model(quantized.model, data, config.fast_finetune, float_model, output_dir, name, callbacks, resume,
-                                   model_path, bf16_as_cast=config.bf16_as_cast)
+    with tempfile.TemporaryDirectory(prefix="finetune-float-") as folder:
+        float_model = handed_over(quantized, Path(folder))
+        tuned, report = finetune_model(quantized.model, data, config.fast_finetune, float_model, output_dir, name, callbacks,
+                                       resume, model_path, bf16_as_cast=config.bf16_as_cast, external_data=has_external_data(model))
     final = runtime_form(tuned, config, quantized.summary, model_path, has_external_data(model))
     return PipelineResult(final, with_peak_memory(quantized.summary), report)
 
@@ -89,6 +91,17 @@ def runtime_form(model: onnx.ModelProto, config: QuantConfig, summary: dict[str,
     if model_path is not None:
         save_model_atomic(packed, model_path, external_data=external_data)
     return packed
+
+
+def handed_over(quantized: QuantizeResult, folder: Path) -> onnx.ModelProto | Path:
+    """The float model for tuning, which copies what it is given: past the external-data threshold
+    written to `folder` and dropped from `quantized`, so tuning holds the only copy of its weights."""
+    if not needs_external_data(quantized.float_model):
+        return quantized.float_model
+    path = folder / "float.onnx"
+    write_with_external_data(quantized.float_model, path)
+    quantized.float_model = None
+    return path
 
 
 def with_peak_memory(summary: dict[str, Any]) -> dict[str, Any]:

@@ -2,10 +2,13 @@
 MatMul layers (fp32, external data) is loaded, quantized to INT4 weight-only in groups of 128 along
 the reduction axis (codes stored: INT4_BLOCK32 with block_size 128, weight_storage compact) and
 written by the pipeline; then the output is loaded and run in onnxruntime beside the float model.
+With `--finetune gptq` (or adaquant) the quantizing step tunes too, on a few seeded calibration
+batches (one thread; AdaQuant with `--cache-budget` bytes of activations in memory, the rest spilled).
 Each step runs in a process of its own, so each peak RSS (ru_maxrss) is that step's alone; the
-target for quantizing is the weights' size + 2 GB.
+target for quantizing (and tuning) is the weights' size + 2 GB.
 
     python scripts/bench_large.py                                   # 2.5 GB of weights
+    python scripts/bench_large.py --finetune gptq                   # + GPTQ
     python scripts/bench_large.py --gigabytes 0.3 --threshold 100000000   # develop: external path below 2 GB
 """
 
@@ -50,12 +53,33 @@ def build(path: Path, gigabytes: float, width: int) -> dict[str, Any]:
     return {"layers": layers, "width": width, "weight_bytes": layers * width * width * 4}
 
 
-def quantize(path: Path, output: Path) -> dict[str, Any]:
-    """Load, quantize and write through the pipeline, as `finetune quantize` does."""
+def quantize(path: Path, output: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """Load, quantize (and tune, with `args.finetune`) and write through the pipeline, as
+    `finetune quantize [--finetune ...]` does."""
     from finetune.pipeline import quantize_and_finetune
 
-    result = quantize_and_finetune(path, CONFIG, None, model_path=output)
-    return {"quantized_nodes": result.summary["quantized_nodes"], "summary_peak_rss_kib": result.summary["peak_rss_kib"]}
+    config, data = CONFIG, None
+    if args.finetune:
+        config = {**CONFIG, "fast_finetune": tuning(args)}
+        rng = np.random.default_rng(SEED + 2)
+        data = [{"x": rng.standard_normal((args.batch, args.width), dtype=np.float32)} for _ in range(args.batches)]
+    result = quantize_and_finetune(path, config, data, model_path=output, output_dir=output.parent)
+    tuned = {}
+    if result.report is not None:
+        tuned = {"report_peak_rss_kib": result.report["peak_rss_kib"], "units": len(result.report["units"]),
+                 "kept": result.report["kept"], "cache": result.report["cache"],
+                 "tuning_seconds": round(result.report["total_seconds"], 1)}
+    return {"quantized_nodes": result.summary["quantized_nodes"], "summary_peak_rss_kib": result.summary["peak_rss_kib"],
+            **tuned}
+
+
+def tuning(args: argparse.Namespace) -> dict[str, Any]:
+    """The fast_finetune section: one thread, the batches given, no held-out batches (the
+    benchmark measures memory and time)."""
+    section = {"algorithm": args.finetune, "threads": 1, "batch_size": args.batch, "validation_share": 0.0}
+    if args.finetune == "adaquant":
+        section.update(iterations=args.iterations, cache_budget_bytes=args.cache_budget)
+    return section
 
 
 def check(path: Path, output: Path, width: int) -> dict[str, Any]:
@@ -77,7 +101,9 @@ def files_bytes(path: Path) -> int:
 def step(name: str, args: argparse.Namespace, folder: Path) -> dict[str, Any]:
     """Run one step in a fresh process (one thread) and return its JSON, with its seconds."""
     command = [sys.executable, __file__, "--step", name, "--folder", str(folder), "--gigabytes", str(args.gigabytes),
-               "--width", str(args.width), "--threshold", str(args.threshold)]
+               "--width", str(args.width), "--threshold", str(args.threshold), "--batches", str(args.batches),
+               "--batch", str(args.batch), "--iterations", str(args.iterations), "--cache-budget", str(args.cache_budget),
+               *(["--finetune", args.finetune] if args.finetune else [])]
     environment = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     print(f"bench_large: {name} ...", file=sys.stderr, flush=True)
     start = time.perf_counter()
@@ -98,7 +124,7 @@ def run_step(args: argparse.Namespace) -> dict[str, Any]:
     if args.step == "build":
         result = build(model, args.gigabytes, args.width)
     elif args.step == "quantize":
-        result = quantize(model, output)
+        result = quantize(model, output, args)
     else:
         result = check(model, output, args.width)
     return {**result, "peak_rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}
@@ -109,6 +135,11 @@ def main() -> None:
     parser.add_argument("--gigabytes", type=float, default=2.5, help="fp32 weights to generate (10^9 bytes)")
     parser.add_argument("--width", type=int, default=4096, help="each layer's input and output width")
     parser.add_argument("--threshold", type=int, default=2**31 - 1, help="EXTERNAL_DATA_THRESHOLD in bytes")
+    parser.add_argument("--finetune", choices=["gptq", "adaquant"], help="tune after quantizing")
+    parser.add_argument("--batches", type=int, default=4, help="calibration batches for tuning")
+    parser.add_argument("--batch", type=int, default=8, help="rows per calibration batch")
+    parser.add_argument("--iterations", type=int, default=10, help="AdaQuant iterations per unit")
+    parser.add_argument("--cache-budget", type=int, default=2**20, help="AdaQuant's cache_budget_bytes")
     parser.add_argument("--step", choices=["build", "quantize", "check"], help=argparse.SUPPRESS)
     parser.add_argument("--folder", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -123,7 +154,8 @@ def main() -> None:
         sizes = {"model_bytes": files_bytes(model), "output_bytes": files_bytes(output),
                  "output_files": sorted(f.name for f in Path(folder).iterdir() if f.name.startswith(output.name))}
     target_kib = (built["weight_bytes"] + 2 * 2**30) // 1024
-    print(json.dumps({"config": CONFIG, **sizes, "build": built, "quantize": quantized, "check": checked,
+    config = {**CONFIG, "fast_finetune": tuning(args)} if args.finetune else CONFIG
+    print(json.dumps({"config": config, **sizes, "build": built, "quantize": quantized, "check": checked,
                       "quantize_target_kib": target_kib, "quantize_within_target": quantized["peak_rss_kib"] <= target_kib},
                      indent=1))
 

@@ -19,7 +19,7 @@ import onnx
 from finetune.calibrate.tokens import logits_output_index
 from finetune.config import ConfigError, QuantConfig, load_config
 from finetune.config.automp import AutoMixedPrecision
-from finetune.onnx.io import load_model, save_model_atomic
+from finetune.onnx.io import has_external_data, load_model, save_model_atomic
 from finetune.quantize import quantize_model
 
 from .ladder import Item, Rung, assigned_config, ladders, search_items
@@ -104,7 +104,7 @@ class PreparedSearch:
             seconds=self._seconds(search_seconds, finetune_report, time.perf_counter() - begin))
         self.choices_made += 1
         if model_path is not None:
-            save_model_atomic(final, model_path)
+            save_model_atomic(final, model_path, external_data=has_external_data(self.model))
         if output_dir is not None:
             write_report(report, Path(output_dir), name)
         logger.info(summary_line(report))

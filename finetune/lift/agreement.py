@@ -16,6 +16,7 @@ carried through the model, and the module is kept."""
 from __future__ import annotations
 
 import logging
+import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,7 @@ from finetune.formats.compiled import compiled_kernels
 from finetune.onnx import attach_custom_ops
 from finetune.onnx.io import load_model
 from finetune.onnx.normalize import normalize_model
-from finetune.onnx.session import inference_session
+from finetune.onnx.session import copy_for_session, session_of_copy
 
 from .builder import ONNX_NODE, LiftError
 from .fake_quant import FakeQuantize
@@ -63,8 +64,8 @@ def check_lifted(model: str | Path | onnx.ModelProto, module: nn.Module, feed: F
     same bits, and one sample's shapes would be compiled for nothing)."""
     if not any(isinstance(m, FakeQuantize) for m in module.modules()):
         return
-    with compiled_kernels(False):
-        _check(load_model(model), module, feed)
+    with compiled_kernels(False):  # a proto is only read here: no copy of its weights
+        _check(model if isinstance(model, onnx.ModelProto) else load_model(model), module, feed)
 
 
 def _check(model: onnx.ModelProto, module: nn.Module, feed: Feed) -> None:
@@ -204,11 +205,12 @@ def _message(name: str, op_type: str, output: str, actual: np.ndarray, expected:
 def onnxruntime_values(model: onnx.ModelProto, feed: dict[str, np.ndarray], names: Sequence[str] = ()) -> dict[str, np.ndarray]:
     """onnxruntime's values of the model's outputs and of the named values of its main graph (made
     outputs), by name, where numpy can hold them (onnxruntime says which after its own type inference)."""
-    exposed = onnx.ModelProto()
-    exposed.CopyFrom(model)
-    declared = {output.name for output in exposed.graph.output}
-    exposed.graph.output.extend(onnx.helper.make_empty_tensor_value_info(name) for name in dict.fromkeys(names) if name not in declared)
-    session = inference_session(attach_custom_ops(exposed))
+    with tempfile.TemporaryDirectory(prefix="finetune-agreement-") as folder:  # past 2 GB the copy refers to a data file there
+        exposed = copy_for_session(model, Path(folder))
+        declared = {output.name for output in exposed.graph.output}
+        exposed.graph.output.extend(onnx.helper.make_empty_tensor_value_info(name) for name in dict.fromkeys(names)
+                                    if name not in declared)
+        session = session_of_copy(attach_custom_ops(exposed, in_place=True), Path(folder))
     wanted = [output.name for output in session.get_outputs() if output.type in NUMPY_TYPES]
     return dict(zip(wanted, session.run(wanted, feed)))
 

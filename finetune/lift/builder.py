@@ -62,11 +62,13 @@ class LiftedModule(fx.GraphModule):
         return copied
 
 
-def lift_model(model: str | Path | onnx.ModelProto) -> LiftedModule:
+def lift_model(model: str | Path | onnx.ModelProto, owned: bool = False) -> LiftedModule:
     """A torch GraphModule computing what onnxruntime computes for the model (inputs in graph
     order; one output as a tensor, several as a tuple), with fake-quant modules for its QDQ
-    patterns and `finetune_params` mapping each trainable parameter to its ParamSource."""
-    normalized, _ = normalize_model(load_model(model))
+    patterns and `finetune_params` mapping each trainable parameter to its ParamSource. The model
+    is normalised in one copy of its own, or with `owned` (a proto the caller hands over and drops
+    afterwards, the only way its memory is freed) in place: no copy."""
+    normalized, _ = normalize_model(model if owned else load_model(model), in_place=True)
     module = _Builder(normalized.graph, _Shared.of(normalized)).build()
     module.finetune_params = _merged_sources(module)
     _freeze_unmapped_parameters(module)

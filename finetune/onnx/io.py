@@ -33,9 +33,10 @@ _SUB_BYTE_BITS = {onnx.TensorProto.INT4: 4, onnx.TensorProto.UINT4: 4, onnx.Tens
 _DATA_NAME = re.compile(r"\.[0-9a-f]{16}\.data")  # what follows the model's file name in its data file's name
 
 
-def load_model(source: str | os.PathLike | onnx.ModelProto) -> onnx.ModelProto:
-    """A ModelProto from a path (external data read from beside it, the files untouched) or a copy
-    of a given proto, so callers never modify what the user handed in."""
+def load_model(source: str | os.PathLike | onnx.ModelProto, external_values: bool = True) -> onnx.ModelProto:
+    """A ModelProto from a path (external data read from beside it, the files untouched; with
+    `external_values` False left as references, for a reader of the graph alone) or a copy of a
+    given proto, so callers never modify what the user handed in."""
     if isinstance(source, onnx.ModelProto):
         copy = onnx.ModelProto()
         copy.CopyFrom(source)
@@ -44,7 +45,7 @@ def load_model(source: str | os.PathLike | onnx.ModelProto) -> onnx.ModelProto:
     if not path.is_file():
         raise FileNotFoundError(f"ONNX model {path} does not exist")
     try:
-        return onnx.load(str(path))
+        return onnx.load(str(path), load_external_data=external_values)
     except Exception as error:  # protobuf raises several unrelated types for a corrupt file, onnx others for missing data
         raise ValueError(f"{path} is not a readable ONNX model (with its external data): {error}") from error
 
@@ -86,6 +87,20 @@ def _raw_bytes(tensor: onnx.TensorProto) -> int:
 def _field_size(length: int) -> int:
     """Bytes of a length-delimited protobuf field of `length` bytes: a one-byte tag, the varint length, the bytes."""
     return 1 + max(1, (length.bit_length() + 6) // 7) + length
+
+
+def model_digest(model: onnx.ModelProto) -> str:
+    """A short sha256 digest of the model (for a run's fingerprint), fed its header and then one
+    initializer at a time: serializing the whole model would copy its weights, and past 2 GB fails.
+    Equal models give equal digests, whether or not their tensors came from external data."""
+    digest = hashlib.sha256(copy_without_initializers(model).SerializeToString())
+    for tensor in model.graph.initializer:
+        metadata = onnx.TensorProto()
+        _copy_fields(tensor, metadata, skip="raw_data")
+        metadata.ClearField("data_location")  # onnx.load sets it on tensors read from a data file
+        digest.update(metadata.SerializeToString())
+        digest.update(tensor.raw_data)
+    return digest.hexdigest()[:16]
 
 
 def has_external_data(source: str | os.PathLike | onnx.ModelProto) -> bool:

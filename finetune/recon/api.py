@@ -17,8 +17,9 @@ from finetune.config import FastFinetune
 from finetune.formats.compiled import resolve_compile
 from finetune.lift import check_liftable
 from finetune.onnx import attach_custom_ops
-from finetune.onnx.io import load_model, save_model_atomic
+from finetune.onnx.io import has_external_data, load_model, save_model_atomic
 from finetune.onnx.session import require_loads
+from finetune.quantize.summary import peak_rss_kib
 
 from .callbacks import builtin_callbacks
 from .checkpoint import Checkpoint
@@ -43,6 +44,7 @@ def finetune_model(
     model_path: str | Path | None = None,
     attach_ops: bool = False,
     bf16_as_cast: bool = False,
+    external_data: bool | None = None,
 ) -> tuple[onnx.ModelProto, dict[str, Any]]:
     """The QDQ model with tuned weights, and the report. `data` is anything CalibrationData reads;
     the float targets come from `float_model` or, without one, from the QDQ model with its
@@ -53,28 +55,31 @@ def finetune_model(
     checkpoint removed: a run that fails or is killed on the way leaves no report without a model
     and keeps its checkpoint. The tuned model keeps the input's form (see export_model); with
     `attach_ops`, AMD Quark's custom ops get function bodies too (checked before any tuning); with
-    `bf16_as_cast`, bfloat16 quantize-dequantize pairs are written as Cast pairs.
+    `bf16_as_cast`, bfloat16 quantize-dequantize pairs are written as Cast pairs. The model at
+    `model_path` keeps its large tensors in a data file when it must, or `external_data` says so
+    (None: when the `qdq_model` file does). The report's `peak_rss_kib` is measured once it is written.
     `callbacks` join the built-in ones in the Fabric that runs the units (the moments they hear:
     recon.hooks; each is checked here)."""
     begin = time.perf_counter()
     checkpoint = _checkpoint_path(output_dir, name, resume, config.processes)
     original = load_model(qdq_model)
+    keep_external = has_external_data(qdq_model) if external_data is None else external_data
     device = preflight(original, config)
     if attach_ops:
         attach_custom_ops(original)  # a node whose body cannot be written fails here, not after the tuning
-    float_proto = load_model(float_model) if float_model is not None else None
     log_dir = Path(output_dir) / f"{name}.logs" if output_dir is not None else None
     saver = Checkpoint(checkpoint) if checkpoint is not None else None
     run_callbacks = list(check_callbacks([*([saver] if saver else []), *builtin_callbacks(config, log_dir), *callbacks]))
     fabric = make_fabric(config, device, run_callbacks)
-    job = Job(original, float_proto, data, config, saver, resume, run_callbacks, attach_ops, bf16_as_cast)
+    job = Job(original, load_model(float_model) if float_model is not None else None, data, config, saver, resume, run_callbacks, attach_ops, bf16_as_cast)
     tuned, report = launch(fabric, tune_process, job)[0] if config.processes > 1 else tune_process(fabric, job)
     if tuned is None:
         return None, report  # a process other than the first of a data-parallel run: the first one writes
     report["total_seconds"] = time.perf_counter() - begin
     require_loads(tuned, original, "fine-tuning")
     if model_path is not None:
-        save_model_atomic(tuned, model_path)
+        save_model_atomic(tuned, model_path, external_data=keep_external)
+    report["peak_rss_kib"] = peak_rss_kib()
     if output_dir is not None:
         write_report(report, Path(output_dir), name)
     if checkpoint is not None:

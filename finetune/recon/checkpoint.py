@@ -106,11 +106,6 @@ def run_fingerprint(sources: dict[str, str | None], config: FastFinetune, inputs
             "torch": str(torch.__version__), "threads": threads}
 
 
-def digest(data: bytes) -> str:
-    """A short digest of some bytes (a model's), for a fingerprint."""
-    return hashlib.sha256(data).hexdigest()[:16]
-
-
 def _check_same_run(path: Path, saved: dict[str, Any], current: dict[str, Any]) -> None:
     """Refuse a checkpoint whose fingerprint differs from this run's, naming what differs."""
     saved_items, current_items = _flat(saved), _flat(current)

@@ -20,9 +20,10 @@ from finetune.formats.compiled import compiled_kernels, resolve_compile
 from finetune.lift import FakeQuantize, LiftedModule, check_lifted, lift_model
 from finetune.lift.params import fold_computed_weights
 from finetune.notices import Warnings
+from finetune.onnx.io import model_digest
 
 from .audit import nondeterministic_on_cuda, refuse_nondeterministic
-from .checkpoint import Checkpoint, digest, run_fingerprint
+from .checkpoint import Checkpoint, run_fingerprint
 from .data.cache import ActivationCache
 from .data.heldout import hold_out
 from .data.reference import SELF_REFERENCE, choose_reference, float_starts
@@ -68,8 +69,8 @@ def tune_process(fabric: Fabric, job: Job) -> tuple[onnx.ModelProto | None, dict
     """Lift, tune every unit and export, in this process (one of a data-parallel run's, or the
     only one). Only the first process exports: the others return no model."""
     config, original, device = job.config, job.original, fabric.device
-    sources = {"model": digest(original.SerializeToString()),
-               "float_model": digest(job.float_model.SerializeToString()) if job.float_model is not None else None}
+    sources = {"model": model_digest(original),
+               "float_model": model_digest(job.float_model) if job.float_model is not None else None}
     with thread_policy(config.threads, device, fabric.world_size) as threads:
         return _tune_and_export(fabric, job, sources, threads)
 
@@ -101,6 +102,12 @@ def _prepare(job: Job) -> _Run:
     config, original = job.config, job.original
     for change in fold_computed_weights(original):  # so a weight computed from constants is tuned too
         logger.info("weights computed from constants: %s", change)
+    float_module = None
+    if job.float_model is not None:
+        for change in carry_smoothing(job.float_model, original):  # SmoothQuant: the float model in the codes' coordinates
+            logger.info("float model smoothed as the quantized one: %s", change)
+        float_module = lift_model(job.float_model, owned=True)
+        job.float_model = None  # its proto, a copy of the weights, is freed before the QDQ model is lifted
     module = lift_model(original)
     _check_tunable(module)
     warnings = Warnings()
@@ -110,10 +117,7 @@ def _prepare(job: Job) -> _Run:
     methods = run_methods(config)
     for method in methods:
         units = method.prepare(module, units, warnings)
-    if job.float_model is not None:
-        for change in carry_smoothing(job.float_model, original):  # SmoothQuant: the float model in the codes' coordinates
-            logger.info("float model smoothed as the quantized one: %s", change)
-    return _Run(module, units, methods, choose_reference(module, job.float_model, units, warnings), warnings)
+    return _Run(module, units, methods, choose_reference(module, float_module, units, warnings), warnings)
 
 
 def _check_tunable(module: LiftedModule) -> None:

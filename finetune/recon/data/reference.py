@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import onnx
 import torch
 
-from finetune.lift import LiftedModule, lift_model
+from finetune.lift import LiftedModule
 from finetune.lift.graph import constant_nodes, parameter_behind
 from finetune.notices import Warnings
 from finetune.onnx.layers import BIAS_INPUT
@@ -27,17 +27,17 @@ TIE = 2.0**-20
 SELF_REFERENCE = "quantized model with quantizers disabled"
 
 
-def choose_reference(module: LiftedModule, float_model: onnx.ModelProto | None, units: list[Unit],
+def choose_reference(module: LiftedModule, float_module: LiftedModule | None, units: list[Unit],
                      warnings: Warnings) -> LiftedModule:
-    """The lifted float model, where every weight of the quantized model quantizes as the float model's
+    """The lifted float model (`float_module`), where every weight of the quantized model quantizes as the float model's
     does; else the QDQ module itself (run with its quantizers off), which computes the float function in
     the quantized model's own weights. A float model whose weights differ (the quantized model was
     equalised or smoothed first, as AMD Quark does to Conv pairs) is refused where those weights are
     stored as codes (their float values would be lost) and set aside with a warning where they are
     stored as float (they are the float weights). A weight stored as codes without a float model has
     its dequantized codes as reference, which is reported."""
-    if float_model is not None:
-        reference = lift_model(float_model)
+    if float_module is not None:
+        reference = float_module
         differing = [layer.name for layer, parameter, value, coded in float_values(module, reference, units)
                      if parameter == layer.weight and differs(module, layer, value, warnings, coded)]
         if not differing:

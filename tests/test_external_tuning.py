@@ -1,0 +1,109 @@
+"""Fine-tuning models over protobuf's 2 GB, exercised on small models with the threshold lowered:
+GPTQ and AdaQuant through `finetune_model`, `finetune tune` and `finetune quantize --finetune` give
+the bytes the in-proto model gives, written as the model file plus one data file that onnxruntime
+loads; the resume fingerprint is the in-proto run's; the report carries the peak memory."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import pytest
+
+import finetune.recon.run
+from finetune.cli import main
+from finetune.config import FastFinetune
+from finetune.onnx.io import has_external_data, load_model, model_bytes, model_digest, save_model_atomic
+from finetune.onnx.session import inference_session
+from finetune.quantize import quantize_model
+from finetune.recon import finetune_model
+
+from .recon_helpers import one_thread  # noqa: F401  (autouse fixture)
+from .test_external_data import LOWERED, WIDTH, assert_same, data_files, high_water_kib, lowered, snapshot, stack  # noqa: F401
+
+SETTINGS = {"gptq": FastFinetune(algorithm="gptq", batch_size=4, validation_share=0.0),
+            "adaquant": FastFinetune(algorithm="adaquant", iterations=5, batch_size=4, validation_share=0.0)}
+
+
+def feeds(count: int = 2) -> list[dict[str, np.ndarray]]:
+    """Seeded calibration batches of four rows."""
+    rng = np.random.default_rng(3)
+    return [{"x": rng.standard_normal((4, WIDTH)).astype(np.float32)} for _ in range(count)]
+
+
+def pair(tmp_path: Path, model: onnx.ModelProto) -> dict[str, Path]:
+    """The model written in one proto and with external data, each in a folder of its own."""
+    paths = {}
+    for form in ("inline", "external"):
+        (tmp_path / form).mkdir()
+        paths[form] = tmp_path / form / "model.onnx"
+        save_model_atomic(model, paths[form], external_data=form == "external")
+    return paths
+
+
+def fingerprints(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
+    """The resume fingerprints of the runs to come, in order (recorded as the runs compute them)."""
+    seen: list[dict[str, Any]] = []
+    compute = finetune.recon.run.run_fingerprint
+    monkeypatch.setattr(finetune.recon.run, "run_fingerprint", lambda *args: seen.append(compute(*args)) or seen[-1])
+    return seen
+
+
+def assert_pair_and_equal(paths: dict[str, Path], name: str) -> None:
+    """The external run's output is the model plus one data file, the in-proto one's only where its size needs it,
+    both with the same graph and tensor bytes, and onnxruntime gives equal outputs on both."""
+    inline, external = (paths[form].with_name(name) for form in ("inline", "external"))
+    assert has_external_data(external) and len(data_files(external)) == 1
+    assert has_external_data(inline) == (model_bytes(load_model(inline)) >= LOWERED)
+    assert_same(load_model(external), load_model(inline))
+    x = feeds(1)[0]
+    np.testing.assert_array_equal(*(inference_session(path).run(None, x)[0] for path in (inline, external)))
+
+
+@pytest.mark.parametrize("algorithm", SETTINGS)
+def test_finetune_model_through_external_data_gives_the_in_proto_bytes(tmp_path: Path, lowered: None,
+                                                                        monkeypatch: pytest.MonkeyPatch, algorithm: str) -> None:
+    paths = pair(tmp_path, quantize_model(stack(), "INT4_BLOCK32", None).model)
+    inputs = snapshot(paths["external"].parent)
+    seen = fingerprints(monkeypatch)
+    for form, path in paths.items():
+        high_water = high_water_kib()
+        _, report = finetune_model(path, feeds(), SETTINGS[algorithm], output_dir=path.parent, name="run",
+                                   model_path=path.with_name("tuned.onnx"))
+        assert high_water <= report["peak_rss_kib"] <= high_water_kib()
+        assert json.loads((path.parent / "run.json").read_text())["peak_rss_kib"] == report["peak_rss_kib"]
+    assert snapshot(paths["external"].parent) | inputs == snapshot(paths["external"].parent)  # inputs untouched
+    assert_pair_and_equal(paths, "tuned.onnx")
+    assert len(seen) == 2 and seen[0] == seen[1]
+    assert seen[0]["model"] == model_digest(load_model(paths["inline"])) != model_digest(stack())
+
+
+def test_cli_tune_and_quantize_finetune_keep_external_data(tmp_path: Path, lowered: None) -> None:
+    """`quantize --finetune gptq` and `tune --finetune adaquant` on its output, from each form."""
+    paths = pair(tmp_path, stack(opset=17))
+    for path in paths.values():
+        folder = path.parent / "data"
+        folder.mkdir()
+        for index, feed in enumerate(feeds()):
+            np.save(folder / f"{index}.npy", feed["x"])
+        quantize = ["quantize", path, "--config", "INT4_BLOCK32", "--finetune", "gptq", "--data", folder, "--batch-size", "4",
+                    "-o", path.with_name("q.onnx")]
+        assert main([str(a) for a in quantize]) == 0
+        tune = ["tune", path.with_name("q.onnx"), "--data", folder, "--finetune", "adaquant", "--iterations", "5",
+                "--batch-size", "4", "-o", path.with_name("t.onnx")]
+        assert main([str(a) for a in tune]) == 0
+        assert json.loads(path.with_name("t.onnx.finetune.json").read_text())["peak_rss_kib"] > 0
+    for name in ("q.onnx", "t.onnx"):
+        assert_pair_and_equal(paths, name)
+
+
+def test_the_digest_reads_one_tensor_at_a_time_and_names_the_model(tmp_path: Path, lowered: None) -> None:
+    """Equal models give equal digests whether read from one proto or a data file; a changed weight
+    changes it."""
+    paths = pair(tmp_path, stack())
+    digests = {form: model_digest(load_model(path)) for form, path in paths.items()}
+    assert digests["inline"] == digests["external"] == model_digest(stack())
+    assert model_digest(stack(seed=1)) != digests["inline"]

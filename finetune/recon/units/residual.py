@@ -8,6 +8,7 @@ layer, as a mask or a position table is, or a model input such as a past key) is
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from torch import fx
@@ -104,25 +105,23 @@ def _float_value(module: LiftedModule, node: fx.Node) -> fx.Node:
 
 def _ancestors(node: fx.Node) -> set[fx.Node]:
     """Every node `node` is computed from."""
-    seen: set[fx.Node] = set()
-    stack = list(node.all_input_nodes)
-    while stack:
-        current = stack.pop()
-        if current not in seen:
-            seen.add(current)
-            stack.extend(current.all_input_nodes)
-    return seen
+    return _reached(node.all_input_nodes, lambda current: current.all_input_nodes)
 
 
 def _descendants(nodes: set[fx.Node]) -> set[fx.Node]:
     """Every node computed from any of `nodes`, those included."""
+    return _reached(nodes, lambda current: current.users)
+
+
+def _reached(start: Iterable[fx.Node], step: Callable[[fx.Node], Iterable[fx.Node]]) -> set[fx.Node]:
+    """The nodes `start` holds and every node reached from them by `step`."""
     seen: set[fx.Node] = set()
-    stack = list(nodes)
+    stack = list(start)
     while stack:
         current = stack.pop()
         if current not in seen:
             seen.add(current)
-            stack.extend(current.users)
+            stack.extend(step(current))
     return seen
 
 

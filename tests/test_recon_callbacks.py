@@ -228,7 +228,7 @@ def test_a_run_whose_model_cannot_be_written_keeps_its_checkpoint_and_writes_no_
     config = FastFinetune(algorithm="adaquant", iterations=4, seed=5)
     output = tmp_path / "tuned.onnx"
 
-    def full_disk(*_: Any) -> None:
+    def full_disk(*_: Any, **__: Any) -> None:
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr("finetune.recon.api.save_model_atomic", full_disk)

@@ -218,8 +218,9 @@ def _pays(key: Key, elements: int) -> bool:
     PAYBACK_ELEMENT_CALLS, or its WARM_SHARE where inductor's cache holds the kernel."""
     if _use is None or _use.calls_ahead is None:
         return True
-    needed = PAYBACK_ELEMENT_CALLS * (WARM_SHARE if kernels.digest(key) in kernels.warm_kernels() else 1)
-    if torch.is_grad_enabled() and elements * _use.calls_ahead >= needed:
+    element_calls = elements * _use.calls_ahead
+    if torch.is_grad_enabled() and (element_calls >= PAYBACK_ELEMENT_CALLS or (
+            element_calls >= PAYBACK_ELEMENT_CALLS * WARM_SHARE and kernels.digest(key) in kernels.warm_kernels())):
         return True
     _use.not_worth.add(key)
     return False

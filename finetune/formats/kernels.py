@@ -162,8 +162,10 @@ def _own_code(fn: types.FunctionType, name: str) -> types.FunctionType:
                               fn.__defaults__, fn.__closure__)
 
 
+@functools.cache
 def digest(key: Key) -> str:
-    """A kernel's name in WARM_INDEX: its key under this torch version."""
+    """A kernel's name in WARM_INDEX: its key under this torch version (made once per key: a shape
+    left eager asks again at every call)."""
     return hashlib.sha256(f"{torch.__version__} {key!r}".encode()).hexdigest()[:20]
 
 

@@ -95,8 +95,7 @@ def model_digest(model: onnx.ModelProto) -> str:
     Equal models give equal digests, whether or not their tensors came from external data."""
     digest = hashlib.sha256(copy_without_initializers(model).SerializeToString())
     for tensor in model.graph.initializer:
-        metadata = onnx.TensorProto()
-        _copy_fields(tensor, metadata, skip="raw_data")
+        metadata = _tensor_metadata(tensor)
         metadata.ClearField("data_location")  # onnx.load sets it on tensors read from a data file
         digest.update(metadata.SerializeToString())
         digest.update(tensor.raw_data)

@@ -169,6 +169,10 @@ QUARK_NOTES: dict[str, str] = {
     "FastFinetune": "`fast_finetune` (with include_fast_ft); BatchSize defaults to Quark's 1",
     "UseGPTQ": "GPTQ on the weights of MatMul nodes, activations float, as in Quark: `fast_finetune: {algorithm: gptq, op_types: [MatMul]}`, or `gptq_init: true` with include_fast_ft",
     "GPTQParams": "GPTQ's settings (with UseGPTQ; without it no effect, at WARNING); next table",
+    "UseMatMulNBits": "weight-only 4-bit groups on MatMul weights written as MatMulNBits: `weight: {dtype: int4 or uint4, "
+                      "granularity: block, block_size: GroupSize}`, `op_types: [MatMul]`, `weight_storage: matmul_nbits`, "
+                      "activations float (activation_type and weight_type then have no effect, at WARNING, as in Quark)",
+    "MatMulNBitsParams": "the MatMulNBits settings (with UseMatMulNBits; without it no effect, at WARNING); table below",
     "GroupSize": "Quark's integer groups have no equivalent for its weight types: only -1 (none) is accepted",
     "SmoothAlpha": "`smooth_quant.alpha` (with include_sq; default 0.5, as Quark's)",
     "OpTypesToQuantize": "`op_types`, as op_types_to_quantize",
@@ -206,4 +210,14 @@ QUARK_NOTES: dict[str, str] = {
     "symmetric": "`symmetric`",
     "ForceQuantizeNoInputCheck": "we quantize the inputs of every selected op, which true asks for; false has no equivalent",
     "NumBatches": "one batch per step, as Quark's default",
+}
+
+# extra_options.MatMulNBitsParams keys -> what each becomes (finetune/config/quark_nbits.py checks the values)
+QUARK_NBITS_NOTES = {
+    "GroupSize": "`weight.block_size` along each MatMul weight's reduction axis; a power of two of at least 16 (default 128)",
+    "Symmetric": "true (default): int4 with MatMulNBits' default zero point 8; false: uint4 with a zero point per group",
+    "Bits": "4 only (default): finetune packs 4-bit MatMulNBits",
+    "AccuracyLevel": "0 (default) or 1: float32 accumulation, which finetune's nodes ask for; 2-4 are refused",
+    "Algorithm": "DEFAULT (round to nearest, min/max scales) or GPTQ (`fast_finetune: {algorithm: gptq}` with "
+                 "GPTQParams); HQQ is refused",
 }

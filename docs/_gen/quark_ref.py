@@ -8,8 +8,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from descriptions import QUARK_NOTES
+from descriptions import QUARK_NBITS_NOTES, QUARK_NOTES
 
+from finetune.config import quark_nbits
 from finetune.config import quark_options as q
 
 # (heading, mapped, no effect, accepted only at some values); FastFinetune's and GPTQParams' mapped keys say their own target.
@@ -18,6 +19,7 @@ LEVELS: tuple[tuple[str, tuple[str, ...], tuple[str, ...], Mapping[str, tuple[An
     ("`extra_options`", q.EXTRA_MAPPED, q.EXTRA_NO_EFFECT, q.EXTRA_ACCEPTED_ONLY),
     ("`extra_options.FastFinetune`", q.FAST_FT_MAPPED, q.FAST_FT_NO_EFFECT, q.FAST_FT_ACCEPTED_ONLY),
     ("`extra_options.GPTQParams`", (*q.GPTQ_KEYS, *q.GPTQ_GRID), (), q.GPTQ_ACCEPTED_ONLY),
+    ("`extra_options.MatMulNBitsParams`", tuple(quark_nbits.DEFAULTS), (), {}),
     ("`extra_options.AutoMixprecision`", q.AUTO_MP_MAPPED, q.AUTO_MP_NO_EFFECT, q.AUTO_MP_ACCEPTED_ONLY),
     ("`extra_options.TensorQuantOverrides` entries", q.TENSOR_OVERRIDE_KEYS, (), q.TENSOR_OVERRIDE_ACCEPTED_ONLY),
 )
@@ -40,6 +42,8 @@ def _accepted(values: tuple[Any, ...]) -> str:
 def _mapped_note(heading: str, option: str) -> str:
     if "FastFinetune" in heading and option in q.FAST_FT_KEYS:
         return f"`fast_finetune.{q.FAST_FT_KEYS[option]}`" + (f"; {QUARK_NOTES[option]}" if option in QUARK_NOTES else "")
+    if "MatMulNBitsParams" in heading:
+        return QUARK_NBITS_NOTES[option]
     if "GPTQParams" in heading and option in q.GPTQ_KEYS:
         return f"`fast_finetune.gptq.{q.GPTQ_KEYS[option]}`"
     if "GPTQParams" in heading:

@@ -13,7 +13,7 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
-from . import quark_automp, quark_finetune
+from . import quark_automp, quark_finetune, quark_nbits
 from .formats import ALL, AUTO, DEFAULT_OP_TYPES, family_keys
 from .quark_options import (
     CALIBRATE_METHODS,
@@ -119,9 +119,13 @@ class _Translation:
     def mapping(self) -> dict[str, Any]:
         """The finetune config mapping (validated afterwards by from_mapping); calibration options
         no translated format reads have no effect, as in Quark, and are named at WARNING."""
-        activation = self.attempt(self.choice, None, self.activation_type, "activation", "activation", "activation_type")
-        weight = self.attempt(self.choice, None, self.weight_type, "weight", "weight", "weight_type")
-        gptq = self.attempt(quark_finetune.uses_gptq, False, self)
+        nbits = self.attempt(quark_nbits.params, None, self)
+        if nbits is not None:
+            activation, weight = None, quark_nbits.weight(nbits, self)
+        else:
+            activation = self.attempt(self.choice, None, self.activation_type, "activation", "activation", "activation_type")
+            weight = self.attempt(self.choice, None, self.weight_type, "weight", "weight", "weight_type")
+        gptq = (nbits or {}).get("Algorithm") == "GPTQ" or self.attempt(quark_finetune.uses_gptq, False, self)
         if gptq and activation is not None:
             log.warning("extra_options.UseGPTQ: activations stay float, as in Quark (its GPTQ quantizes weights only)")
         if self.attempt(self.flag, False, "WeightsOnly", False) or gptq:
@@ -134,7 +138,7 @@ class _Translation:
             "activation": activation,
             "weight": weight,
             "bias": self.attempt(self.bias, "auto", weight),
-            "op_types": self.attempt(self.op_types, DEFAULT_OP_TYPES),
+            "op_types": self.attempt(self.op_types, DEFAULT_OP_TYPES) if nbits is None else ["MatMul"],
             "op_type_overrides": auto_mp[0],
             "auto_mixed_precision": auto_mp[1],
             "tensor_overrides": {
@@ -148,7 +152,7 @@ class _Translation:
             "fold_batch_norm": self.attempt(self.fold_batch_norm, True),
             "cross_layer_equalization": self.attempt(self.cross_layer_equalization, False),
             "smooth_quant": self.attempt(self.smooth_quant, None),
-            "weight_storage": self.attempt(self.weight_storage, "float"),
+            "weight_storage": self.attempt(self.weight_storage, "float") if nbits is None else "matmul_nbits",
             "bf16_as_cast": self.attempt(self.flag, False, "BF16QDQToCast", False),
             "npu_cnn": self.attempt(self.npu_cnn, False),
             "fast_finetune": self.attempt(quark_finetune.translate, None, self, weight, gptq),

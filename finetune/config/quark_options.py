@@ -90,7 +90,7 @@ EXTRA_MAPPED = (
     "Int32Bias", "QuantizeBias", "BFPAttributes", "MXAttributes", "RefineBlockAxis", "MixedPrecisionTensor",
     "TensorQuantOverrides", "AutoMixprecision", "EnableDualQuantNodePairs", "FastFinetune", "SmoothAlpha", "OpTypesToQuantize",
     "ExtraOpTypesToQuantize", "QuantizeAllOpTypes", "WeightsOnly", "AddQDQPairToWeight", "BF16QDQToCast", "UseGPTQ",
-    "GPTQParams", "BiasCorrection", "FoldBatchNorm",
+    "GPTQParams", "BiasCorrection", "FoldBatchNorm", "UseMatMulNBits", "MatMulNBitsParams",
     *NPU_ALIGN_OPTIONS,
 )
 EXTRA_NO_EFFECT = (
@@ -99,7 +99,7 @@ EXTRA_NO_EFFECT = (
     "FillAllValueInfo", "RemoveInputInit", "UseQDQVitisCustomOps", "SkipPreprocess", "CopyBiasInit", "UseFP32Scale",
     "CalibMovingAverageConstant", "OpTypesToExcludeOutputQuantization", "NodesToExcludeOutputQuantization",
     "RMatrixDim", "UseRandomHad",
-    "RConfigPath", "MatMulNBitsParams", "LWPMetric", "ActivationBitWidth", "PercentileCandidates",
+    "RConfigPath", "LWPMetric", "ActivationBitWidth", "PercentileCandidates",
 )
 # include_cle runs finetune's own equalisation (finetune.onnx.equalize), which has no knobs: its
 # options are accepted at the values that describe it, and FINETUNE_DOES says what it does.
@@ -143,7 +143,7 @@ EXTRA_ACCEPTED_ONLY: dict[str, tuple[Any, ...]] = {
             "AdjustShiftWrite", "AdjustHardSigmoid", "AdjustShiftSwish", "AlignTranspose", "AlignReshape",
             "ReplaceClip6Relu", "RemoveQDQConvClip", "RemoveQDQConvRelu", "RemoveQDQConvLeakyRelu",
             "RemoveQDQConvPRelu", "RemoveQDQConvGelu", "RemoveQDQMulAdd", "RemoveQDQInstanceNorm", "RemoveFusedQDQ", "BF16WithClip",
-            "FoldRelu", "AlignEltwiseQuantType", "EnableVaimlBF16", "UseMatMulNBits",
+            "FoldRelu", "AlignEltwiseQuantType", "EnableVaimlBF16",
             "ConvertFP16ToFP32", "ConvertNCHWToNHWC", "CryptoMode",
         ),
         _OFF,

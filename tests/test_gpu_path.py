@@ -86,17 +86,18 @@ def digits(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 def unit_works(path: Path, preset: str, config: FastFinetune, feeds: list[dict[str, np.ndarray]],
-               cache: ActivationCache) -> Iterator[tuple[UnitWork, list[Any]]]:
+               cache: ActivationCache, stand: Stand | None = None) -> Iterator[tuple[UnitWork, list[Any]]]:
     """Each unit of the quantized model in turn, with the run's methods (which prepared the units): its
-    data measured on the CPU as a run caches it, its module a copy of the lifted model on the meta device
-    (yielded while the streams still hold the unit's values)."""
+    data measured on the CPU as a run caches it, its module a copy of the lifted model on the stand's
+    device, the meta device unless told (yielded while the streams still hold the unit's values)."""
+    stand = stand or Stand(META)
     quantized = quantize_model(path, preset, feeds).model
-    module, meta = lift_model(quantized), lift_model(quantized).to(META)
+    module, placed = lift_model(quantized), lift_model(quantized).to(stand.device)
     units = find_units(module, config.op_types, False, config.unit)
     methods = run_methods(config)
     for method in methods:
         units = method.prepare(module, units, Warnings())
-    cpu, inputs, plan, meta_plan = Stand(torch.device("cpu")), cache_inputs(feeds, ["x"], cache), cut(module, units), cut(meta, units)
+    cpu, inputs, plan, placed_plan = Stand(torch.device("cpu")), cache_inputs(feeds, ["x"], cache), cut(module, units), cut(placed, units)
     floats = FloatStream(module, units, inputs, cache, cpu.device, quantizers_off=True)
     stream = QuantizedStream(plan, ["x"], inputs, cache, cpu.device)
 
@@ -105,17 +106,20 @@ def unit_works(path: Path, preset: str, config: FastFinetune, feeds: list[dict[s
 
     for k, unit in enumerate(units):
         float_inputs, targets = floats.advance(k)
-        data = unit_data(meta_plan.train[k], unit.input_axis, unit.output_axes, stream.before(k, unit), float_inputs,
+        data = unit_data(placed_plan.train[k], unit.input_axis, unit.output_axes, stream.before(k, unit), float_inputs,
                          targets, list(zip(unit.side_inputs, stream.side_inputs(unit))), cpu)
-        yield UnitWork(k, unit, units, meta, data, Stand(META), frozenset(), frozenset(), Warnings(), {}, unread,
+        yield UnitWork(k, unit, units, placed, data, stand, frozenset(), frozenset(), Warnings(), {}, unread,
                        Loss(1.0, None, 1.0), True), methods
         stream.after(k)
 
 
-def meta_steps(work: UnitWork, methods: list[Any], config: FastFinetune, steps: int) -> None:
-    """`steps` of the unit's optimisation on the meta device, its methods' parts installed (their exits,
-    which write what was learned once per unit, are not steps: the throwaway module keeps them)."""
-    optimisation = Optimisation(work, methods, Draw.of(config), 2**32, None)
+def meta_steps(work: UnitWork, methods: list[Any], config: FastFinetune, steps: int,
+               device_budget: int = 2**32) -> torch.optim.Optimizer:
+    """`steps` of the unit's optimisation on its device (the meta device unless told), its rows staged
+    there within `device_budget` bytes, its methods' parts installed (their exits, which write what was
+    learned once per unit, are not steps: the throwaway module keeps them); returns the Adam that
+    stepped, as a GPU run takes it."""
+    optimisation = Optimisation(work, methods, Draw.of(config), device_budget, None)
     batches = optimisation._batches()
     parts = [part for method in methods if (part := method.part(work, batches, steps)) is not None]
     optimizer = torch.optim.Adam([group for part in parts for group in part.groups], lr=1e-3)
@@ -123,6 +127,7 @@ def meta_steps(work: UnitWork, methods: list[Any], config: FastFinetune, steps: 
     for part in parts:
         installed.enter_context(part)
     assert optimisation._steps(work.data.train, optimizer, batches, parts, steps, None) == steps
+    return optimizer
 
 
 @pytest.mark.parametrize("case", list(CASES))

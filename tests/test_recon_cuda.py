@@ -50,7 +50,7 @@ def test_a_gpu_run_repeats_to_the_byte_and_agrees_with_a_cpu_run(digits: dict[st
     first, report = _tune(digits, preset, "cuda:0")
     again, _ = _tune(digits, preset, "cuda:0")
     on_cpu, cpu_report = _tune(digits, preset, "cpu")
-    assert report["device"] == "cuda:0" and first.SerializeToString() == again.SerializeToString()
+    assert report["device"] == ("hip:0" if torch.version.hip is not None else "cuda:0") and first.SerializeToString() == again.SerializeToString()
     assert [u["name"] for u in report["units"]] == [u["name"] for u in cpu_report["units"]]
     assert report["units"][0]["loss_before"] == pytest.approx(cpu_report["units"][0]["loss_before"], rel=1e-2)
     for gpu_unit, cpu_unit in zip(report["units"], cpu_report["units"]):

@@ -16,9 +16,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from finetune.lift import LiftedModule
 from finetune.lift.graph import Segment
 
+from .device import accelerator_kind
 from .units import Plan, Unit
 
 logger = logging.getLogger(__name__)
+
+# The GPU platform a build of torch drives, as users know it (a ROCm build's HIP kernels come from the same
+# sources as CUDA's, with the same deterministic ones).
+PLATFORMS = {"cuda": "CUDA", "hip": "ROCm"}
 
 # aten ops (by schema name) that torch.use_deterministic_algorithms(True) refuses on CUDA, as torch's
 # documentation lists them, with the module or function users know them as.
@@ -93,20 +98,21 @@ def _step_ops(train: torch.nn.Module, inputs: list[Any]) -> set[str]:
 
 
 def refuse_nondeterministic(found: dict[str, list[str]], device: torch.device, mode: bool | str, warn: Any) -> None:
-    """On CUDA with deterministic algorithms, a one-line error naming the first unit's ops and the switch
+    """On a GPU with deterministic algorithms, a one-line error naming the first unit's ops and the switch
     (`warn` mode: a warning per unit, through `warn(unit, reason)`); elsewhere an INFO line."""
     if not found:
         return
+    platform = PLATFORMS[accelerator_kind()]
     if device.type != "cuda":
-        logger.info("on CUDA with deterministic: true this run would stop: %s",
+        logger.info("on %s with deterministic: true this run would stop: %s", platform,
                     "; ".join(f"{unit}: {', '.join(ops)}" for unit, ops in found.items()))
         return
     if mode == "warn":
         for unit, ops in found.items():
-            warn(unit, f"{', '.join(ops)} has no deterministic CUDA kernel: it runs anyway (deterministic: warn), so runs "
-                       "may differ")
+            warn(unit, f"{', '.join(ops)} has no deterministic {platform} kernel: it runs anyway (deterministic: warn), so "
+                       "runs may differ")
         return
     unit, ops = next(iter(found.items()))
-    raise ValueError(f"unit {unit} runs {', '.join(ops)}, which has no deterministic CUDA kernel ({len(found)} unit(s) in "
-                     "all): set fast_finetune.deterministic: warn to run it anyway (results may then differ from run to "
+    raise ValueError(f"unit {unit} runs {', '.join(ops)}, which has no deterministic {platform} kernel ({len(found)} unit(s) "
+                     "in all): set fast_finetune.deterministic: warn to run it anyway (results may then differ from run to "
                      "run), or tune on the CPU")

@@ -38,9 +38,39 @@ def resolve_device(name: str) -> torch.device:
 
 def available_devices() -> list[str]:
     """The devices this machine offers, as config strings."""
-    kind = "hip" if torch.version.hip is not None else "cuda"
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    return ["cpu", *(f"{kind}:{i}" for i in range(count))]
+    return ["cpu", *(device_name(torch.device("cuda", i)) for i in range(count))]
+
+
+def accelerator_kind() -> str:
+    """The config's name for this build's accelerators: hip on ROCm builds of torch, else cuda."""
+    return "hip" if torch.version.hip is not None else "cuda"
+
+
+def device_name(device: torch.device) -> str:
+    """A device as a config string names it, for reports and messages: torch calls a ROCm build's GPUs
+    cuda:N, this library's configs and messages hip:N."""
+    if device.type != "cuda":
+        return str(device)
+    return f"{accelerator_kind()}:{device.index or 0}"
+
+
+# The BLAS workspace size deterministic runs ask for (torch's deterministic check on CUDA requires it or
+# ":16:8"), and by build the variable a run sets and every variable torch reads it from (first found wins):
+# a ROCm build reads CUBLAS_WORKSPACE_CONFIG before its own two, so setting that one there would hide a
+# user's HIPBLAS_WORKSPACE_CONFIG.
+DETERMINISTIC_WORKSPACE = ":4096:8"
+WORKSPACE_VARIABLES = {"cuda": ("CUBLAS_WORKSPACE_CONFIG", ("CUBLAS_WORKSPACE_CONFIG",)),
+                       "hip": ("HIPBLAS_WORKSPACE_CONFIG",
+                               ("CUBLAS_WORKSPACE_CONFIG", "HIPBLAS_WORKSPACE_CONFIG", "ROCBLAS_WORKSPACE_CONFIG"))}
+
+
+def set_blas_workspace() -> None:
+    """The deterministic BLAS workspace through the build's own variable (HIPBLAS_WORKSPACE_CONFIG on
+    ROCm), unless the user set a variable the build reads it from."""
+    own, read = WORKSPACE_VARIABLES[accelerator_kind()]
+    if not any(name in os.environ for name in read):
+        os.environ[own] = DETERMINISTIC_WORKSPACE
 
 
 # glibc's mallopt parameters, and the values a CPU run sets: blocks up to 32 MiB (glibc's largest
@@ -143,13 +173,13 @@ def float32_precision(allow_tf32: bool) -> Iterator[None]:
 @contextlib.contextmanager
 def deterministic(seed: int, mode: bool | str, allow_tf32: bool, device: torch.device) -> Iterator[None]:
     """Seeded, deterministic algorithms (warn_only with mode `warn`) and TF32 as `allow_tf32` says
-    inside the block, the global settings restored after. cuBLAS reads its workspace setting when it
-    starts, so it is set before any CUDA work. An op without a deterministic kernel becomes a one-line
+    inside the block, the global settings restored after. cuBLAS and hipBLAS read their workspace
+    setting when they start, so it is set before any GPU work. An op without a deterministic kernel becomes a one-line
     error naming it and the switch, not a traceback from inside backward. Torch's NaN filling of every
     new uninitialised tensor, which deterministic mode turns on, stays off: no kernel here reads memory
     it did not write (tuned bytes are equal either way), so the filling only costs a pass over each."""
     if device.type == "cuda":
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        set_blas_workspace()
     previous = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
                 torch.utils.deterministic.fill_uninitialized_memory)
     seed_everything(seed, verbose=False)
@@ -162,7 +192,7 @@ def deterministic(seed: int, mode: bool | str, allow_tf32: bool, device: torch.d
         op, found, _ = str(error).partition(" does not have a deterministic implementation")
         if not found:
             raise
-        raise ValueError(f"{op.strip()} has no deterministic kernel on {device}: set fast_finetune.deterministic: warn to run "
+        raise ValueError(f"{op.strip()} has no deterministic kernel on {device_name(device)}: set fast_finetune.deterministic: warn to run "
                          "it anyway (results may then differ from run to run), or tune on another device") from error
     finally:
         torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])

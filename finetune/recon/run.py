@@ -30,7 +30,7 @@ from .data.reference import SELF_REFERENCE, choose_reference, float_starts
 from .data.shards import sum_across
 from .data.smoothing import carry_smoothing
 from .data.streams import FloatStream, QuantizedStream, cache_inputs
-from .device import deterministic, host_memory_kept
+from .device import deterministic, device_name, host_memory_kept
 from .methods import Method, run_methods
 from .results import UnitResult
 from .threads import ThreadPolicy, thread_policy
@@ -204,7 +204,7 @@ def _report(config: FastFinetune, device: torch.device, self_reference: bool, tu
     return {
         "algorithm": config.algorithm,
         "config": to_dict(config),
-        "device": str(device),
+        "device": device_name(device),
         "float_reference": SELF_REFERENCE if self_reference else "float model",
         "samples": timing["samples"],
         "units": [dataclasses.asdict(r) for r in results],

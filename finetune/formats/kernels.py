@@ -166,9 +166,9 @@ def _own_code(fn: types.FunctionType, name: str) -> types.FunctionType:
 
 @functools.cache
 def digest(key: Key) -> str:
-    """A kernel's name in WARM_INDEX: its key under this torch version (made once per key: a shape
-    left eager asks again at every call)."""
-    return hashlib.sha256(f"{torch.__version__} {key!r}".encode()).hexdigest()[:20]
+    """A kernel's name in WARM_INDEX: its key under this torch version and INDUCTOR_OPTIONS, which
+    inductor's cache keys hold too (made once per key: a shape left eager asks again at every call)."""
+    return hashlib.sha256(f"{torch.__version__} {sorted(INDUCTOR_OPTIONS.items())} {key!r}".encode()).hexdigest()[:20]
 
 
 @functools.cache

@@ -44,6 +44,7 @@ class Target:
 SM_90 = Target("sm_90", "cuda", 90, 32, 132)  # H100
 GFX942 = Target("gfx942", "hip", "gfx942", 64, 304)  # MI300X
 TARGETS = (SM_90, GFX942)
+HIP_VERSION = "7.0"  # what torch.version.hip reads while code is made for a ROCm target
 
 # Triton's names of the narrow float types the formats round through.
 TRITON_TYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float8_e4m3fn: "float8e4nv",
@@ -104,15 +105,16 @@ def compiled_binaries(name: str, source: str, target: Target) -> list[Any]:
         stack.enter_context(triton_helpers.skip_gpu_driver_setup())
         stack.enter_context(torch._inductor.config.patch(use_static_cuda_launcher=False))
         if target.backend == "hip":
-            stack.enter_context(mock.patch("torch.version.hip", "7.0"))
+            stack.enter_context(mock.patch("torch.version.hip", HIP_VERSION))
         autotuner = getattr(PyCodeCache.load(source), name)
         autotuner.precompile(warm_cache_only=True)
         return [result.kernel for result in autotuner.compile_results]
 
 
-def code_problems(graph: GraphCode, target: Target, deterministic: bool = True) -> list[str]:
+def code_problems(graph: GraphCode, target: Target) -> list[str]:
     """What in one compiled function's generated and compiled code would break eager's bits or
-    determinism on `target` (empty: nothing); `deterministic`: generated under torch's deterministic mode."""
+    determinism on `target` (empty: nothing). A run compiles its kernels under torch's deterministic
+    mode (recon.device.deterministic), so the code must have been generated under it too."""
     problems = []
     sources = "\n".join(graph.kernels.values())
     for dtype in sorted(graph.narrow_types, key=str):
@@ -120,7 +122,7 @@ def code_problems(graph: GraphCode, target: Target, deterministic: bool = True) 
             problems.append(f"{graph.function}: the graph rounds through {dtype}, the Triton code does not")
     device_code = []
     for name, source in graph.kernels.items():
-        problems += [f"{name}: {problem}" for problem in _source_problems(source, deterministic)]
+        problems += [f"{name}: {problem}" for problem in _source_problems(source)]
         for binary in compiled_binaries(name, source, target):
             problems += [f"{name} ({target.name}): {problem}" for problem in _binary_problems(binary, target)]
             device_code.append(binary.asm.get("ptx", ""))
@@ -136,16 +138,16 @@ def _round_trip_kept(source: str, triton_type: str) -> bool:
     return any(re.search(rf"= {name}\.to\(tl\.float32\)", source) for name in narrowed)
 
 
-def _source_problems(source: str, deterministic: bool) -> list[str]:
+def _source_problems(source: str) -> list[str]:
     """The generated source's own flags: fused multiply-add off (emulate_precision_casts), no atomics,
-    deterministic mode recorded where the run set it."""
+    deterministic mode recorded (a run sets it)."""
     problems = []
     if "'enable_fp_fusion': False" not in source:
         problems.append("Triton may fuse a multiply and an add (enable_fp_fusion is not False)")
     if "tl.atomic" in source or "'atomic_add_found': False" not in source:
         problems.append("uses atomics, whose order (and so a float sum's bits) varies from run to run")
-    if deterministic and "'are_deterministic_algorithms_enabled': True" not in source:
-        problems.append("generated under deterministic algorithms, but the kernel does not record it")
+    if "'are_deterministic_algorithms_enabled': True" not in source:
+        problems.append("not generated under deterministic algorithms (the kernel does not record them)")
     return problems
 
 
@@ -200,7 +202,7 @@ def _stand_in(target: Target) -> Iterator[list[GraphCode]]:
         torch._inductor.config.patch(force_disable_caches=True),
     ]
     if target.backend == "hip":
-        patches.append(mock.patch("torch.version.hip", "7.0"))
+        patches.append(mock.patch("torch.version.hip", HIP_VERSION))
     with ExitStack() as stack:
         for patch in patches:
             stack.enter_context(patch)

@@ -195,7 +195,7 @@ _kernels: dict[Key, Kernel] = {}
 def _kernel(spec: FormatSpec, x: torch.Tensor, scale: torch.Tensor | None, zero_point: torch.Tensor | None) -> Kernel | None:
     """The compiled kernel for these inputs, made on first use; None where the run's calls would not
     pay for compiling it, and past MAX_KERNELS."""
-    key = Key(spec, _shape_key(spec, x), x.stride(), x.device, _shape(scale), _shape(zero_point))
+    key = kernel_key(spec, x, scale, zero_point)
     kernel = _kernels.get(key)
     if kernel is None:
         if not _pays(key, x.numel()):
@@ -209,6 +209,11 @@ def _kernel(spec: FormatSpec, x: torch.Tensor, scale: torch.Tensor | None, zero_
         _use.used.add(key)
         _use.not_worth.discard(key)
     return kernel
+
+
+def kernel_key(spec: FormatSpec, x: torch.Tensor, scale: torch.Tensor | None, zero_point: torch.Tensor | None) -> Key:
+    """The Key of the kernel that serves these inputs (also what tests generate GPU code for)."""
+    return Key(spec, _shape_key(spec, x), x.stride(), x.device, _shape(scale), _shape(zero_point))
 
 
 def _pays(key: Key, elements: int) -> bool:

@@ -24,8 +24,10 @@ from .packed import all_groups, group_size, pack_mask, unpack_mask
 
 # Inductor settings every kernel needs for eager's bits: a cast to a narrower float and back rounds
 # (by default inductor drops the pair, and with it the rounding of BF16, FP16, FP8 and the bfloat16
-# pre-rounding of BFP).
-INDUCTOR_OPTIONS = {"emulate_precision_casts": True}
+# pre-rounding of BFP; it also keeps Triton from fusing a multiply and an add), and on a GPU x / scale
+# divides with IEEE rounding (Triton's default is PTX's approximate div.full, up to 2 ulp off eager's).
+# tests/test_gpu_codegen.py checks both in the generated sm_90 and gfx942 code.
+INDUCTOR_OPTIONS = {"emulate_precision_casts": True, "eager_numerics.division_rounding": True}
 
 # Beside inductor's cache: the kernels (one digest a line) compiled there before, so a later run knows which
 # compiles are warm. Cleared with the cache, which it lives in.
@@ -164,9 +166,9 @@ def _own_code(fn: types.FunctionType, name: str) -> types.FunctionType:
 
 @functools.cache
 def digest(key: Key) -> str:
-    """A kernel's name in WARM_INDEX: its key under this torch version (made once per key: a shape
-    left eager asks again at every call)."""
-    return hashlib.sha256(f"{torch.__version__} {key!r}".encode()).hexdigest()[:20]
+    """A kernel's name in WARM_INDEX: its key under this torch version and INDUCTOR_OPTIONS, which
+    inductor's cache keys hold too (made once per key: a shape left eager asks again at every call)."""
+    return hashlib.sha256(f"{torch.__version__} {sorted(INDUCTOR_OPTIONS.items())} {key!r}".encode()).hexdigest()[:20]
 
 
 @functools.cache

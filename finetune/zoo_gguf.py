@@ -49,10 +49,10 @@ def gguf_reader(path: str | Path) -> Any:
 
 def metadata(reader: Any, key: str) -> Any:
     """One metadata value (a number, a string, or a list of either); a one-line error if absent."""
-    field = reader.get_field(key)
-    if field is None:
+    found = reader.get_field(key)
+    if found is None:
         raise KeyError(f"{reader.data.filename}: GGUF metadata {key!r} is missing: is this a llama-architecture model?")
-    return field.contents()
+    return found.contents()
 
 
 def gguf_decoder_shape(reader: Any) -> DecoderShape:

@@ -71,6 +71,23 @@ def test_unpermuting_undoes_the_gguf_converters_rotary_row_order() -> None:
         assert np.array_equal(unpermute_rotary(interleaved, heads), weight)
 
 
+def test_a_gguf_of_another_architecture_is_refused_naming_the_file(tmp_path: Path) -> None:
+    """A GGUF file of a GPT-2 model (written here by gguf's writer) is refused before any tensor is
+    read, in one line naming the file and the architecture."""
+    from gguf import GGUFWriter
+
+    path = tmp_path / "gpt2.gguf"
+    writer = GGUFWriter(path, arch="gpt2")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match=r"gpt2\.gguf: architecture 'gpt2'; only 'llama'"):
+        gguf_decoder(path, cache=False)
+
+
 @pytest.mark.parametrize("cache", [False, True], ids=["no-cache", "cache"])
 def test_the_truncated_model_lifts_to_onnxruntimes_logits_and_greedy_tokens(
         exports: dict, tokenizer: BPETokenizer, cache: bool) -> None:

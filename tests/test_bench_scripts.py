@@ -208,3 +208,20 @@ def test_bench_llm_int4_reports_perplexity_and_both_weight_forms_timed() -> None
     for optimized in ("unoptimized", "optimized"):
         assert set(report[f"seconds_per_pass_{optimized}"]) == {"float", "int4_g32_qdq", "int4_g32_matmul_nbits",
                                                                 "int4_g128_qdq", "int4_g128_matmul_nbits"}
+
+
+@pytest.mark.slow
+def test_bench_smollm2_judges_each_setting_against_float_and_checks_the_lifted_exports() -> None:
+    """SmolLM2's first two blocks (real weights, the whole vocabulary), 4 + 4 sequences of 16 tokens:
+    float is judged first, RTN INT4 gets a perplexity and an agreement with float below 1, each step
+    its peak RSS; the exports with and without a cache lift within the bound with equal greedy tokens."""
+    command = [sys.executable, str(SCRIPTS / "bench_smollm2.py"), "--blocks", "2", "--sequences", "4", "--length", "16",
+               "--settings", "int4_per_channel", "--lift"]
+    report = json.loads(subprocess.run(command, capture_output=True, text=True, check=True).stdout)
+    results = report["results"]
+    assert list(results) == ["prepare", "lift", "float", "int4_per_channel"] and report["blocks"] == 2
+    assert results["float"]["perplexity"] > 1 and 0 < results["int4_per_channel"]["next_token_agreement"] < 1
+    assert results["int4_per_channel"]["perplexity"] != results["float"]["perplexity"]
+    assert all(step["peak_rss_mib"] > 0 for step in results.values())
+    for cache in ("no_cache", "cache"):
+        assert results["lift"][cache]["outputs_within_bound"] and results["lift"][cache]["greedy_equal"]

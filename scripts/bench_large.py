@@ -1,6 +1,6 @@
 """Peak memory of a model over 2 GB (JSON on stdout, progress on stderr): a stack of seeded-weight
 MatMul layers (fp32, external data) is loaded, quantized to INT4 weight-only in groups of 128 along
-the reduction axis (codes stored: INT4_BLOCK32 with block_size 128, weight_storage compact) and
+the reduction axis (codes stored: INT4_BLOCK32 with block_size 128, weight_storage compact, or float with --storage float) and
 written by the pipeline; then the output is loaded and run in onnxruntime beside the float model.
 With `--finetune gptq` (or adaquant) the quantizing step tunes too, on a few seeded calibration
 batches (one thread; AdaQuant with `--cache-budget` bytes of activations in memory, the rest spilled).
@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-CONFIG = {"preset": "INT4_BLOCK32", "weight": {"block_size": 128}, "weight_storage": "compact"}
+CONFIG = {"preset": "INT4_BLOCK32", "weight": {"block_size": 128}}  # weight_storage: --storage
 SEED = 0
 
 
@@ -58,7 +58,7 @@ def quantize(path: Path, output: Path, args: argparse.Namespace) -> dict[str, An
     `finetune quantize [--finetune ...]` does."""
     from finetune.pipeline import quantize_and_finetune
 
-    config, data = CONFIG, None
+    config, data = {**CONFIG, "weight_storage": args.storage}, None
     if args.finetune:
         config = {**CONFIG, "fast_finetune": tuning(args)}
         rng = np.random.default_rng(SEED + 2)
@@ -103,6 +103,7 @@ def step(name: str, args: argparse.Namespace, folder: Path) -> dict[str, Any]:
     command = [sys.executable, __file__, "--step", name, "--folder", str(folder), "--gigabytes", str(args.gigabytes),
                "--width", str(args.width), "--threshold", str(args.threshold), "--batches", str(args.batches),
                "--batch", str(args.batch), "--iterations", str(args.iterations), "--cache-budget", str(args.cache_budget),
+               "--storage", args.storage,
                *(["--finetune", args.finetune] if args.finetune else [])]
     environment = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     print(f"bench_large: {name} ...", file=sys.stderr, flush=True)
@@ -136,6 +137,8 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=4096, help="each layer's input and output width")
     parser.add_argument("--threshold", type=int, default=2**31 - 1, help="EXTERNAL_DATA_THRESHOLD in bytes")
     parser.add_argument("--finetune", choices=["gptq", "adaquant"], help="tune after quantizing")
+    parser.add_argument("--storage", choices=["compact", "float"], default="compact",
+                        help="weight_storage: codes (compact) or float weights beside their quantizers")
     parser.add_argument("--batches", type=int, default=4, help="calibration batches for tuning")
     parser.add_argument("--batch", type=int, default=8, help="rows per calibration batch")
     parser.add_argument("--iterations", type=int, default=10, help="AdaQuant iterations per unit")

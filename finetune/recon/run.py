@@ -27,6 +27,7 @@ from .checkpoint import Checkpoint, run_fingerprint
 from .data.cache import ActivationCache
 from .data.heldout import hold_out
 from .data.reference import SELF_REFERENCE, choose_reference, float_starts
+from .data.sharing import SharedWeights
 from .data.shards import sum_across
 from .data.smoothing import carry_smoothing
 from .data.streams import FloatStream, QuantizedStream, cache_inputs
@@ -157,6 +158,7 @@ def _tune_units(run: _Run, job: Job, fabric: Fabric, cache: ActivationCache, sou
     starts = float_starts(module, reference, units) if reference is not module else {}
     placeholders = [n.name for n in module.graph.nodes if n.op == "placeholder"]
     floats = FloatStream(reference, units, inputs, cache, device, quantizers_off=reference is module)
+    sharing = SharedWeights(module, reference, units, floats.segments) if reference is not module else None
     stream = QuantizedStream(plan, placeholders, inputs, cache, device)
     tuner = Tuner(config, fabric, units, job.callbacks, held_out, run.methods)
     finished_weights = {}
@@ -170,18 +172,22 @@ def _tune_units(run: _Run, job: Job, fabric: Fabric, cache: ActivationCache, sou
                 threads.unit(k, unit)
             float_inputs, targets = floats.advance(k)
             unit_inputs = stream.before(k, unit)
+            if sharing is not None:
+                sharing.before_unit(k, unit)
             if k < tuner.resumed_units:
                 tuner.restore(k, module, finished_weights)
             else:
                 tuner.tune(k, module, plan.train[k], unit_inputs, float_inputs, targets, starts, stream.side_inputs(unit))
             for value in (float_inputs, *targets):
                 cache.release(value.name)
+            if sharing is not None:
+                sharing.after_unit(k, starts)
             stream.after(k)
     checked = guard.check(run.warnings) if guard is not None else None
     if guard is not None:
         guard.release(cache)
     return tuner, {"float_pass_seconds": floats.seconds, "quantized_stream_seconds": stream.seconds, "samples": samples,
-                   "held_out": checked}
+                   "held_out": checked, "weights_held_once": sharing.summary() if sharing is not None else None}
 
 
 def _check_before_any_work(run: _Run, job: Job, plan: Plan, sample: list[torch.Tensor], device: torch.device) -> None:
@@ -219,5 +225,6 @@ def _report(config: FastFinetune, device: torch.device, self_reference: bool, tu
         "cache": cache_stats,
         "processes": tuner.fabric.world_size,
         "held_out": timing["held_out"],
+        "weights_held_once": timing["weights_held_once"],
         "lr_search": dataclasses.asdict(tuner.rate_search) if tuner.rate_search else None,
     }

@@ -50,7 +50,7 @@ class ModelGuard:
     def __init__(self, module: LiftedModule, reference: LiftedModule, inputs: Sequence[CachedValue], chunks: frozenset[int],
                  weights: Sequence[str], fabric: Fabric, batches: int) -> None:
         self.module, self.inputs, self.chunks, self.fabric, self.batches = module, list(inputs), sorted(chunks), fabric, batches
-        self.untuned = {name: tuned_tensor(module, name).detach().clone() for name in weights}
+        self.untuned = {name: _Kept(inputs[0].cache, name, tuned_tensor(module, name)) for name in dict.fromkeys(weights)}
         for value in self.inputs:
             value.holders += 1  # read after the streams are done with them: see release
         with quantizers_disabled(reference) if reference is module else contextlib.nullcontext():
@@ -66,7 +66,7 @@ class ModelGuard:
         restored = after > self.before
         if restored:
             for name, value in self.untuned.items():
-                tuned_tensor(self.module, name).data.copy_(value)
+                tuned_tensor(self.module, name).data.copy_(value.tensor(self.fabric.device))
             warnings.add("held-out batches", f"tuning made the model's output error against the float model on the "
                          f"{self.batches} calibration batches held out of training worse ({self.before:.4g} -> {after:.4g}): "
                          "the untuned weights are written back (more calibration data, fewer iterations or a lower lr "
@@ -75,8 +75,8 @@ class ModelGuard:
                 "restored_untuned_weights": restored}
 
     def release(self, cache: ActivationCache) -> None:
-        """Let the cache free the model inputs the guard kept."""
-        for value in self.inputs:
+        """Let the cache free the model inputs and the untuned weights the guard kept."""
+        for value in [*self.inputs, *(kept.value for kept in self.untuned.values())]:
             cache.release(value.name)
 
     def _outputs(self, module: nn.Module, chunk: int) -> list[torch.Tensor]:
@@ -94,6 +94,21 @@ class ModelGuard:
                 sums[k] += torch.stack([(output.double() - target.double()).square().sum(), target.double().square().sum()])
         totals = np.array(sum_across(self.fabric, sums.reshape(-1).tolist())).reshape(-1, 2)
         return float(np.mean([error / power if power > 0 else error for error, power in totals])) if len(totals) else 0.0
+
+
+class _Kept:
+    """A copy of an untuned weight in the run's activation cache, as its bytes: in memory within the
+    cache's budget, spilled past it (a model's weights may be gigabytes, and the copy is read back
+    only where tuning made the model worse)."""
+
+    def __init__(self, cache: ActivationCache, name: str, tensor: torch.Tensor) -> None:
+        self.dtype, self.shape = tensor.dtype, tensor.shape
+        self.value = cache.value(f"untuned weight {name}")
+        self.value.append(tensor.detach().contiguous().reshape(-1).view(torch.uint8).clone())
+
+    def tensor(self, device: torch.device) -> torch.Tensor:
+        """The weight as it was, on `device`."""
+        return self.value.tensor(0, device).view(self.dtype).reshape(self.shape)
 
 
 def hold_out(module: LiftedModule, reference: LiftedModule, units: list[Unit], inputs: list[CachedValue],

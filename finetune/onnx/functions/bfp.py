@@ -40,6 +40,11 @@ class BFPBody(BlockBody[BFPSpec]):
         """y at level 0 of `view`, following FORMATS.md (`ordinary`: see BlockBody.quantize)."""
         return (self._prime if self.spec.bfp_method == "to_bfp_prime" else self._plain)(b, view, ordinary)
 
+    def finish_ordinary(self, b: Body, y: str) -> str:
+        """+ 0 for to_bfp; to_bfp_prime keeps -0 in both bodies (its general body's NaN Where
+        broadcasts, which keeps -0)."""
+        return y if self.spec.bfp_method == "to_bfp_prime" else super().finish_ordinary(b, y)
+
     def _plain(self, b: Body, view: BlockView, ordinary: bool) -> str:
         """to_bfp: one shared exponent over the block's finite elements; NaN/Inf pass through."""
         m = self.spec.mantissa_bits

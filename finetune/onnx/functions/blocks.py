@@ -192,9 +192,13 @@ class BlockBody(ABC, Generic[SpecT]):
     def quantize(self, b: Body, view: BlockView, ordinary: bool) -> str:
         """y at level 0 of `view`, following FORMATS.md; `ordinary` promises what needs_general_body
         checks (more than one element, all finite and below 2^64 in magnitude), so the rare-case
-        handling is left out. The ordinary to_bfp and MX bodies end in + 0, which turns -0 into +0
-        as the general body's last Where does (onnxruntime's Where of three same-shape tensors does;
-        broadcast ones keep -0, as to_bfp_prime's does)."""
+        handling is left out."""
+
+    def finish_ordinary(self, b: Body, y: str) -> str:
+        """The ordinary body's last step, on y in x's shape: + 0, which turns -0 into +0 as the
+        general body's last Where does (onnxruntime's Where of three same-shape tensors does), and
+        which writes the If's output itself rather than through a copy."""
+        return b.op("Add", y, b.const(0.0))
 
     def build(self, b: Body, x: str, ordinary: bool = False) -> str:
         """y for float32 x. The general body views the blocks along the axis; the ordinary one asks
@@ -205,8 +209,8 @@ class BlockBody(ABC, Generic[SpecT]):
             return view.undo(self.quantize(b, view, False))
         last, other = Body(b.opset, b.prefix + "l"), Body(b.opset, b.prefix + "a")
         last_view, other_view = LastAxisView(last, x, dims, self.inner), AxisView(other, x, dims, self.inner)
-        last_y = last_view.undo(self.quantize(last, last_view, True))
-        other_y = other_view.undo(self.quantize(other, other_view, True))
+        last_y = self.finish_ordinary(last, last_view.undo(self.quantize(last, last_view, True)))
+        other_y = self.finish_ordinary(other, other_view.undo(self.quantize(other, other_view, True)))
         return b.choose(b.op("Equal", dims.after, b.const([1], np.int64)),
                         last.branch(last_y, "last_axis"), other.branch(other_y, "other_axis"))
 
@@ -220,7 +224,7 @@ class BlockBody(ABC, Generic[SpecT]):
         magnitude = b.op("Abs", blocks)
         if ordinary:
             shared = exponent_power(b, view.reduce_max(magnitude, 0), bounded=True)
-            return b.op("Add", quantize(blocks, view.spread(scale_of(shared), 1)), b.const(0.0))
+            return quantize(blocks, view.spread(scale_of(shared), 1))
         finite = b.op("LessOrEqual", magnitude, b.const(FLT_MAX))
         shared = exponent_power(b, view.reduce_max(b.op("Where", finite, magnitude, b.const(0.0)), 0))
         return b.op("Where", finite, quantize(blocks, view.spread(scale_of(shared), 1)), blocks)

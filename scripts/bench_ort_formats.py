@@ -101,18 +101,20 @@ def profiled_op_seconds(model, feed: dict) -> dict[str, float]:
 
 
 def evaluate(models: dict, feed: dict, repeats: int) -> dict[str, dict]:
-    """Per model: the median seconds of `repeats` runs after a warm-up and the output digest. The
-    repeats go round the models in turn, so a change in the machine's load reaches every model
-    alike and their ratios stay comparable."""
-    sessions = {name: inference_session(model) for name, model in models.items()}
-    rows = {name: {"sha256": hashlib.sha256(session.run(None, feed)[0].tobytes()).hexdigest()[:16]}
-            for name, session in sessions.items()}
-    times: dict[str, list[float]] = {name: [] for name in sessions}
+    """Per model: the median seconds of `repeats` timed runs and the output digest. The repeats go
+    round the models in turn, so a change in the machine's load reaches every model alike and their
+    ratios stay comparable; each turn opens its model's session and warms it up first, so one
+    session's memory is held at a time (eleven at once exhausted 8 GB at batch 16)."""
+    rows: dict[str, dict] = {name: {} for name in models}
+    times: dict[str, list[float]] = {name: [] for name in models}
     for _ in range(repeats):
-        for name, session in sessions.items():
+        for name, model in models.items():
+            session = inference_session(model)
+            rows[name]["sha256"] = hashlib.sha256(session.run(None, feed)[0].tobytes()).hexdigest()[:16]
             start = time.perf_counter()
             session.run(None, feed)
             times[name].append(time.perf_counter() - start)
+            del session
     for name, row in rows.items():
         row["seconds"] = float(np.median(times[name]))
     return rows
@@ -138,9 +140,8 @@ def main() -> None:
             models[preset] = quantize_model(str(path), preset, calibration).model
     print("timing ...", file=sys.stderr, flush=True)
     rows = evaluate(models, feed, args.repeats)
-    for name in list(models):
-        model = models.pop(name)  # one model held at a time from here
-        if args.profile:
+    if args.profile:
+        for name, model in models.items():
             rows[name]["op_seconds"] = profiled_op_seconds(model, feed)
     for row in rows.values():
         row["vs_int8"] = round(row["seconds"] / rows[INT8]["seconds"], 2)

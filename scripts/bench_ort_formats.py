@@ -3,9 +3,10 @@
 shapes, no registry weights are installed) exported to ONNX, quantized with this library at INT8 QDQ
 (A8W8) and at every block-format preset, each evaluated in onnxruntime through
 `finetune.onnx.session.inference_session` (its exact default level) on the same batch, side by side
-in one run. Per format: the median seconds of the repeats, the ratio to INT8 and a SHA-256 of the
-output bits, so a run before and after a change of the function bodies shows whether the bits moved
-(`--compare earlier.json`). With --profile, onnxruntime's per-op-type totals for each format.
+in one run, the repeats going round the formats in turn. Per format: the median seconds of the
+repeats, the ratio to INT8 and a SHA-256 of the output bits, so a run before and after a change of
+the function bodies shows whether the bits moved (`--compare earlier.json`). With --profile,
+onnxruntime's per-op-type totals for each format.
 
     OMP_NUM_THREADS=1 python scripts/bench_ort_formats.py --batch 4 --repeats 3 > after.json
 """
@@ -89,24 +90,34 @@ def op_totals(session: ort.InferenceSession) -> dict[str, float]:
     return {op: round(seconds, 3) for op, seconds in totals.most_common(10)}
 
 
-def evaluate(model, feed: dict, repeats: int, profile: bool) -> dict:
-    """Median seconds of `repeats` runs after a warm-up, the output digest, and op totals if asked."""
-    session = inference_session(model)
-    output = session.run(None, feed)[0]
-    times = []
+def profiled_op_seconds(model, feed: dict) -> dict[str, float]:
+    """onnxruntime's per-op-type totals of one profiled run of the model."""
+    options = session_options()
+    options.enable_profiling = True
+    options.profile_file_prefix = str(Path(tempfile.gettempdir()) / "bench_ort_formats")
+    profiled = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    profiled.run(None, feed)
+    return op_totals(profiled)
+
+
+def evaluate(models: dict, feed: dict, repeats: int) -> dict[str, dict]:
+    """Per model: the median seconds of `repeats` timed runs and the output digest. The repeats go
+    round the models in turn, so a change in the machine's load reaches every model alike and their
+    ratios stay comparable; each turn opens its model's session and warms it up first, so one
+    session's memory is held at a time (eleven at once exhausted 8 GB at batch 16)."""
+    rows: dict[str, dict] = {name: {} for name in models}
+    times: dict[str, list[float]] = {name: [] for name in models}
     for _ in range(repeats):
-        start = time.perf_counter()
-        session.run(None, feed)
-        times.append(time.perf_counter() - start)
-    row = {"seconds": float(np.median(times)), "sha256": hashlib.sha256(output.tobytes()).hexdigest()[:16]}
-    if profile:
-        options = session_options()
-        options.enable_profiling = True
-        options.profile_file_prefix = str(Path(tempfile.gettempdir()) / "bench_ort_formats")
-        profiled = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-        profiled.run(None, feed)
-        row["op_seconds"] = op_totals(profiled)
-    return row
+        for name, model in models.items():
+            session = inference_session(model)
+            rows[name]["sha256"] = hashlib.sha256(session.run(None, feed)[0].tobytes()).hexdigest()[:16]
+            start = time.perf_counter()
+            session.run(None, feed)
+            times[name].append(time.perf_counter() - start)
+            del session
+    for name, row in rows.items():
+        row["seconds"] = float(np.median(times[name]))
+    return rows
 
 
 def main() -> None:
@@ -123,11 +134,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         path = export_onnx(MiniLM(args.layers), torch.from_numpy(token_batch(2, 0)), Path(folder) / "minilm.onnx")
         calibration = [{"x": token_batch(2, 2)}]
-        rows = {}
+        models = {}
         for preset in [INT8, *args.formats]:
             print(f"{preset} ...", file=sys.stderr, flush=True)
-            rows[preset] = evaluate(quantize_model(str(path), preset, calibration).model, feed, args.repeats,
-                                    args.profile)
+            models[preset] = quantize_model(str(path), preset, calibration).model
+    print("timing ...", file=sys.stderr, flush=True)
+    rows = evaluate(models, feed, args.repeats)
+    if args.profile:
+        for name, model in models.items():
+            rows[name]["op_seconds"] = profiled_op_seconds(model, feed)
     for row in rows.values():
         row["vs_int8"] = round(row["seconds"] / rows[INT8]["seconds"], 2)
         row["seconds"] = round(row["seconds"], 3)

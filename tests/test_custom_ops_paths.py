@@ -15,7 +15,8 @@ from onnx import TensorProto, helper
 from finetune.formats import BFP16, MX4, MX6, MX9, MXFP4, MXFP6_E2M3, MXFP8_E4M3, MXFP8_E5M2, MXINT8, quantize_dequantize
 from finetune.onnx import attach_custom_ops
 from finetune.onnx.functions.arithmetic import Body
-from finetune.onnx.functions.blocks import to_blocks
+from finetune.onnx.functions.blocks import block_dims
+from finetune.onnx.graphs import all_nodes
 from finetune.onnx.qdq import STANDARD_QDQ_OPSET, make_qdq
 from finetune.onnx.session import inference_session
 
@@ -51,16 +52,20 @@ def hard_tensor(seed: int) -> np.ndarray:
     return x
 
 
+@pytest.mark.parametrize("axis", [1, 0])
 @pytest.mark.parametrize("rare", [None, np.nan, np.inf, -np.inf, 2.0**64, -(2.0**70)])
 @pytest.mark.parametrize("name", SPECS)
-def test_both_paths_match_the_reference(name: str, rare: float | None) -> None:
-    spec = SPECS[name]
+def test_both_paths_match_the_reference(name: str, rare: float | None, axis: int) -> None:
+    """Blocks along the last axis (the ordinary body's flat view) and along the first (its view
+    with the length after the axis innermost)."""
+    spec = dataclasses.replace(SPECS[name], axis=axis)
     x = hard_tensor(len(name))
     if rare is not None:
         x[5, 3] = rare
+    x = x if axis == 1 else np.ascontiguousarray(x.T)
     y = inference_session(qdq_model(spec, x.shape)).run(None, {"x": x})[0]
     expected = quantize_dequantize(torch.from_numpy(x), spec).numpy()
-    assert_same_values(y, expected, f"{name} with {rare}")
+    assert_same_values(y, expected, f"{name} with {rare} along axis {axis}")
 
 
 @pytest.mark.parametrize("name", ["BFP16", "MX9", "MXFP4"])
@@ -74,11 +79,12 @@ def test_two_elements_take_the_ordinary_path_and_one_is_returned(name: str) -> N
 @pytest.mark.parametrize("name", ["BFP16", "MXINT8", "MXFP8_E4M3", "MX4"])
 def test_ordinary_body_has_no_elementwise_where(name: str) -> None:
     """onnxruntime's Where costs ~20 Muls; the ordinary body, which nearly every tensor takes, has
-    only the Wheres that to_blocks computes on shape vectors."""
+    (in both of its views) only the Wheres that block_dims computes on shape vectors."""
     (function,) = qdq_model(SPECS[name], [4, 64]).functions
     (branch,) = [node for node in function.node if node.op_type == "If"]
     ordinary = next(a.g for a in branch.attribute if a.name == "else_branch")
     shapes = Body(STANDARD_QDQ_OPSET)
-    to_blocks(shapes, "x", 1, [SPECS[name].block_size])
-    assert len(ordinary.node) > len(shapes.nodes)
-    assert sum(n.op_type == "Where" for n in ordinary.node) == sum(n.op_type == "Where" for n in shapes.nodes)
+    block_dims(shapes, "x", 1, SPECS[name].block_size)
+    nodes = list(all_nodes(ordinary))
+    assert len(nodes) > len(shapes.nodes)
+    assert sum(n.op_type == "Where" for n in nodes) == sum(n.op_type == "Where" for n in shapes.nodes)

@@ -62,6 +62,14 @@ class Body:
             return self.op("Reshape", data, shape, allowzero=1)
         return self.op("Reshape", data, shape)
 
+    def branch(self, output: str, name: str) -> onnx.GraphProto:
+        """These nodes as a branch of an If, reading the enclosing bodies' values by name."""
+        return helper.make_graph(self.nodes, name, [], [helper.make_tensor_value_info(output, TensorProto.FLOAT, None)])
+
+    def choose(self, condition: str, then_branch: onnx.GraphProto, else_branch: onnx.GraphProto) -> str:
+        """An If of two float32 branches on a one-element boolean."""
+        return self.op("If", condition, then_branch=then_branch, else_branch=else_branch)
+
     def finish(self, output: str) -> list[onnx.NodeProto]:
         """The body with its last node writing the function output `y`."""
         assert self.nodes[-1].output[0] == output, "the result must come from the last node"

@@ -35,18 +35,12 @@ def _qdq_function(
     single = general.op("Equal", general.op("Size", x), general.const(1, np.int64))
     general_y = general.op("Where", single, x, spec.build(general, x))
     ordinary_y = spec.build(ordinary, x, ordinary=True)
-    y = b.op("If", needs_general_body(b, x), then_branch=_branch(general, general_y, "general"),
-             else_branch=_branch(ordinary, ordinary_y, "ordinary"))
+    y = b.choose(needs_general_body(b, x), general.branch(general_y, "general"), ordinary.branch(ordinary_y, "ordinary"))
     if io_type is None:
         y = b.op("CastLike", y, "x")
     elif io_type != TensorProto.FLOAT:
         y = b.op("Cast", y, to=io_type)
     return _function(domain, op_type, spec.overload + _io_suffix(io_type), ["x"], b.finish(y), opset)
-
-
-def _branch(body: Body, output: str, name: str) -> onnx.GraphProto:
-    """One branch of the body's If: its nodes, reading the function's values by name, and its output."""
-    return helper.make_graph(body.nodes, name, [], [helper.make_tensor_value_info(output, TensorProto.FLOAT, None)])
 
 
 def _linear_function(

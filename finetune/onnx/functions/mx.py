@@ -8,7 +8,7 @@ from onnx import TensorProto
 from finetune.formats import MXElement, MXSpec
 
 from .arithmetic import Body, pow2, round_significand, scaled_round
-from .blocks import BlockBody
+from .blocks import BlockBody, BlockView
 
 
 class MXBody(BlockBody[MXSpec]):
@@ -21,18 +21,26 @@ class MXBody(BlockBody[MXSpec]):
         name = f"{s.element_dtype}_b{s.block_size}_ax{s.axis}"
         return name + (f"_rm{s.rounding_mode}" if s.element.is_int else "")
 
-    def build(self, b: Body, x: str, ordinary: bool = False) -> str:
-        """y for float32 x, following FORMATS.md: shared scale 2^(E-127-emax), no E8M0 clamp."""
+    @property
+    def inner(self) -> list[int]:
+        """One block."""
+        return [self.spec.block_size]
+
+    def quantize(self, b: Body, view: BlockView, ordinary: bool) -> str:
+        """y at level 0 of `view`, following FORMATS.md: shared scale 2^(E-127-emax), no E8M0 clamp;
+        int8 elements round to steps of that scale times 2^-mantissa_bits."""
         element = self.spec.element
 
-        def quantize(values: str, shared: str) -> str:
+        def scale_of(shared: str) -> str:
             scale = b.op("Mul", shared, b.const(pow2(-element.emax)))
+            return b.op("Mul", scale, b.const(pow2(-element.mantissa_bits))) if element.is_int else scale
+
+        def quantize(values: str, scale: str) -> str:
             if element.is_int:
-                step = b.op("Mul", scale, b.const(pow2(-element.mantissa_bits)))
-                return scaled_round(b, values, step, -128.0, 127.0, self.spec.rounding_mode)
+                return scaled_round(b, values, scale, -128.0, 127.0, self.spec.rounding_mode)
             return b.op("Mul", self._element_round(b, b.op("Div", values, scale), element), scale)
 
-        return self.quantize_blocks(b, x, quantize, ordinary)
+        return self.shared_quantize(b, view, scale_of, quantize, ordinary)
 
     @staticmethod
     def _element_round(b: Body, v: str, element: MXElement) -> str:

@@ -62,6 +62,15 @@ def assert_logits_agree(lifted: np.ndarray, expected: np.ndarray) -> None:
     features), so at most 2 % of them differ, by at most 0.1 (a few steps at these logits' magnitude
     of ~20), and every top-1 is the same."""
     assert np.mean(lifted != expected) <= 0.02 and np.abs(lifted - expected).max() <= 0.1
+    assert_same_top1(lifted, expected, 0.1)
+
+
+def assert_same_top1(lifted: np.ndarray, expected: np.ndarray, allowed: float) -> None:
+    """Every row's top-1 is onnxruntime's, and by more than luck of this CPU's summation orders: each
+    leads its runner-up by over twice the difference allowed (`allowed`), so no logits within it would
+    pick another (the check rows' gaps are 1.8 and up)."""
+    top = np.sort(expected, axis=1)
+    assert (top[:, -1] - top[:, -2]).min() > 2 * allowed
     assert np.array_equal(lifted.argmax(1), expected.argmax(1))
 
 
@@ -70,7 +79,7 @@ def assert_int16_close(lifted: np.ndarray, expected: np.ndarray) -> None:
     (torch's and onnxruntime's kernels add in different orders) moves a value by one of its 65536
     steps: lifted and onnxruntime agree to 2e-3 and on every top-1."""
     np.testing.assert_allclose(lifted, expected, atol=2e-3)
-    assert np.array_equal(lifted.argmax(1), expected.argmax(1))
+    assert_same_top1(lifted, expected, 2e-3)
 
 
 @pytest.mark.parametrize("model_name", MODELS)
@@ -111,7 +120,7 @@ def test_an_onnxruntime_or_nncf_model_runs_in_stock_onnxruntime_and_lifts(case: 
         return
     if "nncf" in case:
         np.testing.assert_allclose(lifted, expected, rtol=FLOAT_RTOL, atol=FLOAT_ATOL)
-        assert np.array_equal(lifted.argmax(1), expected.argmax(1))
+        assert_same_top1(lifted, expected, FLOAT_ATOL + FLOAT_RTOL * float(np.abs(expected).max()))
     else:
         assert_logits_agree(lifted, expected)
     assert_quantized_values_agree(model, x)

@@ -41,8 +41,6 @@ EXACT_BECAUSE = {
         "one quantizer alone, fed onnxruntime's own input value: element-wise, no sum",
     "test_decoders.py::test_the_float_decoder_lifts_to_onnxruntimes_logits_and_greedy_tokens":
         "greedy tokens: each step's top logit leads by over twice the rounding bound, asserted first",
-    "test_third_party.py::assert_same_top1":
-        "top-1 classes: each row's top logit leads by over twice the allowed difference, asserted first",
 }
 
 

@@ -66,12 +66,11 @@ def assert_logits_agree(lifted: np.ndarray, expected: np.ndarray) -> None:
 
 
 def assert_same_top1(lifted: np.ndarray, expected: np.ndarray, allowed: float) -> None:
-    """Every row's top-1 is onnxruntime's, and by more than luck of this CPU's summation orders: each
-    leads its runner-up by over twice the difference allowed (`allowed`), so no logits within it would
-    pick another (the check rows' gaps are 1.8 and up)."""
-    top = np.sort(expected, axis=1)
-    assert (top[:, -1] - top[:, -2]).min() > 2 * allowed
-    assert np.array_equal(lifted.argmax(1), expected.argmax(1))
+    """Each row's lifted top-1 is a class onnxruntime's logits put within twice the allowed difference
+    (`allowed`) of its top: that is all the bound decides on any CPU. Where onnxruntime's top leads by
+    more, as in most rows, that is its own top-1; where 4-bit logits tie, either tied class."""
+    chosen = expected[np.arange(len(expected)), lifted.argmax(1)]
+    assert np.all(chosen >= expected.max(1) - 2 * allowed)
 
 
 def assert_int16_close(lifted: np.ndarray, expected: np.ndarray) -> None:

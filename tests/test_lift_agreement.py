@@ -27,7 +27,7 @@ from finetune.onnx import QUARK_DOMAIN
 from finetune.quantize import quantize_model
 from finetune.recon import finetune_model
 
-from .lift_helpers import run_ort, run_torch
+from .lift_helpers import assert_same, run_ort, run_torch
 from .recon_helpers import one_thread  # noqa: F401  (autouse fixture)
 from .vectors import VectorSet, load_scalar_vector_sets
 
@@ -83,7 +83,7 @@ def test_a_quantized_scalar_in_quarks_form_lifts_to_onnxruntimes_bits(vectors: V
     model = scaled_model(vectors.op_type, vectors.attributes, shape)
     x = np.random.default_rng(0).standard_normal((3, 4, 16)).astype(np.float32) * 4
     module = lift_model(model)
-    assert np.array_equal(run_torch(module, [x])[0], run_ort(model, [x])[0])
+    assert_same(model, module, [x])
     assert first_disagreeing_node(model, module, {"x": x}) is None
     check_lifted(model, module, {"x": x})
 

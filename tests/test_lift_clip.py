@@ -204,7 +204,7 @@ def test_pooling_and_normalisation_heads_of_both_exporters(kind: str, dynamo: bo
     lifted = lift_model(model)
     if kind.startswith("clamp"):
         feeds[0][0, 0, : len(SPECIALS)] = SPECIALS
-        assert_same(model, lifted, feeds, exact_because="the computed bound is an integer sum and one division")
+        assert_same(model, lifted, feeds)  # the computed bound: an integer sum (exact) and one division
     else:
         _within_sum_bound(model, lifted, feeds, _mean_bound if kind == "mean" else _normalize_bound)
 

@@ -23,7 +23,9 @@ from finetune.pipeline import quantize_and_finetune
 from finetune.quantize import quantize_model, quantizer_presets
 from finetune.zoo import digits_split, train_digits_cnn
 
-EXACT_PRESETS = {"XINT8"}  # power-of-two scales: every Conv/Gemm sum is exact in float32
+from .lift_helpers import assert_same
+
+EXACT_PRESETS = {"XINT8"}  # power-of-two scales: every Conv/Gemm sum is exact in float32 (assert_same checks it)
 
 
 @pytest.fixture(scope="module")
@@ -59,11 +61,11 @@ def test_preset_runs_and_equals_its_torch_simulation(digits: dict, preset: str) 
     quantized = quantize_model(digits["path"], preset, digits["calibration"]).model
     onnx.checker.check_model(quantized)
     expected = run(quantized, digits["x"])
-    with torch.no_grad():
-        simulated = lift_model(quantized)(torch.from_numpy(digits["x"])).numpy()
     if preset in EXACT_PRESETS:
-        assert np.array_equal(simulated, expected)
+        assert_same(quantized, lift_model(quantized), [digits["x"]])
     else:
+        with torch.no_grad():
+            simulated = lift_model(quantized)(torch.from_numpy(digits["x"])).numpy()
         assert np.abs(simulated - expected).max() <= 0.1
         assert (simulated.argmax(1) == expected.argmax(1)).mean() >= 0.995
     float_accuracy = accuracy(run(digits["path"], digits["x"]), digits["y"])

@@ -62,7 +62,15 @@ def assert_logits_agree(lifted: np.ndarray, expected: np.ndarray) -> None:
     features), so at most 2 % of them differ, by at most 0.1 (a few steps at these logits' magnitude
     of ~20), and every top-1 is the same."""
     assert np.mean(lifted != expected) <= 0.02 and np.abs(lifted - expected).max() <= 0.1
-    assert np.array_equal(lifted.argmax(1), expected.argmax(1))
+    assert_same_top1(lifted, expected, 0.1)
+
+
+def assert_same_top1(lifted: np.ndarray, expected: np.ndarray, allowed: float) -> None:
+    """Each row's lifted top-1 is a class onnxruntime's logits put within twice the allowed difference
+    (`allowed`) of its top: that is all the bound decides on any CPU. Where onnxruntime's top leads by
+    more, as in most rows, that is its own top-1; where 4-bit logits tie, either tied class."""
+    chosen = expected[np.arange(len(expected)), lifted.argmax(1)]
+    assert np.all(chosen >= expected.max(1) - 2 * allowed)
 
 
 def assert_int16_close(lifted: np.ndarray, expected: np.ndarray) -> None:
@@ -70,7 +78,7 @@ def assert_int16_close(lifted: np.ndarray, expected: np.ndarray) -> None:
     (torch's and onnxruntime's kernels add in different orders) moves a value by one of its 65536
     steps: lifted and onnxruntime agree to 2e-3 and on every top-1."""
     np.testing.assert_allclose(lifted, expected, atol=2e-3)
-    assert np.array_equal(lifted.argmax(1), expected.argmax(1))
+    assert_same_top1(lifted, expected, 2e-3)
 
 
 @pytest.mark.parametrize("model_name", MODELS)
@@ -111,7 +119,7 @@ def test_an_onnxruntime_or_nncf_model_runs_in_stock_onnxruntime_and_lifts(case: 
         return
     if "nncf" in case:
         np.testing.assert_allclose(lifted, expected, rtol=FLOAT_RTOL, atol=FLOAT_ATOL)
-        assert np.array_equal(lifted.argmax(1), expected.argmax(1))
+        assert_same_top1(lifted, expected, FLOAT_ATOL + FLOAT_RTOL * float(np.abs(expected).max()))
     else:
         assert_logits_agree(lifted, expected)
     assert_quantized_values_agree(model, x)

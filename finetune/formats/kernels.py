@@ -29,6 +29,18 @@ from .packed import all_groups, group_size, pack_mask, unpack_mask
 # tests/test_gpu_codegen.py checks both in the generated sm_90 and gfx942 code.
 INDUCTOR_OPTIONS = {"emulate_precision_casts": True, "eager_numerics.division_rounding": True}
 
+
+def inductor_options(device: torch.device) -> dict[str, object]:
+    """INDUCTOR_OPTIONS, and on the CPU the vector width inductor picked (AVX2 256, AVX-512 512, as
+    ATEN_CPU_CAPABILITY may lower it) stated, so that it enters the key of inductor's graph cache:
+    torch 2.14 leaves it out, and a cache shared by CPUs of two widths (or filled under another
+    capability) hands one width's generated code to the other's compiler, which then computes garbage."""
+    if device.type != "cpu":
+        return INDUCTOR_OPTIONS
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    return {**INDUCTOR_OPTIONS, "cpp.simdlen": pick_vec_isa().bit_width()}
+
 # Beside inductor's cache: the kernels (one digest a line) compiled there before, so a later run knows which
 # compiles are warm. Cleared with the cache, which it lives in.
 WARM_INDEX = "finetune-kernels.txt"
@@ -85,8 +97,10 @@ class Kernel:
 
         warm = digest(key) in warm_kernels()
 
+        options = inductor_options(key.device)
+
         def compiled(fn: types.FunctionType, name: str) -> Callable[..., Any]:
-            graph = torch.compile(_own_code(fn, f"qdq_{name}_{number}"), dynamic=False, options=INDUCTOR_OPTIONS)
+            graph = torch.compile(_own_code(fn, f"qdq_{name}_{number}"), dynamic=False, options=options)
             return _TimedFirstCall(graph, lambda seconds: on_compile(warm, seconds))
 
         self._gradient = compiled(gradient, "gradient")

@@ -41,6 +41,7 @@ def inductor_options(device: torch.device) -> dict[str, object]:
 
     return {**INDUCTOR_OPTIONS, "cpp.simdlen": pick_vec_isa().bit_width()}
 
+
 # Beside inductor's cache: the kernels (one digest a line) compiled there before, so a later run knows which
 # compiles are warm. Cleared with the cache, which it lives in.
 WARM_INDEX = "finetune-kernels.txt"
@@ -180,9 +181,11 @@ def _own_code(fn: types.FunctionType, name: str) -> types.FunctionType:
 
 @functools.cache
 def digest(key: Key) -> str:
-    """A kernel's name in WARM_INDEX: its key under this torch version and INDUCTOR_OPTIONS, which
-    inductor's cache keys hold too (made once per key: a shape left eager asks again at every call)."""
-    return hashlib.sha256(f"{torch.__version__} {sorted(INDUCTOR_OPTIONS.items())} {key!r}".encode()).hexdigest()[:20]
+    """A kernel's name in WARM_INDEX: its key under this torch version and its inductor options (the CPU's
+    vector width among them), which inductor's cache keys hold too (made once per key: a shape left
+    eager asks again at every call)."""
+    options = sorted(inductor_options(key.device).items())
+    return hashlib.sha256(f"{torch.__version__} {options} {key!r}".encode()).hexdigest()[:20]
 
 
 @functools.cache

@@ -8,13 +8,16 @@ How it runs without a GPU: the kernels are traced on fake CUDA tensors (FakeTens
 device queries answer with a stand-in of the target's properties, and Triton's backend is made from
 the target rather than from a driver; inductor's constant folding, which evaluates constant
 sub-graphs on the real device, evaluates them on the CPU instead; the generated wrapper is recorded
-rather than compiled and its call runs the graph on the fake tensors. Each kernel's source is then
+rather than compiled and its call runs the graph on the fake tensors. Dynamo and AOTAutograd trace
+once for all targets, and inductor lowers the traced graphs for each target in turn (about a fifth
+of the tracing saved; the code is the one a trace of each target's own gives). Each kernel's source is then
 compiled by inductor's own ahead-of-time path (the one its compile workers take, which skips the
 driver) to an sm_90 cubin or a gfx942 hsaco. For ROCm, torch.version.hip is set too, so inductor
 writes its HIP flavour of the code (ROCm's DeviceProperties, pointer-range hints)."""
 
 from __future__ import annotations
 
+import copy
 import re
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -70,12 +73,13 @@ class GraphCode:
 
 
 def generated_code(spec: FormatSpec, shape: tuple[int, ...], scale: torch.Tensor | None,
-                   zero_point: torch.Tensor | None, target: Target) -> list[GraphCode]:
-    """The Triton code of the compiled kernels that serve float32 inputs of `shape` on `target`: the
-    forward (values for INT and float formats) and the straight-through gradient, traced as a GPU
-    run traces them (formats.kernels.Kernel, its INDUCTOR_OPTIONS included)."""
+                   zero_point: torch.Tensor | None, targets: tuple[Target, ...]) -> dict[Target, list[GraphCode]]:
+    """The Triton code, on each of `targets`, of the compiled kernels that serve float32 inputs of
+    `shape`: the forward (values for INT and float formats) and the straight-through gradient, traced
+    as a GPU run traces them (formats.kernels.Kernel, its INDUCTOR_OPTIONS included). Dynamo and
+    AOTAutograd trace once, for the first target; inductor lowers each traced graph for every target."""
     blocked = isinstance(spec, (BFPSpec, MXSpec))
-    with _stand_in(target) as graphs, torch._subclasses.fake_tensor.FakeTensorMode(allow_non_fake_inputs=True):
+    with _stand_in(targets) as graphs, torch._subclasses.fake_tensor.FakeTensorMode(allow_non_fake_inputs=True):
         x, grad = torch.empty(shape, device="cuda:0"), torch.empty(shape, device="cuda:0")
         if not blocked:  # as formats.compiled passes them: tensors, not constants inductor would fold
             scale = torch.ones(()) if scale is None else scale
@@ -89,9 +93,9 @@ def generated_code(spec: FormatSpec, shape: tuple[int, ...], scale: torch.Tensor
     return graphs
 
 
-def _label(graphs: list[GraphCode], function: str) -> None:
+def _label(graphs: dict[Target, list[GraphCode]], function: str) -> None:
     """Name the kernel function of the graphs recorded since the last call."""
-    for graph in graphs:
+    for graph in (graph for target_graphs in graphs.values() for graph in target_graphs):
         graph.function = graph.function or function
 
 
@@ -164,16 +168,58 @@ def _binary_problems(binary: Any, target: Target) -> list[str]:
 
 
 @contextmanager
-def _stand_in(target: Target) -> Iterator[list[GraphCode]]:
-    """Within this block torch.compile writes code for `target` without a GPU, and records it (the
-    yielded list) instead of compiling it: see the module's docstring."""
+def _stand_in(targets: tuple[Target, ...]) -> Iterator[dict[Target, list[GraphCode]]]:
+    """Within this block torch.compile writes code for each of `targets` without a GPU, and records
+    it (the yielded lists) instead of compiling it: see the module's docstring. Dynamo and
+    AOTAutograd trace as for the first target; inductor compiles each graph for the others first,
+    on a copy (its passes edit the graph), then for the first."""
+    from torch._inductor import compile_fx
     from torch._inductor.fx_passes import joint_graph
     from torch._inductor.graph import GraphLowering
+
+    graphs: dict[Target, list[GraphCode]] = {target: [] for target in targets}
+    current = [targets[0]]
+    compile_inner = compile_fx.fx_codegen_and_compile
+    fold = joint_graph.UniformValueConstantFolder._deduce_value
+
+    def record(lowering: GraphLowering) -> _FakeModule:
+        wrapper = lowering.codegen()[0].value
+        kernels = dict(re.findall(r"(\w+) = async_compile\.triton\('\w+', '''(.*?)''', device_str", wrapper, re.S))
+        graphs[current[-1]].append(GraphCode("", _narrow_types(lowering.module), kernels))
+        return _FakeModule(lowering.module)
+
+    def compile_for_each(graph: torch.fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
+        for target in targets[1:]:
+            with _target_patches(target):
+                current.append(target)
+                compile_inner(copy.deepcopy(graph), *args, **kwargs)
+                current.pop()
+        return compile_inner(graph, *args, **kwargs)
+
+    patches = [
+        _target_patches(targets[0]),
+        mock.patch("torch.cuda.current_device", lambda: 0),
+        mock.patch("torch._inductor.scheduler.has_triton", lambda: True),
+        mock.patch("torch.utils._triton.triton_hash_with_backend", torch.utils._triton.triton_hash_with_backend.__wrapped__),
+        mock.patch.object(joint_graph.UniformValueConstantFolder, "_deduce_value", lambda self, node: _on_host(fold, self, node)),
+        mock.patch.object(GraphLowering, "compile_to_module", record),
+        mock.patch.object(compile_fx, "fx_codegen_and_compile", compile_for_each),
+        torch._inductor.config.patch(force_disable_caches=True),
+    ]
+    with ExitStack() as stack:
+        for patch in patches:
+            stack.enter_context(patch)
+        yield graphs
+
+
+@contextmanager
+def _target_patches(target: Target) -> Iterator[None]:
+    """Torch's device queries, inductor's device properties, Triton's backend and torch.version.hip
+    answer as `target` does."""
     from torch._inductor.runtime.hints import DeviceProperties
     from triton.backends.compiler import GPUTarget
     from triton.compiler.compiler import make_backend
 
-    graphs: list[GraphCode] = []
     properties = DeviceProperties(type=target.backend, index=0, multi_processor_count=target.multi_processors,
                                   cc=target.arch, major=9, regs_per_multiprocessor=65536,
                                   max_threads_per_multi_processor=2048, max_threads_per_block=1024,
@@ -181,32 +227,17 @@ def _stand_in(target: Target) -> Iterator[list[GraphCode]]:
     torch_properties = SimpleNamespace(**properties._asdict(), minor=0, name=f"stand-in {target.name}",
                                        gcnArchName=str(target.arch), total_memory=64 << 30)
     backend = make_backend(GPUTarget(target.backend, target.arch, target.warp_size))
-    fold = joint_graph.UniformValueConstantFolder._deduce_value
-
-    def record(lowering: GraphLowering) -> _FakeModule:
-        wrapper = lowering.codegen()[0].value
-        kernels = dict(re.findall(r"(\w+) = async_compile\.triton\('\w+', '''(.*?)''', device_str", wrapper, re.S))
-        graphs.append(GraphCode("", _narrow_types(lowering.module), kernels))
-        return _FakeModule(lowering.module)
-
     patches = [
         mock.patch("torch.cuda.get_device_properties", lambda *_: torch_properties),
         mock.patch("torch.cuda.get_device_capability", lambda *_: (9, 0)),
-        mock.patch("torch.cuda.current_device", lambda: 0),
-        mock.patch("torch._inductor.scheduler.has_triton", lambda: True),
         mock.patch.object(DeviceProperties, "create", lambda _: properties),
         mock.patch("torch.utils._triton.triton_backend", lambda: backend),
-        mock.patch("torch.utils._triton.triton_hash_with_backend", torch.utils._triton.triton_hash_with_backend.__wrapped__),
-        mock.patch.object(joint_graph.UniformValueConstantFolder, "_deduce_value", lambda self, node: _on_host(fold, self, node)),
-        mock.patch.object(GraphLowering, "compile_to_module", record),
-        torch._inductor.config.patch(force_disable_caches=True),
+        mock.patch("torch.version.hip", HIP_VERSION if target.backend == "hip" else None),
     ]
-    if target.backend == "hip":
-        patches.append(mock.patch("torch.version.hip", HIP_VERSION))
     with ExitStack() as stack:
         for patch in patches:
             stack.enter_context(patch)
-        yield graphs
+        yield
 
 
 class _FakeModule:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
+from functools import cache
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ import torch
 from finetune.formats import kernels
 from finetune.recon.device import deterministic
 
-from .gpu_code import SM_90, TARGETS, GraphCode, Target, code_problems, compiled_binaries, generated_code
+from .gpu_code import GFX942, SM_90, TARGETS, GraphCode, Target, code_problems, compiled_binaries, generated_code
 from .test_formats_compiled import CASES, SHAPE
 
 pytest.importorskip("triton", reason="Triton (brought by torch's PyPI wheel) generates the GPU code")
@@ -27,14 +28,21 @@ EVERY_RUN = ("INT4 block 8", "BF16", "FP8_E4M3FN", "MX4")
 CUDA = torch.device("cuda")
 
 
-def code_for(name: str, target: Target) -> list[GraphCode]:
-    """The generated code of CASES[name]'s kernels on `target`, traced under a run's deterministic settings."""
+@cache
+def code_for_each_target(name: str) -> dict[Target, list[GraphCode]]:
+    """The generated code of CASES[name]'s kernels on every target, traced under a run's deterministic
+    settings; made once per test run (tracing is most of this file's cost) for the tests that check it."""
     spec, scale, zero_point = CASES[name]
     with deterministic(0, True, False, CUDA):
-        return generated_code(spec, SHAPE, scale, zero_point, target)
+        return generated_code(spec, SHAPE, scale, zero_point, TARGETS)
 
 
-@pytest.fixture(scope="module")
+def code_for(name: str, target: Target) -> list[GraphCode]:
+    """The generated code of CASES[name]'s kernels on `target`."""
+    return code_for_each_target(name)[target]
+
+
+@pytest.fixture
 def bf16_code() -> list[GraphCode]:
     return code_for("BF16", SM_90)
 
@@ -56,10 +64,10 @@ def test_kernels_compile_for_the_gpu_keeping_eager_bits(name: str, target: Targe
 
 @pytest.mark.parametrize("name, narrow", [("BF16", torch.bfloat16), ("FP8_E4M3FN", torch.float8_e4m3fn),
                                           pytest.param("BFP16 bfloat16 first", torch.bfloat16, marks=pytest.mark.slow)])
-def test_the_check_sees_the_rounding_each_format_needs(name: str, narrow: torch.dtype, bf16_code: list[GraphCode]) -> None:
+def test_the_check_sees_the_rounding_each_format_needs(name: str, narrow: torch.dtype) -> None:
     """The narrow casts checked come from the traced graph: each format that rounds through a narrow
     type has it there, so the check of its kernel is not empty."""
-    graphs = bf16_code if name == "BF16" else code_for(name, SM_90)
+    graphs = code_for(name, SM_90)
     assert narrow in graphs[0].narrow_types
     assert graphs[-1].narrow_types == set()  # the gradient only masks
 
@@ -68,12 +76,23 @@ def test_inductor_defaults_drop_the_cast_pair_and_round_division_inexactly(monke
     """The seeded bug: BF16's kernels without INDUCTOR_OPTIONS, outside deterministic mode."""
     monkeypatch.setattr(kernels, "INDUCTOR_OPTIONS", {})
     spec, scale, zero_point = CASES["BF16"]
-    graphs = generated_code(spec, SHAPE, scale, zero_point, SM_90)
+    graphs = generated_code(spec, SHAPE, scale, zero_point, (SM_90,))[SM_90]
     problems = "\n".join(code_problems(graphs[0], SM_90))
     assert "the graph rounds through torch.bfloat16, the Triton code does not" in problems
     assert "enable_fp_fusion is not False" in problems
     assert "inexact instruction 'div.full' in the PTX" in problems
     assert "not generated under deterministic algorithms" in problems
+
+
+def test_one_trace_for_all_targets_gives_each_target_its_own_code() -> None:
+    """Dynamo and AOTAutograd trace once as for sm_90; inductor then writes gfx942's code as a trace
+    made for gfx942 alone (ROCm's torch.version.hip set throughout) writes it."""
+    spec, scale, zero_point = CASES["BF16"]
+    with deterministic(0, True, False, CUDA):
+        alone = generated_code(spec, SHAPE, scale, zero_point, (GFX942,))[GFX942]
+    shared = code_for("BF16", GFX942)
+    assert [(graph.function, graph.kernels) for graph in shared] == [(graph.function, graph.kernels) for graph in alone]
+    assert shared[0].kernels != code_for("BF16", SM_90)[0].kernels  # the targets' code differs
 
 
 def test_a_cast_pair_removed_from_the_code_is_caught(bf16_code: list[GraphCode]) -> None:

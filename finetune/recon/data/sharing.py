@@ -31,14 +31,14 @@ class SharedWeights:
         self.last_read = _last_reads(reference, segments)
         self.released: set[str] = set()
         theirs = dict(_tensors(reference))
-        self.shared: dict[str, str] = {}  # module tensor -> the reference tensor whose storage it reads
+        self.shared: set[str] = set()  # tensors of the module reading the reference's tensor of their name
         with torch.no_grad():
             for name, ours in _tensors(module):
                 other = theirs.get(name)
                 if other is not None and _fits(other, ours) and torch.equal(ours, other):
                     ours.data = other.data
-                    self.shared[name] = name
-        self.bytes_held_once = sum(theirs[source].untyped_storage().nbytes() for source in set(self.shared.values()))
+                    self.shared.add(name)
+        self.bytes_held_once = sum(theirs[name].untyped_storage().nbytes() for name in self.shared)
         if self.shared:
             logger.info("%d tensor(s) of the float reference and the tuned model share their storage (%.1f MiB held "
                         "once)", len(self.shared), self.bytes_held_once / 2**20)
@@ -48,11 +48,10 @@ class SharedWeights:
         reads after segment k gets a copy of its own."""
         with torch.no_grad():
             for name in parameters_of(unit):
-                source = self.shared.get(name)
-                if source is not None and self.last_read.get(source, UNKNOWN) > k:
+                if name in self.shared and self.last_read.get(name, UNKNOWN) > k:
                     tensor = tuned_tensor(self.module, name)
                     tensor.data = tensor.data.clone()
-                    del self.shared[name]
+                    self.shared.discard(name)
 
     def after_unit(self, k: int, starts: dict[str, torch.Tensor]) -> None:
         """Once unit k is done, the reference tensors no later segment reads, and no later unit starts
@@ -76,7 +75,7 @@ class SharedWeights:
         return {"bytes_held_once": self.bytes_held_once, "tensors": len(self.shared), "released": len(self.released)}
 
 
-def _tensors(module: LiftedModule) -> Iterator[tuple[str, torch.Tensor]]:
+def _tensors(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """Every parameter and buffer by qualified name (quantizers' included: only equal ones share)."""
     yield from module.named_parameters(remove_duplicate=False)
     yield from module.named_buffers(remove_duplicate=False)
@@ -105,7 +104,6 @@ def _segment_reads(reference: LiftedModule, segments: Sequence[Segment]) -> dict
             if node.op == "get_attr":
                 last[node.target] = k
             elif node.op == "call_module":
-                module = reference.get_submodule(node.target)
-                for name, _ in [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]:
+                for name, _ in _tensors(reference.get_submodule(node.target)):
                     last[f"{node.target}.{name}"] = k
     return last

@@ -68,7 +68,7 @@ def test_params_without_use_matmul_nbits_have_no_effect_as_in_quark(caplog: pyte
     ({"AccuracyLevel": 4}, rf"{NBITS}\.AccuracyLevel: 4 has no equivalent"),
     ({"Algorithm": "HQQ"}, rf"{NBITS}\.Algorithm: 'HQQ' has no equivalent here"),
     ({"Symmetric": "yes"}, rf"{NBITS}\.Symmetric: expected true or false"),
-    ({"Groupsize": 32}, rf"{NBITS}\.Groupsize: unknown MatMulNBits parameter"),
+    ({"Groupsize": 32}, rf"{NBITS}\.Groupsize: unknown Quark option \(did you mean GroupSize\?\)"),
 ])
 def test_what_finetune_cannot_honour_is_refused_by_name(params: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):

@@ -33,6 +33,8 @@ class Translation(Protocol):
     options: Mapping[str, Any]
     origins: dict[str, str]
 
+    def check(self, options: Mapping[str, Any], mapped: tuple[str, ...], no_effect: tuple[str, ...],
+              accepted_only: Mapping[str, tuple[Any, ...]], path: str) -> None: ...
     def switched_on(self, flag: str, path: str, given: bool) -> bool: ...
 
 
@@ -45,10 +47,8 @@ def params(t: Translation) -> dict[str, Any] | None:
     given = t.extra.get("MatMulNBitsParams") or {}
     if not isinstance(given, Mapping):
         raise ConfigError(PATH, f"expected a mapping, got {given!r}")
-    unknown = sorted(set(given) - set(DEFAULTS))
-    if unknown:
-        raise ConfigError(f"{PATH}.{unknown[0]}", f"unknown MatMulNBits parameter; known: {', '.join(DEFAULTS)}")
-    chosen = {**DEFAULTS, **given}
+    t.check(given, tuple(DEFAULTS), (), {}, PATH)
+    chosen = {**DEFAULTS, **{key: value for key, value in given.items() if key in DEFAULTS}}
     _check(chosen)
     for key in ("activation_type", "weight_type"):
         if key in t.options:

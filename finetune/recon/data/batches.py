@@ -36,6 +36,17 @@ class Draw:
         return cls(config.batch_size, config.seed, config.drop_ratio)
 
 
+@dataclass(frozen=True)
+class Piece:
+    """The rows of one calibration batch in a step's batch: `slot`, its place among the calibration
+    batches the global batch draws from (the same in every process; -1: no rows), and `rows`, its
+    slice of this process's rows of the batch. A step's gradient is computed piece by piece, so
+    its float sums do not depend on how the pieces are spread over processes (see shards)."""
+
+    slot: int
+    rows: slice
+
+
 class Batches:
     """Random training batches of a unit, reproducible from the seed and the unit index: rows
     drawn without replacement, the input mixed per element from the quantized (probability
@@ -63,6 +74,10 @@ class Batches:
         self.mixing = self.masks.threshold < 256
         self.staged = _stage(self._values(), device, device_budget)
         self.held = np.arange(0)  # positions in the last global batch of the rows this process holds
+        self.steps = 0  # batches drawn so far
+        self.shards = 0  # calibration batches the last global batch's rows come from
+        self.pieces = [Piece(-1, slice(0, 0))]  # this process's share of the last batch, by calibration batch
+        self.piece = self.pieces[0]  # the piece being trained on (see methods.qdrop)
         self.fixed = [None if gathered else value.tensor(0, device) for value, gathered in zip(inputs.values, inputs.gathered)]
 
     def next(self) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
@@ -72,6 +87,7 @@ class Batches:
         local = self.rows.local[picked]
         held = local >= 0
         self.held = np.flatnonzero(held)
+        self._cut(self.rows.batch[picked], held)
         values = self._gather(local[held])
         rowed = len(self.inputs.rowed)
         (x, *sides), float_x, target = values[:rowed], values[rowed:-1], values[-1]
@@ -81,6 +97,22 @@ class Batches:
                 keep = keep[torch.from_numpy(np.flatnonzero(held)).to(keep.device, non_blocking=True)]
             x = mixed(keep, x, float_x[0])
         return self._assemble([x, *sides]), target
+
+    def _cut(self, batches: np.ndarray, held: np.ndarray) -> None:
+        """The step's pieces: the global batch's rows grouped by the calibration batch they come from
+        (ascending, as the rows are), numbered in that order over every process, and those this
+        process holds as slices of its rows; one empty piece where it holds none, whose forward still
+        draws the step's QDrop bytes."""
+        self.steps += 1
+        slots = np.unique(batches, return_inverse=True)[1]
+        self.shards = int(slots.max()) + 1 if len(slots) else 0
+        mine, starts = np.unique(slots[held], return_index=True)
+        ends = [*starts[1:], int(held.sum())]
+        self.pieces = [Piece(int(slot), slice(int(a), int(b))) for slot, a, b in zip(mine, starts, ends)] or [Piece(-1, slice(0, 0))]
+
+    def inputs_of(self, inputs: tuple[torch.Tensor, ...], piece: Piece) -> tuple[torch.Tensor, ...]:
+        """A piece's rows of the batch's inputs (the inputs a batch takes whole as they are)."""
+        return tuple(x[piece.rows] if fixed is None else x for x, fixed in zip(inputs, self.fixed))
 
     def sample(self, count: int) -> tuple[torch.Tensor, ...]:
         """The unit's inputs over `count` rows on the device for probing its layout: this process's

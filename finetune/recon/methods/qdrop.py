@@ -61,8 +61,9 @@ def dropped_quantization(train: torch.nn.Module, draw: Draw, k: int, device: tor
     held-out evaluations between steps) see the quantized values and draw nothing. Weight quantizers, which read
     constants, are left alone. On an accelerator the bytes come from a generator there (see
     KeepMasks). In a data-parallel run (`fabric` of several processes, training on `batches`) each
-    process draws the whole batch's bytes and keeps its rows' (see BatchMasks); it yields False
-    where it cannot locate the rows in some activation and each process then draws its own bytes."""
+    process draws the whole batch's bytes and keeps its rows' (see BatchMasks), and so does one process,
+    which trains piece by piece as they do; it yields False where it cannot locate the rows in some
+    activation of a data-parallel run and each process then draws its own bytes."""
     graph_module = train.train_module if isinstance(train, RowsFirst) else train
     constant = constant_nodes(graph_module.graph)
     quantizers = [graph_module.get_submodule(n.target) for n in graph_module.graph.nodes
@@ -71,7 +72,8 @@ def dropped_quantization(train: torch.nn.Module, draw: Draw, k: int, device: tor
         yield True
         return
     parallel = fabric is not None and fabric.world_size > 1 and batches is not None
-    axes = row_axes(train, quantizers, batches.sample(1), batches.sample(2), fabric) if parallel else None
+    axes = row_axes(train, quantizers, batches.sample(1), batches.sample(2), fabric) \
+        if fabric is not None and batches is not None else None
     rank = fabric.global_rank if parallel and axes is None else 0
     entropy = [draw.seed, k, 1, *([rank] if rank else [])]
     masks = BatchMasks(KeepMasks(qdrop_threshold(draw.drop_ratio), device, np.random.default_rng(entropy), entropy),
@@ -112,25 +114,33 @@ class RowAxis:
 
 
 class BatchMasks:
-    """In-block QDrop masks of one process: for the batch it trains on (`batches` None, or `axes`
-    None) or, in a data-parallel run, the global batch's masks drawn as one process draws them, cut
-    to the rows this process holds in each activation (`axes`: the row axis of each quantizer call
-    of a forward, in call order; None for an activation whose shape does not follow the rows)."""
+    """In-block QDrop masks of one process: for the rows it trains on (`batches` None, or `axes` None)
+    or, where the rows are located (`axes`: the row axis of each quantizer call of a forward, in call
+    order; None for an activation whose shape does not follow the rows), the whole global batch's
+    mask of each call drawn once per step, as one process draws it, and cut to the rows of the
+    piece being trained (Batches.piece), so every piece and every process sees the one-process bytes."""
 
     def __init__(self, masks: KeepMasks, batches: Batches | None, axes: list[RowAxis | None] | None) -> None:
-        self.masks, self.batches, self.axes, self.calls = masks, batches, axes, 0
+        self.masks, self.batches, self.axes = masks, batches, axes
+        self.step, self.calls = -1, 0  # the batch the masks are of, and the quantizer calls made on it
+        self.whole: list[torch.Tensor] = []  # the batch's mask of each call
 
     def draw(self, shape: tuple[int, ...]) -> torch.Tensor:
         """The keep mask of the next quantizer call, for an activation of `shape`."""
         if not self.axes or self.batches is None:
             return self.masks.draw(shape)
-        axis = self.axes[self.calls % len(self.axes)]
+        batches = self.batches
+        if self.step != batches.steps:  # a new batch: its masks are drawn afresh, call by call
+            self.step, self.calls, self.whole = batches.steps, 0, []
+        call = self.calls % len(self.axes)
         self.calls += 1
+        axis = self.axes[call]
+        if call == len(self.whole):
+            self.whole.append(self.masks.draw(shape if axis is None else axis.whole(shape, batches.size)))
         if axis is None:
-            return self.masks.draw(shape)
-        keep = self.masks.draw(axis.whole(shape, self.batches.size))
-        index = torch.from_numpy(axis.index(self.batches.held, self.batches.size)).to(keep.device, non_blocking=True)
-        return keep.index_select(axis.axis, index)
+            return self.whole[call]
+        index = axis.index(batches.held[batches.piece.rows], batches.size)
+        return self.whole[call].index_select(axis.axis, torch.from_numpy(index).to(self.whole[call].device, non_blocking=True))
 
 
 class _NoRowAxis(Exception):

@@ -22,7 +22,7 @@ from finetune.recon.data.batches import Batches, Draw
 from finetune.recon.data.rows import UnitInputs
 from finetune.recon.data.shards import Rows, chunk_table
 from finetune.recon.data.streams import cache_inputs
-from finetune.recon.methods.qdrop import _row_axis
+from finetune.recon.methods.qdrop import PieceMasks
 from finetune.zoo import digits_split, export_onnx
 
 from .lift_helpers import ENCODER_INPUT, randomized, transformer_encoder
@@ -69,27 +69,28 @@ def _process_batches(batches: list[np.ndarray], config: Draw, rank: int, world: 
     return Batches(UnitInputs((inputs,), (True,)), floats, targets, config, 0, Rows.from_table(sorted(sum(tables, [])), rank, world))
 
 
-LAYOUTS = {  # activations of a batch x (rows, 5 tokens, 4) as a block lays them out
-    "rows first": lambda x: x * 2,
-    "tokens first": lambda x: x.transpose(0, 1),
-    "rows by tokens": lambda x: x.reshape(-1, 4),
-    "tokens by rows": lambda x: x.transpose(0, 1).reshape(-1, 4),
-    "heads by rows": lambda x: x.reshape(len(x), 5, 2, 2).permute(1, 2, 0, 3).reshape(5, -1, 2),
-}
-
-
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_a_process_finds_its_rows_in_each_activation_of_a_block(layout: str) -> None:
-    """Probed on one row and on two, the row axis of an activation picks out, from the whole
-    batch's activation, exactly the activation of the rows a process holds (so it keeps the whole
-    batch's QDrop bytes of its own rows)."""
-    f = LAYOUTS[layout]
-    x = torch.randn(6, 5, 4)
-    axis = _row_axis(f(x[:1]), f(x[:2]))
-    held = np.array([1, 4, 5])
-    index = torch.from_numpy(axis.index(held, len(x)))
-    assert axis.whole(tuple(f(x[held]).shape), len(x)) == f(x).shape
-    assert torch.equal(f(x).index_select(axis.axis, index), f(x[held]))
+def test_a_piece_draws_its_in_block_qdrop_bytes_whatever_else_its_step_holds() -> None:
+    """Inside a block each piece of a step (one calibration batch's rows) draws its QDrop bytes from a
+    generator seeded by the step and its batch: the same in one process, where other pieces come
+    before it, as in whichever of two processes holds it, call after call."""
+    rng = np.random.default_rng(1)
+    batches = [rng.standard_normal((n, 4)).astype(np.float32) for n in (5, 3, 4)]
+    config = Draw(batch_size=6, seed=7, drop_ratio=0.5)
+    runs = [[_process_batches(batches, config, 0, 1)], [_process_batches(batches, config, rank, 2) for rank in range(2)]]
+    masks = [[PieceMasks(128, torch.device("cpu"), [7, 0, 1], share) for share in run] for run in runs]
+    for _ in range(10):
+        drawn = []
+        for run, run_masks in zip(runs, masks):
+            pieces = {}
+            for share, share_masks in zip(run, run_masks):
+                share.next()
+                for piece in share.pieces:
+                    share.piece = piece
+                    pieces[piece.batch] = [share_masks.draw((piece.rows.stop - piece.rows.start, 16, 8)) for _ in range(2)]
+            drawn.append(pieces)
+        assert drawn[0].keys() == drawn[1].keys() and len(drawn[0]) > 1
+        assert all(torch.equal(a, b) for batch in drawn[0] for a, b in zip(drawn[0][batch], drawn[1][batch]))
+        assert all(not torch.equal(*drawn[0][batch]) for batch in drawn[0])  # a fresh draw per call
 
 
 def test_fewer_batches_than_processes_is_refused() -> None:

@@ -138,9 +138,8 @@ class Optimisation:
         for piece in batches.pieces:
             batches.piece = piece
             error = (model(*batches.inputs_of(x, piece))[0] - target[piece.rows]).square().sum() / elements
-            if piece.slot >= 0:  # (an empty piece's forward only draws the step's QDrop bytes)
-                pieces.append((piece.slot, torch.cat([self._gradient(error / self.work.before.power, model, parameters),
-                                                      error.detach().reshape(1)]).to(dtype)))
+            pieces.append((piece.slot, torch.cat([self._gradient(error / self.work.before.power, model, parameters),
+                                                  error.detach().reshape(1)]).to(dtype)))
         width = sum(p.numel() for p in parameters) + 1
         total = sum_in_order(self.fabric, pieces, batches.shards, width, dtype=target.dtype)
         penalties = [term for part in parts if (term := part.penalty(step)) is not None]

@@ -38,12 +38,13 @@ class Draw:
 
 @dataclass(frozen=True)
 class Piece:
-    """The rows of one calibration batch in a step's batch: `slot`, its place among the calibration
-    batches the global batch draws from (the same in every process; -1: no rows), and `rows`, its
+    """The rows of one calibration batch (number `batch`) in a step's batch: `slot`, its place among
+    the calibration batches the global batch draws from (the same in every process), and `rows`, its
     slice of this process's rows of the batch. A step's gradient is computed piece by piece, so
     its float sums do not depend on how the pieces are spread over processes (see shards)."""
 
     slot: int
+    batch: int
     rows: slice
 
 
@@ -73,11 +74,10 @@ class Batches:
         self.masks = KeepMasks(qdrop_threshold(draw.drop_ratio), device, self.generator, [draw.seed, k])
         self.mixing = self.masks.threshold < 256
         self.staged = _stage(self._values(), device, device_budget)
-        self.held = np.arange(0)  # positions in the last global batch of the rows this process holds
         self.steps = 0  # batches drawn so far
         self.shards = 0  # calibration batches the last global batch's rows come from
-        self.pieces = [Piece(-1, slice(0, 0))]  # this process's share of the last batch, by calibration batch
-        self.piece = self.pieces[0]  # the piece being trained on (see methods.qdrop)
+        self.pieces: list[Piece] = []  # this process's share of the last batch, by calibration batch
+        self.piece: Piece | None = None  # the piece being trained on (see methods.qdrop)
         self.fixed = [None if gathered else value.tensor(0, device) for value, gathered in zip(inputs.values, inputs.gathered)]
 
     def next(self) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
@@ -86,7 +86,6 @@ class Batches:
         picked = np.sort(self.rows.trainable[self.generator.permutation(len(self.rows.trainable))[: self.size]])
         local = self.rows.local[picked]
         held = local >= 0
-        self.held = np.flatnonzero(held)
         self._cut(self.rows.batch[picked], held)
         values = self._gather(local[held])
         rowed = len(self.inputs.rowed)
@@ -101,25 +100,18 @@ class Batches:
     def _cut(self, batches: np.ndarray, held: np.ndarray) -> None:
         """The step's pieces: the global batch's rows grouped by the calibration batch they come from
         (ascending, as the rows are), numbered in that order over every process, and those this
-        process holds as slices of its rows; one empty piece where it holds none, whose forward still
-        draws the step's QDrop bytes."""
+        process holds as slices of its rows (none where it holds no row)."""
         self.steps += 1
-        slots = np.unique(batches, return_inverse=True)[1]
-        self.shards = int(slots.max()) + 1 if len(slots) else 0
-        mine, starts = np.unique(slots[held], return_index=True)
+        numbers = np.unique(batches)
+        self.shards = len(numbers)
+        mine, starts = np.unique(batches[held], return_index=True)
         ends = [*starts[1:], int(held.sum())]
-        self.pieces = [Piece(int(slot), slice(int(a), int(b))) for slot, a, b in zip(mine, starts, ends)] or [Piece(-1, slice(0, 0))]
+        self.pieces = [Piece(int(np.searchsorted(numbers, batch)), int(batch), slice(int(a), int(b)))
+                       for batch, a, b in zip(mine, starts, ends)]
 
     def inputs_of(self, inputs: tuple[torch.Tensor, ...], piece: Piece) -> tuple[torch.Tensor, ...]:
         """A piece's rows of the batch's inputs (the inputs a batch takes whole as they are)."""
         return tuple(x[piece.rows] if fixed is None else x for x, fixed in zip(inputs, self.fixed))
-
-    def sample(self, count: int) -> tuple[torch.Tensor, ...]:
-        """The unit's inputs over `count` rows on the device for probing its layout: this process's
-        first trainable rows, zeros where it holds fewer."""
-        local = self.rows.local[self.rows.trainable]
-        rowed = self._gather(local[local >= 0][:count])[: len(self.inputs.rowed)]
-        return self._assemble([torch.cat([x, x.new_zeros((count - len(x), *x.shape[1:]))]) for x in rowed])
 
     def _assemble(self, rowed: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """The unit's inputs in its order: the given rows of those a batch takes rows of, the others as they are."""

@@ -36,6 +36,18 @@ class Draw:
         return cls(config.batch_size, config.seed, config.drop_ratio)
 
 
+@dataclass(frozen=True)
+class Piece:
+    """The rows of one calibration batch (number `batch`) in a step's batch: `slot`, its place among
+    the calibration batches the global batch draws from (the same in every process), and `rows`, its
+    slice of this process's rows of the batch. A step's gradient is computed piece by piece, so
+    its float sums do not depend on how the pieces are spread over processes (see shards)."""
+
+    slot: int
+    batch: int
+    rows: slice
+
+
 class Batches:
     """Random training batches of a unit, reproducible from the seed and the unit index: rows
     drawn without replacement, the input mixed per element from the quantized (probability
@@ -62,7 +74,10 @@ class Batches:
         self.masks = KeepMasks(qdrop_threshold(draw.drop_ratio), device, self.generator, [draw.seed, k])
         self.mixing = self.masks.threshold < 256
         self.staged = _stage(self._values(), device, device_budget)
-        self.held = np.arange(0)  # positions in the last global batch of the rows this process holds
+        self.steps = 0  # batches drawn so far
+        self.shards = 0  # calibration batches the last global batch's rows come from
+        self.pieces: list[Piece] = []  # this process's share of the last batch, by calibration batch
+        self.piece: Piece | None = None  # the piece being trained on (see methods.qdrop)
         self.fixed = [None if gathered else value.tensor(0, device) for value, gathered in zip(inputs.values, inputs.gathered)]
 
     def next(self) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
@@ -71,7 +86,7 @@ class Batches:
         picked = np.sort(self.rows.trainable[self.generator.permutation(len(self.rows.trainable))[: self.size]])
         local = self.rows.local[picked]
         held = local >= 0
-        self.held = np.flatnonzero(held)
+        self._cut(self.rows.batch[picked], held)
         values = self._gather(local[held])
         rowed = len(self.inputs.rowed)
         (x, *sides), float_x, target = values[:rowed], values[rowed:-1], values[-1]
@@ -82,12 +97,21 @@ class Batches:
             x = mixed(keep, x, float_x[0])
         return self._assemble([x, *sides]), target
 
-    def sample(self, count: int) -> tuple[torch.Tensor, ...]:
-        """The unit's inputs over `count` rows on the device for probing its layout: this process's
-        first trainable rows, zeros where it holds fewer."""
-        local = self.rows.local[self.rows.trainable]
-        rowed = self._gather(local[local >= 0][:count])[: len(self.inputs.rowed)]
-        return self._assemble([torch.cat([x, x.new_zeros((count - len(x), *x.shape[1:]))]) for x in rowed])
+    def _cut(self, batches: np.ndarray, held: np.ndarray) -> None:
+        """The step's pieces: the global batch's rows grouped by the calibration batch they come from
+        (ascending, as the rows are), numbered in that order over every process, and those this
+        process holds as slices of its rows (none where it holds no row)."""
+        self.steps += 1
+        numbers = np.unique(batches)
+        self.shards = len(numbers)
+        mine, starts = np.unique(batches[held], return_index=True)
+        ends = [*starts[1:], int(held.sum())]
+        self.pieces = [Piece(int(np.searchsorted(numbers, batch)), int(batch), slice(int(a), int(b)))
+                       for batch, a, b in zip(mine, starts, ends)]
+
+    def inputs_of(self, inputs: tuple[torch.Tensor, ...], piece: Piece) -> tuple[torch.Tensor, ...]:
+        """A piece's rows of the batch's inputs (the inputs a batch takes whole as they are)."""
+        return tuple(x[piece.rows] if fixed is None else x for x, fixed in zip(inputs, self.fixed))
 
     def _assemble(self, rowed: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """The unit's inputs in its order: the given rows of those a batch takes rows of, the others as they are."""

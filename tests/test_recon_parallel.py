@@ -1,7 +1,8 @@
 """Data-parallel fine-tuning (fast_finetune.devices): each process holds a share of the calibration
 batches, yet draws the rows and QDrop bytes the one-process run draws and adds every sum from the
-same per-calibration-batch pieces in the same order; two gloo processes on the CPU tune to the
-one-process bytes (weights, losses, statuses, stop steps)."""
+same pieces in the same order (a step's gradient in fast_finetune.gradient_pieces pieces, a loss per
+calibration batch); two gloo processes on the CPU tune to the one-process bytes (weights, losses,
+statuses, stop steps)."""
 
 from __future__ import annotations
 
@@ -36,10 +37,10 @@ def test_the_processes_draw_the_one_process_batch_and_bytes_between_them() -> No
     """Every process draws the same global batch and keeps the rows it holds; together they hold
     exactly the one-process batch, with the same QDrop mixing, step after step (batches of 3 unequal
     sizes over 2 processes, so shares differ in size and some steps give a process no row), cut
-    into the same pieces (one per calibration batch, numbered alike), which a step adds in order."""
+    into the same pieces (calibration batch c in piece c mod 2, numbered alike), which a step adds in order."""
     rng = np.random.default_rng(0)
     batches = [rng.standard_normal((n, 4)).astype(np.float32) for n in (5, 3, 4)]
-    config = Draw(batch_size=3, seed=7, drop_ratio=0.5)
+    config = Draw(batch_size=3, seed=7, drop_ratio=0.5, pieces=2)
     one = _process_batches(batches, config, 0, 1)
     shares = [_process_batches(batches, config, rank, 2) for rank in range(2)]
     empty_steps = 0
@@ -52,9 +53,25 @@ def test_the_processes_draw_the_one_process_batch_and_bytes_between_them() -> No
         assert 0 < (x < 50).sum() < x.numel()  # mixed: some quantized, some float values
         pieces = {piece.slot: x[piece.rows] for piece in one.pieces}
         shared = {piece.slot: part[0][0][piece.rows] for share, part in zip(shares, parts) for piece in share.pieces if piece.slot >= 0}
-        assert pieces.keys() == shared.keys() == set(range(one.shards)) and one.shards == shares[0].shards == shares[1].shards
+        assert pieces.keys() == shared.keys() <= set(range(2)) and one.slots == shares[0].slots == shares[1].slots == 2
         assert all(torch.equal(shared[slot], piece) for slot, piece in pieces.items())
     assert empty_steps > 0
+
+
+def test_a_piece_split_over_processes_is_a_slot_of_its_own_and_warned() -> None:
+    """Where the processes do not divide the pieces (3 pieces, 2 processes), a piece's rows lie in both,
+    so each process's part is a slot of its own (piece * world + rank): every row of the batch is in
+    exactly one slot, and the run says its steps are not one process's."""
+    rng = np.random.default_rng(2)
+    batches = [rng.standard_normal((n, 4)).astype(np.float32) for n in (2, 3, 2, 4, 3)]
+    shares = [_process_batches(batches, Draw(batch_size=8, seed=3, drop_ratio=1, pieces=3), rank, 2) for rank in range(2)]
+    for _ in range(10):
+        parts = [share.next() for share in shares]
+        slots = [piece.slot for share in shares for piece in share.pieces]
+        assert all(share.slots == 6 for share in shares) and len(slots) == len(set(slots))
+        assert all(piece.slot == piece.share * 2 + rank for rank, share in enumerate(shares) for piece in share.pieces)
+        assert sum(piece.rows.stop - piece.rows.start for share in shares for piece in share.pieces) == 8
+        assert [len(part[1]) for part in parts] == [sum(p.rows.stop - p.rows.start for p in share.pieces) for share in shares]
 
 
 def _process_batches(batches: list[np.ndarray], config: Draw, rank: int, world: int) -> Batches:
@@ -70,12 +87,12 @@ def _process_batches(batches: list[np.ndarray], config: Draw, rank: int, world: 
 
 
 def test_a_piece_draws_its_in_block_qdrop_bytes_whatever_else_its_step_holds() -> None:
-    """Inside a block each piece of a step (one calibration batch's rows) draws its QDrop bytes from a
-    generator seeded by the step and its batch: the same in one process, where other pieces come
-    before it, as in whichever of two processes holds it, call after call."""
+    """Inside a block each piece of a step draws its QDrop bytes from a generator seeded by the step
+    and the piece's number: the same in one process, where other pieces come before it, as in
+    whichever of two processes holds it, call after call."""
     rng = np.random.default_rng(1)
     batches = [rng.standard_normal((n, 4)).astype(np.float32) for n in (5, 3, 4)]
-    config = Draw(batch_size=6, seed=7, drop_ratio=0.5)
+    config = Draw(batch_size=6, seed=7, drop_ratio=0.5, pieces=2)
     runs = [[_process_batches(batches, config, 0, 1)], [_process_batches(batches, config, rank, 2) for rank in range(2)]]
     masks = [[PieceMasks(128, torch.device("cpu"), [7, 0, 1], share) for share in run] for run in runs]
     for _ in range(10):
@@ -86,7 +103,7 @@ def test_a_piece_draws_its_in_block_qdrop_bytes_whatever_else_its_step_holds() -
                 share.next()
                 for piece in share.pieces:
                     share.piece = piece
-                    pieces[piece.batch] = [share_masks.draw((piece.rows.stop - piece.rows.start, 16, 8)) for _ in range(2)]
+                    pieces[piece.share] = [share_masks.draw((piece.rows.stop - piece.rows.start, 16, 8)) for _ in range(2)]
             drawn.append(pieces)
         assert drawn[0].keys() == drawn[1].keys() and len(drawn[0]) > 1
         assert all(torch.equal(a, b) for batch in drawn[0] for a, b in zip(drawn[0][batch], drawn[1][batch]))
@@ -203,8 +220,9 @@ def test_two_gloo_processes_tune_blocks_like_one_with_early_stopping(encoder: di
 
 def _assert_same_tuning(one: onnx.ModelProto, one_report: dict, two: onnx.ModelProto, two_report: dict) -> None:
     """Two processes tune to one process's bytes: every unit's losses, status, steps and best point,
-    the held-out guard and every weight. Each step's gradient, and each loss, is a float64 sum of
-    per-calibration-batch pieces added in batch order whatever the number of processes
+    the held-out guard and every weight. Each step's gradient (in gradient_pieces pieces, 2 by
+    default), and each loss (per calibration batch), is a float64 sum of pieces added in order
+    whatever the number of processes
     (shards.sum_in_order), so it holds on any CPU, whatever order its kernels sum a piece in (checked
     here under ATEN_CPU_CAPABILITY=avx2 and =default too: see docs/devices.md)."""
     fields = ("name", "status", "iterations", "best_iteration", "loss_before", "loss_after", "held_out_before",

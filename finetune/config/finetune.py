@@ -117,7 +117,9 @@ class FastFinetune(Section):
     auto`; `true` requires one, `false` stays eager; the bits are the same either way), and on the
     CPU torch's intra-op threads chosen per unit (`threads: auto`: one thread for a step too small
     to gain from more, else the CPUs of this process that other jobs leave free; a number pins it,
-    as OMP_NUM_THREADS does; see recon.threads).
+    as OMP_NUM_THREADS does; see recon.threads). A step's gradient is computed in `gradient_pieces`
+    pieces (2) added in a fixed order, so N processes that divide that number take one process's
+    steps bit for bit on any CPU (see recon.data.shards).
     `validation_share` (default 0.2) of the calibration batches, drawn with the seed, are held out
     of training: each unit's loss there is measured every few steps, early stopping reads it, and
     the unit ends at its lowest measurement (its weights, or AdaRound's rounding variables, as they
@@ -158,6 +160,7 @@ class FastFinetune(Section):
     gptq_init: bool = False
     compile: Literal["auto", True, False] = "auto"
     threads: int | Literal["auto"] = field(default="auto", metadata={"min": 1})
+    gradient_pieces: int = field(default=2, metadata={"min": 1})
     bias_correction: Literal["auto", True, False] = "auto"
     adaquant: AdaQuant = field(default_factory=AdaQuant)
     update_bias: InitVar[Any] = None  # MOVED_TO_ADAQUANT: read into the adaquant section, with a warning

@@ -126,10 +126,10 @@ class Optimisation:
     def _step(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: tuple[tuple[torch.Tensor, ...], torch.Tensor],
               parts: list[Part], step: int, batches: Batches) -> torch.Tensor:
         """One Adam step on MSE relative to the target power, plus the parts' terms; returns the step's
-        MSE over the whole batch. The MSE's gradient is computed piece by piece, one calibration
-        batch's rows at a time (each piece's squared error over the whole batch's element count), and
-        the pieces of every process are added in their order in float64 (shards.sum_in_order), the
-        parts' terms after them, so N processes take one process's step bit for bit."""
+        MSE over the whole batch. The MSE's gradient is computed piece by piece (Draw.pieces; each
+        piece's squared error over the whole batch's element count), and the pieces of every process
+        are added in their order in float64 (shards.sum_in_order), the parts' terms after them, so N
+        processes that divide the pieces take one process's step bit for bit."""
         x, target = batch
         parameters = [p for group in optimizer.param_groups for p in group["params"]]
         elements = batches.size * math.prod(target.shape[1:])
@@ -141,7 +141,7 @@ class Optimisation:
             pieces.append((piece.slot, torch.cat([self._gradient(error / self.work.before.power, model, parameters),
                                                   error.detach().reshape(1)]).to(dtype)))
         width = sum(p.numel() for p in parameters) + 1
-        total = sum_in_order(self.fabric, pieces, batches.shards, width, dtype=target.dtype)
+        total = sum_in_order(self.fabric, pieces, batches.slots, width, dtype=target.dtype)
         penalties = [term for part in parts if (term := part.penalty(step)) is not None]
         if penalties:  # every process computes the same, so it is added once
             total[:-1] += self._gradient(sum(penalties), model, parameters).double()

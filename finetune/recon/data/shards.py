@@ -8,11 +8,12 @@ batch's element count, and summing the gradients over processes gives the gradie
 batch gives in one process. Losses before and after tuning are sums over all processes, so each
 process makes the same keep-or-revert decision, and the weights stay identical everywhere.
 
-Every sum that crosses processes is made in pieces that do not depend on their number: a
-calibration batch's rows always lie in one process, so a step's gradient is computed per batch its
-rows come from, a loss per cached batch, and the pieces are added in batch order in float64
-(sum_in_order). One process adds the same pieces in the same order, so N processes give its bytes
-on any CPU, whatever order its kernels sum a piece in."""
+Every sum that crosses processes is made in pieces that do not depend on their number. A step's
+batch is cut into `gradient_pieces` pieces (the rows of calibration batch c in piece c modulo that
+number), each piece's gradient is computed alone and the pieces are added in order in float64
+(sum_in_order); a loss is summed per cached batch, in batch order. When the processes divide the
+pieces, each piece lies in one process, and one process adds the same pieces in the same order:
+N processes give its bytes on any CPU, whatever order its kernels sum a piece in."""
 
 from __future__ import annotations
 
@@ -69,13 +70,15 @@ class Rows:
     rows training batches draw from (those of the batches not held out whose values share the first
     such batch's shape beyond the leading axis); `local` maps a global row number to its row in this
     process's cache (-1: another process holds it) and `batch` to its calibration batch; `total`
-    counts every row, `held_out` those of the held-out batches."""
+    counts every row, `held_out` those of the held-out batches; `rank` is this process's of `world`."""
 
     trainable: np.ndarray
     local: np.ndarray
     batch: np.ndarray
     total: int
     held_out: int = 0
+    rank: int = 0
+    world: int = 1
 
     @classmethod
     def of(cls, fabric: Fabric, inputs: CachedValue, targets: CachedValue, sides: Sequence[CachedValue] = (),
@@ -99,7 +102,7 @@ class Rows:
                 local[offsets[c]: offsets[c + 1]] = np.arange(start, start + rows)
                 start += rows
         batch = np.repeat(np.array([c for c, _, _ in table], dtype=np.int64), [rows for _, rows, _ in table])
-        return cls(trainable, local, batch, int(offsets[-1]), sum(rows for c, rows, _ in table if c in held_out))
+        return cls(trainable, local, batch, int(offsets[-1]), sum(rows for c, rows, _ in table if c in held_out), rank, world)
 
 
 def chunk_table(inputs: CachedValue, targets: CachedValue, rank: int, world: int,

@@ -1,7 +1,7 @@
 """QDrop (Wei et al., 2022) inside a block while it trains: each activation quantizer passes its float
 value for some elements, seeded by the unit index, so reruns repeat (the mixing of the block's input
-is the batches' own: recon.data.batches). Each piece of a step (one calibration batch's rows: see
-recon.data.shards) draws its bytes from a generator seeded by the unit, the step and that batch, so
+is the batches' own: recon.data.batches). Each piece of a step (see recon.data.shards) draws its
+bytes from a generator seeded by the unit, the step and the piece's number, so
 a piece draws the same bytes in whichever process trains it: N processes train on the one-process
 mixture, whatever layout the block gives its rows."""
 
@@ -79,13 +79,13 @@ def dropped_quantization(train: torch.nn.Module, draw: Draw, k: int, device: tor
 
 class PieceMasks:
     """In-block QDrop masks, drawn for each piece a step trains on (Batches.piece) from a generator
-    seeded by `entropy` (the run's seed and the unit), the step and the piece's calibration batch, so
+    seeded by `entropy` (the run's seed and the unit), the step and the piece's number, so
     a piece's bytes depend neither on the process that trains it nor on the other pieces of its step;
     without `batches` (a block run outside an optimisation), from one generator seeded by `entropy`."""
 
     def __init__(self, threshold: int, device: torch.device, entropy: list[int], batches: Batches | None) -> None:
         self.threshold, self.device, self.entropy, self.batches = threshold, device, entropy, batches
-        self.piece: tuple[int, int] | None = None  # the (step, calibration batch) the masks are drawn for
+        self.piece: tuple[int, int] | None = None  # the (step, piece number) the masks are drawn for
         self.masks = self._masks(entropy)
 
     def _masks(self, entropy: list[int]) -> KeepMasks:
@@ -95,7 +95,7 @@ class PieceMasks:
     def draw(self, shape: tuple[int, ...]) -> torch.Tensor:
         """The keep mask of the next quantizer call, for an activation of `shape`."""
         if self.batches is not None and self.batches.piece is not None:
-            piece = (self.batches.steps, self.batches.piece.batch)
+            piece = (self.batches.steps, self.batches.piece.share)
             if piece != self.piece:
                 self.piece, self.masks = piece, self._masks([*self.entropy, *piece])
         return self.masks.draw(shape)

@@ -154,12 +154,12 @@ def test_activation_caching_is_linear_in_depth(digits: dict, monkeypatch: pytest
                 sub.register_forward_hook(lambda *_, name=name: calls.update([name]))
         return module
 
-    pieces: dict[int, int] = {}  # per unit's batches, the pieces its steps ran
+    pieces: dict[Batches, int] = {}  # per unit's batches (held, so no two share an id), the pieces its steps ran
     draw = Batches.next
 
     def counted_draw(batches: Batches) -> object:
         batch = draw(batches)
-        pieces[id(batches)] = pieces.get(id(batches), 0) + len(batches.pieces)
+        pieces[batches] = pieces.get(batches, 0) + len(batches.pieces)
         return batch
 
     monkeypatch.setattr(recon_run, "lift_model", counted_lift)

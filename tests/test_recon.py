@@ -137,8 +137,8 @@ def test_the_quantized_stream_equals_the_full_model(matmul_model: Path, digits: 
 def test_activation_caching_is_linear_in_depth(digits: dict, monkeypatch: pytest.MonkeyPatch, bias_correction: bool) -> None:
     """Every op between units runs once per batch in the float pass and once in the quantized
     stream; each layer (and the activation in its unit) additionally twice for its loss
-    before/after plus once per piece of each iteration (fast_finetune.gradient_pieces among the
-    step's rows: recon.data.shards), and with bias correction five times more: its float
+    before/after plus once per piece of each iteration (here 2 gradient_pieces, each present where
+    the step's rows fall in it: recon.data.shards), and with bias correction five times more: its float
     means, and per correction (start, after tuning) its quantized means and the loss after it, the
     loss before the second replacing the loss after tuning; and every op once more on the sample the
     lifted module is checked against onnxruntime on before any work (lift.check_lifted), and once more
@@ -166,7 +166,7 @@ def test_activation_caching_is_linear_in_depth(digits: dict, monkeypatch: pytest
     monkeypatch.setattr(Batches, "next", counted_draw)
     iterations, chunks = 7, len(digits["small"])
     finetune_model(quantize_model(digits["path"], "XINT8", digits["small"]).model, digits["small"],
-                   FastFinetune(iterations=iterations, bias_correction=bias_correction))
+                   FastFinetune(iterations=iterations, bias_correction=bias_correction, gradient_pieces=2))
     layers = {name for name in calls if name.endswith(("Conv", "Gemm"))}
     activations = {name for name in calls if name.endswith("Relu")}  # each follows a layer: part of its unit
     assert len(layers) == 5 and len(activations) == 4 and len(pieces) == 5 and min(pieces.values()) > iterations

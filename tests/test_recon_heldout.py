@@ -166,7 +166,7 @@ def test_each_unit_ends_at_its_lowest_held_out_evaluation(algorithm: str) -> Non
     worse than before tuning is reverted, its best loss the rejected one."""
     model = quantize_model(mlp_model(), "XINT8", feeds(10)).model
     recorder = HeldOutRecorder()
-    lr = {"adaquant": 0.002, "adaround": 0.5}[algorithm]  # a unit of each run ends before its last step (measured)
+    lr = {"adaquant": 0.002, "adaround": 0.1}[algorithm]  # a unit of each run ends before its last step (measured)
     config = FastFinetune(algorithm=algorithm, iterations=60, batch_size=8, lr=lr, early_stop={"enabled": False})
     _, report = finetune_model(model, feeds(10), config, callbacks=[recorder])
     assert len(recorder.evaluations) == len(report["units"]) == 2

@@ -1,8 +1,8 @@
 """Data-parallel fine-tuning (fast_finetune.devices): each process holds a share of the calibration
 batches, yet draws the rows and QDrop bytes the one-process run draws and adds every sum from the
-same pieces in the same order (a step's gradient in fast_finetune.gradient_pieces pieces, a loss per
-calibration batch); two gloo processes on the CPU tune to the one-process bytes (weights, losses,
-statuses, stop steps)."""
+same pieces in the same order (a step's gradient in fast_finetune.gradient_pieces pieces, one per
+process by default, a loss per calibration batch); two gloo processes at the defaults tune to the
+bytes of one process with gradient_pieces 2 (weights, losses, statuses, stop steps)."""
 
 from __future__ import annotations
 
@@ -160,9 +160,10 @@ def spawned(digits: dict) -> dict[str, tuple[onnx.ModelProto, dict]]:
 @pytest.mark.slow
 @pytest.mark.parametrize("algorithm", ["adaquant", "adaround"])
 def test_two_gloo_processes_tune_like_one(digits: dict, spawned: dict, algorithm: str) -> None:
-    """Two CPU processes (gloo) with the global batch of one: the one-process bytes (weights, losses,
-    keep/revert decisions, the held-out guard)."""
-    one, one_report = finetune_model(digits["model"], digits["calibration"], FastFinetune(algorithm=algorithm, **SETTINGS))
+    """Two CPU processes (gloo) at the defaults, with the global batch of one: the bytes of one process
+    with gradient_pieces 2 (weights, losses, keep/revert decisions, the held-out guard)."""
+    one, one_report = finetune_model(digits["model"], digits["calibration"], FastFinetune(algorithm=algorithm, **SETTINGS,
+                                                                                          gradient_pieces=2))
     two, two_report = spawned[algorithm]
     assert two_report["processes"] == 2 and one_report["processes"] == 1
     assert [u["status"] for u in two_report["units"]] == [u["status"] for u in one_report["units"]]
@@ -201,16 +202,15 @@ def encoder(tmp_path_factory: pytest.TempPathFactory) -> dict:
 @pytest.mark.parametrize("share", [0.2, 0.25])
 def test_two_gloo_processes_tune_blocks_like_one_with_early_stopping(encoder: dict, share: float) -> None:
     """Over blocks, with QDrop inside them and early stopping on (patience shortened to 10 so a unit
-    stops within 80 steps), two processes draw the one-process QDrop bytes of their rows in every
-    activation (attention's (tokens, rows, ...) and (tokens * rows, ...) layouts too) and add the
-    one-process pieces of every sum, so they stop at the same steps, keep alike and tune to the
-    one-process bytes. With a share of 0.2 none of the
+    stops within 80 steps), two processes at the defaults draw the QDrop bytes of one process with
+    gradient_pieces 2 in every piece, whatever the block's layout, and add its pieces of every sum,
+    so they stop at the same steps, keep alike and tune to its bytes. With a share of 0.2 none of the
     4 batches is held out and the training loss decides; with 0.25 one is, and its loss, measured
     every 10 steps (QDrop drawing nothing then) and summed over the processes, decides, and each
     unit ends at its best measurement in both runs."""
     settings = {"algorithm": "adaquant", "unit": "block", "iterations": 80, "early_stop": EarlyStop(patience=10),
                 "validation_share": share}
-    one, one_report = finetune_model(encoder["model"], encoder["calibration"], FastFinetune(**settings))
+    one, one_report = finetune_model(encoder["model"], encoder["calibration"], FastFinetune(**settings, gradient_pieces=2))
     two, two_report = finetune_model(encoder["model"], encoder["calibration"],
                                      FastFinetune(**settings, devices=2, strategy="ddp_spawn"))
     assert any(u["iterations"] < 80 for u in one_report["units"]) and two_report["warnings"] == one_report["warnings"]

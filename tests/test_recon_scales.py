@@ -227,12 +227,12 @@ def test_same_seed_same_bytes(digits: dict) -> None:
 
 @pytest.mark.slow
 def test_two_gloo_processes_learn_the_scales_of_one(digits: dict) -> None:
-    """The scale gradients are added from the same per-calibration-batch pieces as the weights'
-    (recon.data.shards): two CPU processes learn the scales one process learns and tune to its
+    """The scale gradients are added from the same pieces as the weights' (recon.data.shards): two
+    CPU processes learn the scales one process with gradient_pieces 2 learns and tune to its
     bytes (see test_recon_parallel._assert_same_tuning)."""
     calibration = [{"x": batch["x"][:30]} for batch in digits["small"]] * 2
     quantized = quantize_model(digits["path"], W4A8_CHANNEL, calibration).model
-    one, one_report = finetune_model(quantized, calibration, FastFinetune(**LEARN))
+    one, one_report = finetune_model(quantized, calibration, FastFinetune(**LEARN, gradient_pieces=2))
     two, two_report = finetune_model(quantized, calibration, FastFinetune(**LEARN, devices=2, strategy="ddp_spawn"))
     assert one_report["learned_scales"][0]["ratio_min"] != 1.0
     assert two_report["learned_scales"] == one_report["learned_scales"]

@@ -35,7 +35,7 @@ class Draw:
     @classmethod
     def of(cls, config: FastFinetune) -> Draw:
         """The fast_finetune section's draw."""
-        return cls(config.batch_size, config.seed, config.drop_ratio, config.gradient_pieces)
+        return cls(config.batch_size, config.seed, config.drop_ratio, config.pieces)
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ from finetune.recon import (
     finetune_model,
     resolve_device,
 )
+from finetune.recon.data.batches import Batches
 from finetune.recon.methods.adaround import BETA_END, BETA_START, Annealing, SoftRounding
 from finetune.recon.methods.adaquant import CosineTail
 from finetune.recon.device import _backend, float32_settings, legacy_float32_settings
@@ -136,7 +137,8 @@ def test_the_quantized_stream_equals_the_full_model(matmul_model: Path, digits: 
 def test_activation_caching_is_linear_in_depth(digits: dict, monkeypatch: pytest.MonkeyPatch, bias_correction: bool) -> None:
     """Every op between units runs once per batch in the float pass and once in the quantized
     stream; each layer (and the activation in its unit) additionally twice for its loss
-    before/after plus once per iteration, and with bias correction five times more: its float
+    before/after plus once per piece of each iteration (here 2 gradient_pieces, each present where
+    the step's rows fall in it: recon.data.shards), and with bias correction five times more: its float
     means, and per correction (start, after tuning) its quantized means and the loss after it, the
     loss before the second replacing the loss after tuning; and every op once more on the sample the
     lifted module is checked against onnxruntime on before any work (lift.check_lifted), and once more
@@ -152,16 +154,27 @@ def test_activation_caching_is_linear_in_depth(digits: dict, monkeypatch: pytest
                 sub.register_forward_hook(lambda *_, name=name: calls.update([name]))
         return module
 
+    pieces: dict[Batches, int] = {}  # per unit's batches (held, so no two share an id), the pieces its steps ran
+    draw = Batches.next
+
+    def counted_draw(batches: Batches) -> object:
+        batch = draw(batches)
+        pieces[batches] = pieces.get(batches, 0) + len(batches.pieces)
+        return batch
+
     monkeypatch.setattr(recon_run, "lift_model", counted_lift)
+    monkeypatch.setattr(Batches, "next", counted_draw)
     iterations, chunks = 7, len(digits["small"])
     finetune_model(quantize_model(digits["path"], "XINT8", digits["small"]).model, digits["small"],
-                   FastFinetune(iterations=iterations, bias_correction=bias_correction))
+                   FastFinetune(iterations=iterations, bias_correction=bias_correction, gradient_pieces=2))
     layers = {name for name in calls if name.endswith(("Conv", "Gemm"))}
     activations = {name for name in calls if name.endswith("Relu")}  # each follows a layer: part of its unit
-    assert len(layers) == 5 and len(activations) == 4
+    assert len(layers) == 5 and len(activations) == 4 and len(pieces) == 5 and min(pieces.values()) > iterations
+    base = (9 if bias_correction else 4) * chunks + 1 + 2 + 1
+    assert sorted(calls[name] - base for name in layers) == sorted(pieces.values())
     for name, count in calls.items():
         if name in layers | activations or "weight" in name or "bias" in name:
-            assert count == (9 if bias_correction else 4) * chunks + iterations + 1 + 2 + 1, name
+            assert count - base in pieces.values(), name
         else:
             assert count == 2 * chunks + 1 + 1 + 1, name
 

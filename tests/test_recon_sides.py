@@ -183,14 +183,13 @@ def test_the_loop_model_tunes(preset: str, algorithm: str) -> None:
 
 
 def test_two_gloo_processes_tune_side_inputs_like_one(v6: onnx.ModelProto, windows: dict[str, np.ndarray]) -> None:
-    """Over two processes the LSTM's rows of h and c are gathered with its input's: the one-process
-    statuses, losses and weights (up to float summation order)."""
+    """Over two processes the LSTM's rows of h and c are gathered with its input's: the statuses,
+    losses and weights of one process with gradient_pieces 2, bit for bit."""
     settings = {"algorithm": "adaquant", "iterations": 20, "seed": 1, "batch_size": 8, "op_types": OPS}
     feeds = v6_feeds(windows["calibration"])
-    one, one_report = finetune_model(v6, feeds, FastFinetune(**settings))
+    one, one_report = finetune_model(v6, feeds, FastFinetune(**settings, gradient_pieces=2))
     two, two_report = finetune_model(v6, feeds, FastFinetune(**settings, devices=2, strategy="ddp_spawn"))
     assert "/decoder/rnn/LSTM" in [u["name"] for u in one_report["units"]]
-    assert [u["status"] for u in two_report["units"]] == [u["status"] for u in one_report["units"]]
     _assert_same_tuning(one, one_report, two, two_report)
 
 

@@ -85,6 +85,10 @@ DESCRIPTIONS: dict[str, str] = {
                             "is too small to gain from more, else the CPUs of this process (affinity, cgroup quota) that "
                             "other jobs leave free, chosen per unit; a number pins it (as OMP_NUM_THREADS does), and "
                             "with it the last bits of the tuned weights.",
+    "FastFinetune.gradient_pieces": "Pieces a step's batch is cut into (rows of calibration batch c in piece c modulo this), "
+                                    "each piece's gradient computed alone and the pieces added in order; `auto`: one per "
+                                    "process. N processes take the steps of one process with `gradient_pieces: N` bit for "
+                                    "bit, on any CPU.",
     "FastFinetune.bias_correction": "Add each layer's mean float-minus-quantized output error per channel (training rows) to "
                                     "its bias before and after tuning, kept where the held-out loss does not rise "
                                     "(Quark: `BiasCorrection`); `auto`: on alone (iterations 0), with AdaRound and GPTQ, off with AdaQuant and for weights stored as "

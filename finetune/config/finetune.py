@@ -117,7 +117,10 @@ class FastFinetune(Section):
     auto`; `true` requires one, `false` stays eager; the bits are the same either way), and on the
     CPU torch's intra-op threads chosen per unit (`threads: auto`: one thread for a step too small
     to gain from more, else the CPUs of this process that other jobs leave free; a number pins it,
-    as OMP_NUM_THREADS does; see recon.threads).
+    as OMP_NUM_THREADS does; see recon.threads). A step's gradient is computed in `gradient_pieces`
+    pieces added in a fixed order (`auto`: one per process, which costs nothing), so a run on N
+    processes takes the steps of a one-process run with `gradient_pieces: N` bit for bit, on any CPU
+    (see recon.data.shards).
     `validation_share` (default 0.2) of the calibration batches, drawn with the seed, are held out
     of training: each unit's loss there is measured every few steps, early stopping reads it, and
     the unit ends at its lowest measurement (its weights, or AdaRound's rounding variables, as they
@@ -158,6 +161,7 @@ class FastFinetune(Section):
     gptq_init: bool = False
     compile: Literal["auto", True, False] = "auto"
     threads: int | Literal["auto"] = field(default="auto", metadata={"min": 1})
+    gradient_pieces: int | Literal["auto"] = field(default="auto", metadata={"min": 1})
     bias_correction: Literal["auto", True, False] = "auto"
     adaquant: AdaQuant = field(default_factory=AdaQuant)
     update_bias: InitVar[Any] = None  # MOVED_TO_ADAQUANT: read into the adaquant section, with a warning
@@ -179,6 +183,11 @@ class FastFinetune(Section):
     def processes(self) -> int:
         """The processes of the run: one unless it is data-parallel."""
         return self.devices * self.nodes
+
+    @property
+    def pieces(self) -> int:
+        """The pieces a step's gradient is computed in: one per process unless set."""
+        return self.processes if self.gradient_pieces == "auto" else self.gradient_pieces
 
     def _check(self) -> None:
         if self.iterations == 0 and self.algorithm != "gptq" and self.bias_correction is False:

@@ -6,6 +6,7 @@ auto` runs it briefly at each rate it tries, with nobody listening."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 from collections.abc import Sequence
@@ -13,13 +14,12 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 
 from finetune.config import STEP_GROUP
 
 from .data.batches import Batches, Draw
 from .data.losses import BestPoint, evaluation_interval, held_out_loss
-from .data.shards import Rows, sum_gradients
+from .data.shards import Rows, sum_in_order
 from .methods import AlgorithmPart, Method, Part, UnitWork
 from .optimizers import HostAdam
 
@@ -107,7 +107,7 @@ class Optimisation:
         losses: list[torch.Tensor] = []
         step, end, stopping = 0, iterations, False
         while step < end:
-            losses.append(self._step(model, optimizer, batches.next(), parts, step, batches.size))
+            losses.append(self._step(model, optimizer, batches.next(), parts, step, batches))
             step += 1
             if rates is not None:
                 rates.step()
@@ -124,27 +124,40 @@ class Optimisation:
         return step
 
     def _step(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: tuple[tuple[torch.Tensor, ...], torch.Tensor],
-              parts: list[Part], step: int, batch_size: int) -> torch.Tensor:
-        """One Adam step on MSE relative to the target power, plus the parts' terms. Over several
-        processes each holds some rows of the batch of `batch_size`: its share of the loss is its rows'
-        squared error over the whole batch's element count, a part's term counts once in all, and the
-        gradients are summed over processes before the step."""
+              parts: list[Part], step: int, batches: Batches) -> torch.Tensor:
+        """One Adam step on MSE relative to the target power, plus the parts' terms; returns the step's
+        MSE over the whole batch. The MSE's gradient is computed piece by piece (Draw.pieces; each
+        piece's squared error over the whole batch's element count), and the pieces of every process
+        are added in their order in float64 (shards.sum_in_order), the parts' terms after them, so N
+        processes that divide the pieces take one process's step bit for bit."""
         x, target = batch
-        optimizer.zero_grad(set_to_none=True)
-        world = self.fabric.world_size
-        if world == 1:
-            mse = F.mse_loss(model(*x)[0], target)
-        else:
-            mse = (model(*x)[0] - target).square().sum() / (batch_size * math.prod(target.shape[1:]))
-        objective = mse / self.work.before.power
-        for penalty in (part.penalty(step) for part in parts):
-            if penalty is not None:
-                objective = objective + penalty / world
-        self.fabric.backward(objective, model=model if world == 1 else None)
-        if world > 1:
-            sum_gradients(self.fabric, [p for group in optimizer.param_groups for p in group["params"]])
+        parameters = [p for group in optimizer.param_groups for p in group["params"]]
+        elements = batches.size * math.prod(target.shape[1:])
+        dtype = functools.reduce(torch.promote_types, [p.dtype for p in parameters], target.dtype)  # the pieces' type
+        pieces = []
+        for piece in batches.pieces:
+            batches.piece = piece
+            error = (model(*batches.inputs_of(x, piece))[0] - target[piece.rows]).square().sum() / elements
+            pieces.append((piece.slot, torch.cat([self._gradient(error / self.work.before.power, model, parameters),
+                                                  error.detach().reshape(1)]).to(dtype)))
+        width = sum(p.numel() for p in parameters) + 1
+        total = sum_in_order(self.fabric, pieces, batches.slots, width, dtype=target.dtype)
+        penalties = [term for part in parts if (term := part.penalty(step)) is not None]
+        if penalties:  # every process computes the same, so it is added once
+            total[:-1] += self._gradient(sum(penalties), model, parameters).double()
+        offset = 0
+        for parameter in parameters:
+            parameter.grad = total[offset: offset + parameter.numel()].view_as(parameter).to(parameter.dtype)
+            offset += parameter.numel()
         optimizer.step()
-        return mse.detach()
+        return total[-1]
+
+    def _gradient(self, objective: torch.Tensor, model: torch.nn.Module, parameters: list[torch.Tensor]) -> torch.Tensor:
+        """The gradient of `objective` with respect to `parameters`, flattened into one vector."""
+        for parameter in parameters:
+            parameter.grad = None
+        self.fabric.backward(objective, model=model if self.fabric.world_size == 1 else None)
+        return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in parameters])
 
     def _watch(self, parts: list[Part], rows: Rows) -> BestPoint | None:
         """The unit's held-out evaluations, each seeing the unit as the parts will leave it (AdaRound's

@@ -152,6 +152,10 @@ def _tune_units(run: _Run, job: Job, fabric: Fabric, cache: ActivationCache, sou
     if samples < config.batch_size:
         run.warnings.add("fast_finetune.batch_size", f"{config.batch_size} is more than the {samples} calibration samples: "
                          f"every training batch holds all {samples} (lower batch_size, or give more data)", "config")
+    if config.pieces % fabric.world_size:
+        run.warnings.add("fast_finetune.gradient_pieces", f"{config.pieces} is not a multiple of the {fabric.world_size} "
+                         f"processes: their steps are no one-process run's bit for bit (leave it auto, or set a multiple "
+                         f"of {fabric.world_size}, to compare with a one-process run of that many pieces)", "config")
     module.to(device)
     reference.to(device)
     held_out, guard = hold_out(module, reference, units, inputs, config, fabric, run.warnings)

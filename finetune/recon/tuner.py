@@ -27,7 +27,6 @@ from .data.cache import CachedValue
 from .data.heldout import local_chunks
 from .data.losses import Loss, evaluate, kept_or_reverted
 from .data.rows import UnitData, unit_data
-from .data.shards import sum_across
 from .methods import Method, UnitWork, run_methods
 from .optimisation import Optimisation, Schedule
 from .rates import RateSearch, search_rate, unit_lr
@@ -198,9 +197,9 @@ class Tuner:
         self.should_stop, self.stop_tail = True, tail
 
     def hear_steps(self, index: int, first: int, losses: list[torch.Tensor]) -> None:
-        """Read the losses of steps first, first + 1, ... (summed over processes: each holds its rows'
-        share) in one synchronisation, and tell the step callbacks each in turn."""
-        for offset, loss in enumerate(sum_across(self.fabric, torch.stack(losses).double().tolist())):
+        """Read the losses of steps first, first + 1, ... (each already summed over processes: see
+        Optimisation._step) in one synchronisation, and tell the step callbacks each in turn."""
+        for offset, loss in enumerate(torch.stack(losses).tolist()):
             for hook in self._step_hooks:
                 hook(tuner=self, index=index, step=first + offset, loss=loss)
 

@@ -23,17 +23,32 @@ CPU = torch.device("cpu")
 
 @dataclass(frozen=True)
 class Draw:
-    """How a run draws its training batches: rows per batch, the seed, and QDrop's share of the main
-    input taken from the quantized model (1: no mixing)."""
+    """How a run draws its training batches: rows per batch, the seed, QDrop's share of the main
+    input taken from the quantized model (1: no mixing), and the pieces a step's batch is cut into
+    (rows of calibration batch c go to piece c modulo `pieces`: see shards)."""
 
     batch_size: int
     seed: int
     drop_ratio: float
+    pieces: int = 1
 
     @classmethod
     def of(cls, config: FastFinetune) -> Draw:
         """The fast_finetune section's draw."""
-        return cls(config.batch_size, config.seed, config.drop_ratio)
+        return cls(config.batch_size, config.seed, config.drop_ratio, config.pieces)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One piece of a step's batch as this process holds it: the rows from the calibration batches
+    numbered `share` modulo the run's pieces, `slot` its place in the step's sum (the same in every
+    process), `rows` its slice of this process's rows of the batch. A step's gradient is computed
+    piece by piece and the pieces are added in slot order, so its float sums do not depend on how
+    the pieces are spread over processes (see shards)."""
+
+    slot: int
+    share: int
+    rows: slice
 
 
 class Batches:
@@ -62,16 +77,25 @@ class Batches:
         self.masks = KeepMasks(qdrop_threshold(draw.drop_ratio), device, self.generator, [draw.seed, k])
         self.mixing = self.masks.threshold < 256
         self.staged = _stage(self._values(), device, device_budget)
-        self.held = np.arange(0)  # positions in the last global batch of the rows this process holds
+        self.shares = draw.pieces
+        # Each piece lies in one process when the processes divide the pieces (calibration batch c is
+        # process c % world's); otherwise each process's part of a piece is a slot of its own.
+        self.slots = self.shares if self.shares % rows.world == 0 else self.shares * rows.world
+        self.steps = 0  # batches drawn so far
+        self.pieces: list[Piece] = []  # this process's pieces of the last batch
+        self.piece: Piece | None = None  # the piece being trained on (see methods.qdrop)
         self.fixed = [None if gathered else value.tensor(0, device) for value, gathered in zip(inputs.values, inputs.gathered)]
 
     def next(self) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
         """The next (inputs, target) batch on the device: the rows of the global batch this process
         holds, the main input mixed, then the side inputs."""
         picked = np.sort(self.rows.trainable[self.generator.permutation(len(self.rows.trainable))[: self.size]])
+        shares = self.rows.batch[picked] % self.shares
+        order = np.argsort(shares, kind="stable")  # piece by piece, each piece's rows ascending
+        picked, shares = picked[order], shares[order]
         local = self.rows.local[picked]
         held = local >= 0
-        self.held = np.flatnonzero(held)
+        self._cut(shares[held])
         values = self._gather(local[held])
         rowed = len(self.inputs.rowed)
         (x, *sides), float_x, target = values[:rowed], values[rowed:-1], values[-1]
@@ -82,12 +106,19 @@ class Batches:
             x = mixed(keep, x, float_x[0])
         return self._assemble([x, *sides]), target
 
-    def sample(self, count: int) -> tuple[torch.Tensor, ...]:
-        """The unit's inputs over `count` rows on the device for probing its layout: this process's
-        first trainable rows, zeros where it holds fewer."""
-        local = self.rows.local[self.rows.trainable]
-        rowed = self._gather(local[local >= 0][:count])[: len(self.inputs.rowed)]
-        return self._assemble([torch.cat([x, x.new_zeros((count - len(x), *x.shape[1:]))]) for x in rowed])
+    def _cut(self, shares: np.ndarray) -> None:
+        """The step's pieces this process holds (none where it holds no row), from the piece of each
+        of its rows of the batch (ascending)."""
+        self.steps += 1
+        whole = self.slots == self.shares
+        numbers, starts = np.unique(shares, return_index=True)
+        ends = [*starts[1:], len(shares)]
+        self.pieces = [Piece(int(share) if whole else int(share) * self.rows.world + self.rows.rank, int(share), slice(int(a), int(b)))
+                       for share, a, b in zip(numbers, starts, ends)]
+
+    def inputs_of(self, inputs: tuple[torch.Tensor, ...], piece: Piece) -> tuple[torch.Tensor, ...]:
+        """A piece's rows of the batch's inputs (the inputs a batch takes whole as they are)."""
+        return tuple(x[piece.rows] if fixed is None else x for x, fixed in zip(inputs, self.fixed))
 
     def _assemble(self, rowed: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """The unit's inputs in its order: the given rows of those a batch takes rows of, the others as they are."""
@@ -95,13 +126,19 @@ class Batches:
         return tuple(next(taken) if fixed is None else fixed for fixed in self.fixed)
 
     def _gather(self, rows: np.ndarray) -> list[torch.Tensor]:
-        """The given local rows of the inputs, the float inputs (when mixing) and the targets, on the device."""
+        """The given local rows, in their order, of the inputs, the float inputs (when mixing) and the
+        targets, on the device (the cache reads rows ascending; a batch's pieces put them in another order)."""
         if self.staged is not None:
             index = torch.from_numpy(rows).to(self.device, non_blocking=True)
             return [value.index_select(0, index) for value in self.staged]
+        ascending = np.argsort(rows, kind="stable")
+        values = [value.gather(rows[ascending]) for value in self._values()]
+        if np.any(ascending != np.arange(len(rows))):
+            back = torch.from_numpy(np.argsort(ascending))
+            values = [value.index_select(0, back) for value in values]
         if self.device.type == "cpu":
-            return [value.gather(rows) for value in self._values()]
-        return [value.gather(rows).pin_memory().to(self.device, non_blocking=True) for value in self._values()]
+            return values
+        return [value.pin_memory().to(self.device, non_blocking=True) for value in values]
 
     def _values(self) -> list[CachedValue]:
         """The cached values a batch reads: the inputs taken by rows, the float inputs when mixing, the targets."""

@@ -23,7 +23,7 @@ from finetune.notices import Warnings
 
 from ..units import Unit, parameters_of, tuned_tensor
 from .cache import ActivationCache, CachedValue
-from .shards import sum_across
+from .shards import sum_across, sum_over_batches
 
 
 def held_out_batches(batches: int, share: float, seed: int) -> frozenset[int]:
@@ -50,6 +50,7 @@ class ModelGuard:
     def __init__(self, module: LiftedModule, reference: LiftedModule, inputs: Sequence[CachedValue], chunks: frozenset[int],
                  weights: Sequence[str], fabric: Fabric, batches: int) -> None:
         self.module, self.inputs, self.chunks, self.fabric, self.batches = module, list(inputs), sorted(chunks), fabric, batches
+        self.chunk_count = len(self.inputs[0].chunks)  # this process's cached chunks, held out or not
         self.untuned = {name: _Kept(inputs[0].cache, name, tuned_tensor(module, name)) for name in dict.fromkeys(weights)}
         for value in self.inputs:
             value.holders += 1  # read after the streams are done with them: see release
@@ -87,12 +88,13 @@ class ModelGuard:
         return [r for r in results if isinstance(r, torch.Tensor) and r.is_floating_point()]
 
     def _error(self) -> float:
-        """The module's error on the held-out chunks of every process (float64 sums, read once)."""
-        sums = torch.zeros(self.outputs, 2, dtype=torch.float64, device=self.fabric.device)
+        """The module's error on the held-out chunks of every process: float64 sums per chunk, added
+        in calibration batch order (shards.sum_over_batches), so any number of processes decides alike."""
+        rows = {}
         for chunk, targets in zip(self.chunks, self.targets):
-            for k, (output, target) in enumerate(zip(self._outputs(self.module, chunk), targets)):
-                sums[k] += torch.stack([(output.double() - target.double()).square().sum(), target.double().square().sum()])
-        totals = np.array(sum_across(self.fabric, sums.reshape(-1).tolist())).reshape(-1, 2)
+            rows[chunk] = torch.cat([torch.stack([(output.double() - target.double()).square().sum(), target.double().square().sum()])
+                                     for output, target in zip(self._outputs(self.module, chunk), targets)])
+        totals = np.array(sum_over_batches(self.fabric, rows, self.chunk_count, 2 * self.outputs)).reshape(-1, 2)
         return float(np.mean([error / power if power > 0 else error for error, power in totals])) if len(totals) else 0.0
 
 

@@ -20,7 +20,7 @@ from finetune.config import STEP_GROUP
 
 from .cache import CachedValue
 from .rows import UnitInputs
-from .shards import sum_across
+from .shards import sum_over_batches
 
 # A held-out evaluation's cost per row over a training step's cost per row of its batch (forward,
 # backward and Adam), rounded up from the digits CNN on a shared 2-core CPU (MX4 AdaQuant 0.25,
@@ -40,18 +40,17 @@ def evaluation_interval(held_rows: int, batch_size: int) -> int:
 
 
 def held_out_loss(train: nn.Module, inputs: UnitInputs, targets: CachedValue, fabric: Fabric, held: frozenset[int]) -> float:
-    """The unit's MSE on the held-out chunks of every process: the float64 sums of evaluate in
-    its order, so for the same weights it is the held-out loss evaluate reports, bit for bit."""
-    error = torch.zeros((), dtype=torch.float64, device=fabric.device)
-    count = 0
+    """The unit's MSE on the held-out chunks of every process: the float64 sums of evaluate, added
+    in its order, so for the same weights it is the held-out loss evaluate reports, bit for bit."""
+    rows: dict[int, torch.Tensor] = {}
     with torch.no_grad():
         for chunk in sorted(held):
             output = train(*inputs.chunk(chunk, fabric.device))[0]
             target = targets.tensor(chunk, fabric.device)
-            error += (output - target).double().square().sum()
-            count += target.numel()
-    total, rows = sum_across(fabric, [float(error), count])
-    return total / rows if rows else math.inf
+            rows[chunk] = torch.stack([(output - target).double().square().sum(), torch.tensor(float(target.numel()), dtype=torch.float64,
+                                                                                               device=fabric.device)])
+    total, count = sum_over_batches(fabric, rows, len(targets.chunks), 2)
+    return total / count if count else math.inf
 
 
 @dataclass(frozen=True)
@@ -76,20 +75,20 @@ class Loss:
 
 def evaluate(train: nn.Module, inputs: UnitInputs, targets: CachedValue, fabric: Fabric, held: frozenset[int] = frozenset()) -> Loss:
     """The unit's losses over every cached sample of every process, the chunks in `held` (this
-    process's held-out chunks) apart, computed in float64 sums so the result does not depend on
-    chunking, and read by the host once."""
-    sums = torch.zeros(2, 2, dtype=torch.float64, device=fabric.device)
-    counts = [0, 0]
+    process's held-out chunks) apart: float64 sums per chunk, added in calibration batch order (see
+    shards.sum_over_batches), so the result depends neither on chunking nor on the number of
+    processes; read by the host once."""
+    rows: dict[int, torch.Tensor] = {}
     with torch.no_grad():
         for chunk in range(len(targets.chunks)):
             output = train(*inputs.chunk(chunk, fabric.device))[0]
             target = targets.tensor(chunk, fabric.device)
-            part = int(chunk in held)
-            sums[part] += torch.stack([(output - target).double().square().sum(), target.double().square().sum()])
-            counts[part] += target.numel()
-    error, power, held_error, held_power, count, held_count = sum_across(fabric, [*sums.reshape(-1).tolist(), *counts])
+            sums = torch.stack([(output - target).double().square().sum(), target.double().square().sum(),
+                                torch.tensor(float(target.numel()), dtype=torch.float64, device=fabric.device)])
+            rows[chunk] = torch.cat([sums, torch.zeros_like(sums)] if chunk not in held else [torch.zeros_like(sums), sums])
+    error, power, count, held_error, held_power, held_count = sum_over_batches(fabric, rows, len(targets.chunks), 6)
     return Loss(error / max(count, 1), held_error / held_count if held_count else None,
-                max((power + held_power) / (count + held_count), 1e-30))
+                max((power + held_power) / max(count + held_count, 1), 1e-30))
 
 
 def kept_or_reverted(before: Loss, after: Loss) -> tuple[str, Loss]:

@@ -6,7 +6,14 @@ over them alone. Every process draws the same global batch of row numbers from t
 generator and trains on the rows it holds; its loss is its rows' squared error over the global
 batch's element count, and summing the gradients over processes gives the gradient the global
 batch gives in one process. Losses before and after tuning are sums over all processes, so each
-process makes the same keep-or-revert decision, and the weights stay identical everywhere."""
+process makes the same keep-or-revert decision, and the weights stay identical everywhere.
+
+Every sum that crosses processes is made in pieces that do not depend on their number. A step's
+batch is cut into `gradient_pieces` pieces (the rows of calibration batch c in piece c modulo that
+number), each piece's gradient is computed alone and the pieces are added in order in float64
+(sum_in_order); a loss is summed per cached batch, in batch order. When the processes divide the
+pieces, each piece lies in one process, and one process adds the same pieces in the same order:
+N processes give its bytes on any CPU, whatever order its kernels sum a piece in."""
 
 from __future__ import annotations
 
@@ -30,14 +37,31 @@ def sum_across(fabric: Fabric, values: Sequence[float]) -> list[float]:
     return [float(v) for v in total]
 
 
-def sum_gradients(fabric: Fabric, parameters: Sequence[torch.Tensor]) -> None:
-    """Replace each parameter's gradient by its sum over every process (one all-reduce)."""
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in parameters]
-    flat = fabric.all_reduce(torch.cat([g.reshape(-1) for g in grads]), reduce_op="sum")
-    offset = 0
-    for parameter, grad in zip(parameters, grads):
-        parameter.grad = flat[offset: offset + grad.numel()].view_as(grad).clone()
-        offset += grad.numel()
+def sum_in_order(fabric: Fabric, pieces: Sequence[tuple[int, torch.Tensor]], count: int, width: int,
+                 dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """The float64 sum of `count` vectors of `width` values, slot by slot in slot order, where each slot
+    is held by one process (`pieces`: this process's, as (slot, vector) of `dtype`). Over several
+    processes the slots travel in one all-reduce in which each is one process's vector plus zeros
+    (exact), then every process adds them in order as one process adds its own, so the total is the
+    one-process bytes whatever the number of processes (a -0 turned +0 there changes no sum from +0)."""
+    if fabric.world_size > 1:
+        slots = torch.zeros(count, width, dtype=dtype, device=fabric.device)
+        for slot, vector in pieces:
+            slots[slot] = vector
+        pieces = list(enumerate(fabric.all_reduce(slots, reduce_op="sum")))
+    total = torch.zeros(width, dtype=torch.float64, device=fabric.device)
+    for _, vector in sorted(pieces, key=lambda piece: piece[0]):
+        total += vector.double()
+    return total
+
+
+def sum_over_batches(fabric: Fabric, rows: dict[int, torch.Tensor], chunks: int, width: int) -> list[float]:
+    """Column sums of float64 rows of `width` values given per cached chunk of this process (`rows`
+    by chunk, of its `chunks`; chunk i is calibration batch rank + world * i), over every process,
+    added in calibration batch order (see sum_in_order): the same bytes on any number of processes."""
+    rank, world = fabric.global_rank, fabric.world_size
+    count = _batch_count(fabric, chunks)
+    return sum_in_order(fabric, [(rank + world * i, row) for i, row in rows.items()], count, width).tolist()
 
 
 @dataclass(frozen=True)
@@ -45,13 +69,16 @@ class Rows:
     """A unit's rows over all processes: `trainable` lists, ascending, the global numbers of the
     rows training batches draw from (those of the batches not held out whose values share the first
     such batch's shape beyond the leading axis); `local` maps a global row number to its row in this
-    process's cache (-1: another process holds it); `total` counts every row, `held_out` those of
-    the held-out batches."""
+    process's cache (-1: another process holds it) and `batch` to its calibration batch; `total`
+    counts every row, `held_out` those of the held-out batches; `rank` is this process's of `world`."""
 
     trainable: np.ndarray
     local: np.ndarray
+    batch: np.ndarray
     total: int
     held_out: int = 0
+    rank: int = 0
+    world: int = 1
 
     @classmethod
     def of(cls, fabric: Fabric, inputs: CachedValue, targets: CachedValue, sides: Sequence[CachedValue] = (),
@@ -74,7 +101,8 @@ class Rows:
             if c % world == rank:
                 local[offsets[c]: offsets[c + 1]] = np.arange(start, start + rows)
                 start += rows
-        return cls(trainable, local, int(offsets[-1]), sum(rows for c, rows, _ in table if c in held_out))
+        batch = np.repeat(np.array([c for c, _, _ in table], dtype=np.int64), [rows for _, rows, _ in table])
+        return cls(trainable, local, batch, int(offsets[-1]), sum(rows for c, rows, _ in table if c in held_out), rank, world)
 
 
 def chunk_table(inputs: CachedValue, targets: CachedValue, rank: int, world: int,

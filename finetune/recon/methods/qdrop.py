@@ -1,25 +1,24 @@
 """QDrop (Wei et al., 2022) inside a block while it trains: each activation quantizer passes its float
 value for some elements, seeded by the unit index, so reruns repeat (the mixing of the block's input
-is the batches' own: recon.data.batches). A data-parallel process draws the bytes one process draws
-for the whole batch and keeps those of its own rows, so N processes train on the one-process mixture."""
+is the batches' own: recon.data.batches). Each piece of a step (see recon.data.shards) draws its
+bytes from a generator seeded by the unit, the step and the piece's number, so
+a piece draws the same bytes in whichever process trains it: N processes train on the one-process
+mixture, whatever layout the block gives its rows."""
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Self
 
 import numpy as np
 import torch
-from lightning.fabric import Fabric
 
 from finetune.lift import FakeQuantize
 from finetune.lift.graph import constant_nodes
 
 from ..data.batches import CPU, Batches, Draw, KeepMasks, mixed, qdrop_threshold
 from ..data.rows import RowsFirst
-from ..data.shards import sum_across
 from .base import Method, Part, UnitWork
 
 
@@ -31,8 +30,7 @@ class BlockQDrop(Method):
 
 
 class _Dropping(Part):
-    """dropped_quantization installed while the block trains; a warning where the processes of a
-    data-parallel run cannot draw one process's bytes."""
+    """dropped_quantization installed while the block trains."""
 
     def __init__(self, work: UnitWork, draw: Draw, batches: Batches) -> None:
         super().__init__()
@@ -40,12 +38,8 @@ class _Dropping(Part):
         self.installed = contextlib.ExitStack()
 
     def __enter__(self) -> Self:
-        work = self.work
-        if not self.installed.enter_context(dropped_quantization(work.data.train, self.draw, work.index, work.fabric.device,
-                                                                 self.batches, work.fabric)):
-            work.warnings.add(work.unit.name, "its rows could not be located in some activation (does it mix the rows of a "
-                              "batch?), so each process draws its own QDrop bytes inside it: the processes do not train "
-                              "on the one-process mixture")
+        self.installed.enter_context(dropped_quantization(self.work.data.train, self.draw, self.work.index,
+                                                          self.work.fabric.device, self.batches))
         return self
 
     def __exit__(self, *_: object) -> None:
@@ -54,28 +48,21 @@ class _Dropping(Part):
 
 @contextlib.contextmanager
 def dropped_quantization(train: torch.nn.Module, draw: Draw, k: int, device: torch.device = CPU,
-                         batches: Batches | None = None, fabric: Fabric | None = None) -> Iterator[bool]:
+                         batches: Batches | None = None) -> Iterator[None]:
     """QDrop inside a block while it trains: each activation quantizer keeps its quantized value
     per element with probability drop_ratio (in steps of 1/256) and passes the float value
     otherwise (seeded by the unit index, so reruns repeat); forwards without gradients (the
     held-out evaluations between steps) see the quantized values and draw nothing. Weight quantizers, which read
     constants, are left alone. On an accelerator the bytes come from a generator there (see
-    KeepMasks). In a data-parallel run (`fabric` of several processes, training on `batches`) each
-    process draws the whole batch's bytes and keeps its rows' (see BatchMasks); it yields False
-    where it cannot locate the rows in some activation and each process then draws its own bytes."""
+    KeepMasks). Training on `batches`, each piece of a step draws its own bytes (see PieceMasks)."""
     graph_module = train.train_module if isinstance(train, RowsFirst) else train
     constant = constant_nodes(graph_module.graph)
     quantizers = [graph_module.get_submodule(n.target) for n in graph_module.graph.nodes
                   if n.op == "call_module" and n not in constant and isinstance(graph_module.get_submodule(n.target), FakeQuantize)]
     if draw.drop_ratio >= 1 or not quantizers:
-        yield True
+        yield
         return
-    parallel = fabric is not None and fabric.world_size > 1 and batches is not None
-    axes = row_axes(train, quantizers, batches.sample(1), batches.sample(2), fabric) if parallel else None
-    rank = fabric.global_rank if parallel and axes is None else 0
-    entropy = [draw.seed, k, 1, *([rank] if rank else [])]
-    masks = BatchMasks(KeepMasks(qdrop_threshold(draw.drop_ratio), device, np.random.default_rng(entropy), entropy),
-                       batches, axes)
+    masks = PieceMasks(qdrop_threshold(draw.drop_ratio), device, [draw.seed, k, 1], batches)
 
     def mix(_module: torch.nn.Module, args: tuple[torch.Tensor, ...], quantized: torch.Tensor) -> torch.Tensor:
         if not torch.is_grad_enabled():  # a held-out evaluation (recon.data.losses): plain quantized values, no draw
@@ -84,105 +71,31 @@ def dropped_quantization(train: torch.nn.Module, draw: Draw, k: int, device: tor
 
     hooks = [quantizer.register_forward_hook(mix) for quantizer in quantizers]
     try:
-        yield not parallel or axes is not None
+        yield
     finally:
         for hook in hooks:
             hook.remove()
 
 
-@dataclass(frozen=True)
-class RowAxis:
-    """Where a batch's rows lie in an activation: along `axis`, laid out as (outer, rows, inner)
-    flattened, so `inner` consecutive entries per row, repeated `outer` times (a value reshaped
-    from (rows, tokens, d) to (rows * tokens, d) has inner = tokens; from (tokens, rows, d), outer = tokens)."""
+class PieceMasks:
+    """In-block QDrop masks, drawn for each piece a step trains on (Batches.piece) from a generator
+    seeded by `entropy` (the run's seed and the unit), the step and the piece's number, so
+    a piece's bytes depend neither on the process that trains it nor on the other pieces of its step;
+    without `batches` (a block run outside an optimisation), from one generator seeded by `entropy`."""
 
-    axis: int
-    outer: int
-    inner: int
+    def __init__(self, threshold: int, device: torch.device, entropy: list[int], batches: Batches | None) -> None:
+        self.threshold, self.device, self.entropy, self.batches = threshold, device, entropy, batches
+        self.piece: tuple[int, int] | None = None  # the (step, piece number) the masks are drawn for
+        self.masks = self._masks(entropy)
 
-    def whole(self, shape: tuple[int, ...], rows: int) -> tuple[int, ...]:
-        """The shape of this activation over a batch of `rows` rows."""
-        return (*shape[: self.axis], self.outer * rows * self.inner, *shape[self.axis + 1:])
-
-    def index(self, positions: np.ndarray, rows: int) -> np.ndarray:
-        """The entries along the axis, in order, of the rows at these positions of a batch of `rows`."""
-        outer = np.arange(self.outer)[:, None, None] * rows * self.inner
-        inner = positions[None, :, None] * self.inner + np.arange(self.inner)[None, None, :]
-        return (outer + inner).reshape(-1)
-
-
-class BatchMasks:
-    """In-block QDrop masks of one process: for the batch it trains on (`batches` None, or `axes`
-    None) or, in a data-parallel run, the global batch's masks drawn as one process draws them, cut
-    to the rows this process holds in each activation (`axes`: the row axis of each quantizer call
-    of a forward, in call order; None for an activation whose shape does not follow the rows)."""
-
-    def __init__(self, masks: KeepMasks, batches: Batches | None, axes: list[RowAxis | None] | None) -> None:
-        self.masks, self.batches, self.axes, self.calls = masks, batches, axes, 0
+    def _masks(self, entropy: list[int]) -> KeepMasks:
+        """A fresh generator's masks, seeded by `entropy`."""
+        return KeepMasks(self.threshold, self.device, np.random.default_rng(entropy), entropy)
 
     def draw(self, shape: tuple[int, ...]) -> torch.Tensor:
         """The keep mask of the next quantizer call, for an activation of `shape`."""
-        if not self.axes or self.batches is None:
-            return self.masks.draw(shape)
-        axis = self.axes[self.calls % len(self.axes)]
-        self.calls += 1
-        if axis is None:
-            return self.masks.draw(shape)
-        keep = self.masks.draw(axis.whole(shape, self.batches.size))
-        index = torch.from_numpy(axis.index(self.batches.held, self.batches.size)).to(keep.device, non_blocking=True)
-        return keep.index_select(axis.axis, index)
-
-
-class _NoRowAxis(Exception):
-    """An activation in which a batch's rows cannot be located."""
-
-
-def row_axes(train: torch.nn.Module, quantizers: list[torch.nn.Module], first: tuple[torch.Tensor, ...],
-             both: tuple[torch.Tensor, ...], fabric: Fabric) -> list[RowAxis | None] | None:
-    """The row axis of each activation quantizer call of one forward, found by running `train` on
-    the inputs of one row (`first`) and of two starting with it (`both`): the one axis that doubles,
-    with the first row's entries first. None, in every process alike, where some process finds no
-    such axis (e.g. a unit that mixes rows)."""
-    one, two = _quantizer_inputs(train, quantizers, first), _quantizer_inputs(train, quantizers, both)
-    try:
-        if len(one) != len(two):
-            raise _NoRowAxis
-        axes = [_row_axis(a, b) for a, b in zip(one, two)]
-    except _NoRowAxis:
-        axes = None
-    return None if sum_across(fabric, [axes is None])[0] else axes
-
-
-def _quantizer_inputs(train: torch.nn.Module, quantizers: list[torch.nn.Module], x: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
-    """What the quantizers receive, call by call, in one forward of the inputs `x`."""
-    seen: list[torch.Tensor] = []
-    hooks = [q.register_forward_hook(lambda _m, args, _out: seen.append(args[0].detach())) for q in quantizers]
-    try:
-        with torch.no_grad():
-            train(*x)
-    finally:
-        for hook in hooks:
-            hook.remove()
-    return seen
-
-
-def _row_axis(one: torch.Tensor, two: torch.Tensor) -> RowAxis | None:
-    """The row axis of an activation seen over one row and over two rows starting with it (None:
-    its shape does not follow the rows): the one axis that doubles, split as the first row's
-    entries are found in it."""
-    if one.dim() != two.dim():
-        raise _NoRowAxis
-    differ = [d for d in range(one.dim()) if one.shape[d] != two.shape[d]]
-    if len(differ) > 1:
-        raise _NoRowAxis
-    if not differ:
-        return None
-    axis, size = differ[0], one.shape[differ[0]]
-    if two.shape[axis] != 2 * size:
-        raise _NoRowAxis
-    for outer in (n for n in range(1, size + 1) if size % n == 0):
-        first = two.unflatten(axis, (outer, 2, size // outer)).select(axis + 1, 0)
-        if torch.allclose(first, one.unflatten(axis, (outer, size // outer)), rtol=1e-4, atol=1e-6):
-            return RowAxis(axis, outer, size // outer)
-    raise _NoRowAxis
-
+        if self.batches is not None and self.batches.piece is not None:
+            piece = (self.batches.steps, self.batches.piece.share)
+            if piece != self.piece:
+                self.piece, self.masks = piece, self._masks([*self.entropy, *piece])
+        return self.masks.draw(shape)

@@ -38,10 +38,10 @@ def child(case: str, rows_per_batch: int, samples: int, iterations: int, pieces:
     import torch
 
     from finetune.config import FastFinetune
-    from finetune.recon.data.batches import Batches
-    from finetune.recon.optimisation import Optimisation
     from finetune.quantize import quantize_model
     from finetune.recon import finetune_model
+    from finetune.recon.data.batches import Batches
+    from finetune.recon.optimisation import Optimisation
     from finetune.zoo import digits_split, export_onnx, train_digits_cnn, train_digits_transformer
 
     torch.set_num_threads(1)

@@ -24,17 +24,15 @@ from torch.utils._pytree import tree_leaves
 
 from finetune.config import FastFinetune
 from finetune.lift import lift_model
-from finetune.quantize import quantize_model
 from finetune.recon.audit import refuse_nondeterministic
 from finetune.recon.data.cache import ActivationCache
 from finetune.recon.device import WORKSPACE_VARIABLES, deterministic, device_name
 from finetune.recon.optimisation import Optimisation
 
 from .recon_helpers import one_thread  # noqa: F401  (autouse fixture)
-from .test_gpu_path import CASES, META, Stand, _zoo_inputs, digits, meta_steps, unit_works  # noqa: F401  (digits: a fixture)
+from .test_gpu_path import CASES, META, ZOO, Stand, digits, meta_steps, unit_works, zoo_model  # noqa: F401  (digits: a fixture)
 
 CUDA = torch.device("cuda", 0)
-ZOO = ["digits cnn", "digits transformer", "magika", "text angle classifier", "text recognizer"]
 
 
 # Stand-ins for the host ops that ask the driver: pinning host memory for a copy to the device (a fake
@@ -111,15 +109,9 @@ class FakeCudaStand(Stand):
 
 @pytest.fixture(scope="module")
 def zoo_models(digits: dict) -> Callable[[str], tuple[Path, np.ndarray, onnx.ModelProto]]:  # noqa: F811  (digits: the fixture)
-    """Each zoo model's file, a few real inputs and the model quantized at MX4, made once per name."""
-
-    @functools.cache
-    def made(name: str) -> tuple[Path, np.ndarray, onnx.ModelProto]:
-        path, x = (digits[name.split()[1]], digits["feeds"][0]["x"]) if name.startswith("digits") else _zoo_inputs(name)
-        input_name = onnx.load(str(path)).graph.input[0].name
-        return path, x, quantize_model(path, "MX4", [{input_name: x}]).model
-
-    return made
+    """Each zoo model's file, a few real inputs and the model quantized at MX4 (tests/test_gpu_path.py's,
+    made once a test run)."""
+    return functools.partial(zoo_model, digits)
 
 
 def fake_cuda_forward(module: torch.nn.Module, x: np.ndarray) -> tuple[torch.Tensor, ...]:

@@ -7,6 +7,8 @@ ops without a deterministic CUDA kernel are found on the CPU before any work."""
 from __future__ import annotations
 
 import contextlib
+import functools
+import hashlib
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -77,12 +79,36 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def digits(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """The zoo's digits CNN and transformer as ONNX, and three calibration batches."""
+    """The zoo's digits CNN and transformer as ONNX, and three calibration batches (made once a test
+    run, in its base temporary folder, for this module and tests/test_gpu_fake.py)."""
+    return _digits_models(tmp_path_factory.getbasetemp())
+
+
+@functools.cache
+def _digits_models(base: Path) -> dict[str, Any]:
+    """The digits fixture's files and batches, under `base`."""
     x, _, _, _ = digits_split()
-    folder = tmp_path_factory.mktemp("digits")
+    folder = base / "gpu-path-digits"
+    folder.mkdir()
     return {"cnn": export_onnx(train_digits_cnn(), x[:2], folder / "cnn.onnx"),
             "transformer": export_onnx(train_digits_transformer(), x[:2], folder / "transformer.onnx"),
             "feeds": [{"x": x[i: i + 16].numpy()} for i in range(0, 48, 16)]}
+
+
+QUANTIZED: dict[tuple[Path, str, str], onnx.ModelProto] = {}  # quantized_model's results, by model, preset and calibration
+
+
+def quantized_model(path: Path, preset: str, feeds: list[dict[str, np.ndarray]]) -> onnx.ModelProto:
+    """The model at `path` quantized with `preset` on `feeds`, made once a test run for both GPU-path
+    modules (many cases share a model, preset and calibration; nothing here edits the result)."""
+    digest = hashlib.sha256()
+    for feed in feeds:
+        for name, array in sorted(feed.items()):
+            digest.update(f"{name}{array.dtype}{array.shape}".encode() + array.tobytes())
+    key = (path, preset, digest.hexdigest())
+    if key not in QUANTIZED:
+        QUANTIZED[key] = quantize_model(path, preset, feeds).model
+    return QUANTIZED[key]
 
 
 def unit_works(path: Path, preset: str, config: FastFinetune, feeds: list[dict[str, np.ndarray]],
@@ -91,7 +117,7 @@ def unit_works(path: Path, preset: str, config: FastFinetune, feeds: list[dict[s
     data measured on the CPU as a run caches it, its module a copy of the lifted model on the stand's
     device, the meta device unless told (yielded while the streams still hold the unit's values)."""
     stand = stand or Stand(META)
-    quantized = quantize_model(path, preset, feeds).model
+    quantized = quantized_model(path, preset, feeds)
     module, placed = lift_model(quantized), lift_model(quantized).to(stand.device)
     units = find_units(module, config.op_types, False, config.unit)
     methods = run_methods(config)
@@ -191,7 +217,7 @@ def test_ops_without_a_deterministic_cuda_kernel_are_found_before_any_work(tmp_p
     with caplog.at_level(logging.INFO, logger="finetune.recon.audit"):
         finetune_model(quantized, feeds, FastFinetune(iterations=2, unit="block"))
     assert "on CUDA with deterministic: true this run would stop: /block/block: linear Resize's gradient" in caplog.text
-    cnn = lift_model(quantize_model(digits["cnn"], "XINT8", digits["feeds"]).model)
+    cnn = lift_model(quantized_model(digits["cnn"], "XINT8", digits["feeds"]))
     cnn_units = find_units(cnn, ("Conv", "Gemm"), unit="block")
     assert nondeterministic_on_cuda(cnn, cnn_units, cut(cnn, cnn_units), [torch.from_numpy(digits["feeds"][0]["x"])]) == {}
 
@@ -207,8 +233,12 @@ def test_a_cuda_run_under_deterministic_stops_at_once_or_warns() -> None:
     refuse_nondeterministic(found, torch.device("cpu"), True, None)  # the CPU has deterministic kernels for them
 
 
+ZOO = ["digits cnn", "digits transformer", "magika", "text angle classifier", "text recognizer"]
+
+
+@functools.cache
 def _zoo_inputs(name: str) -> tuple[Path, np.ndarray]:
-    """A registry model of the zoo and a few real inputs for it."""
+    """A registry model of the zoo and a few real inputs for it (made once a test run: drawing them takes a second)."""
     if name == "magika":
         return zoo.magika_onnx_path(), zoo.magika_samples(2)[0][:4]
     if name == "text angle classifier":
@@ -216,17 +246,20 @@ def _zoo_inputs(name: str) -> tuple[Path, np.ndarray]:
     return zoo.text_recognizer_onnx_path(), zoo.text_lines(2)
 
 
-@pytest.mark.parametrize("name", ["digits cnn", "digits transformer", "magika", "text angle classifier", "text recognizer"])
+def zoo_model(digits: dict, name: str) -> tuple[Path, np.ndarray, onnx.ModelProto]:
+    """A zoo model's file, a few real inputs and the model quantized at MX4 on them."""
+    path, x = (digits[name.split()[1]], digits["feeds"][0]["x"]) if name.startswith("digits") else _zoo_inputs(name)
+    input_name = onnx.load(str(path)).graph.input[0].name
+    return path, x, quantized_model(path, "MX4", [{input_name: x}])
+
+
+@pytest.mark.parametrize("name", ZOO)
 def test_quantized_zoo_models_run_forward_on_the_meta_device(digits: dict, name: str) -> None:
     """The streams run whole segments forward on the device: every zoo model quantized at MX4 runs
     forward on the meta device, reading nothing there (magika's Expand shapes, computed from Shape,
     stay on the host). silero's voice detectors are not here: an If's condition is read on the host
     by design, once per call."""
-    if name.startswith("digits"):
-        path, x = digits[name.split()[1]], digits["feeds"][0]["x"]
-    else:
-        path, x = _zoo_inputs(name)
-    input_name = onnx.load(str(path)).graph.input[0].name
-    module = lift_model(quantize_model(path, "MX4", [{input_name: x}]).model).to(META)
+    _, x, quantized = zoo_model(digits, name)
+    module = lift_model(quantized).to(META)
     outputs = module(torch.empty(x.shape, dtype=torch.from_numpy(x).dtype, device=META))
     assert all(o.device == META for o in (outputs if isinstance(outputs, tuple) else (outputs,)))

@@ -176,7 +176,7 @@ def test_a_run_killed_outright_resumes_to_the_bytes_of_an_uninterrupted_run(digi
     with --resume: it continues from the units the checkpoint holds, and writes the bytes an
     uninterrupted run writes (one thread in both, as the checkpoint requires)."""
     config = tmp_path / "long.yaml"
-    config.write_text("preset: XINT8\nfast_finetune: {iterations: 1000, seed: 4}\n")
+    config.write_text("preset: XINT8\nfast_finetune: {iterations: 300, seed: 4}\n")
     args = ["quantize", str(digits["path"]), "--config", str(config), "--data", str(digits["data"])]
     out, whole = tmp_path / "killed" / "q.onnx", tmp_path / "whole.onnx"
     checkpoint = out.with_name("q.onnx.finetune.ckpt")

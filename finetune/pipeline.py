@@ -70,8 +70,8 @@ def quantize_and_finetune(
     preflight(model, config.fast_finetune)
     quantized = quantize_model(model, dataclasses.replace(without_finetune(config), bf16_as_cast=False), data)
     with tempfile.TemporaryDirectory(prefix="finetune-float-") as folder:
-        float_model = handed_over(quantized, Path(folder))
-        tuned, report = finetune_model(quantized.model, data, config.fast_finetune, float_model, output_dir, name, callbacks,
+        qdq_model, float_model = handed_over(quantized, Path(folder))
+        tuned, report = finetune_model(qdq_model, data, config.fast_finetune, float_model, output_dir, name, callbacks,
                                        resume, model_path, bf16_as_cast=config.bf16_as_cast, external_data=has_external_data(model))
     final = runtime_form(tuned, config, quantized.summary, model_path, has_external_data(model))
     return PipelineResult(final, with_peak_memory(quantized.summary), report)
@@ -93,14 +93,20 @@ def runtime_form(model: onnx.ModelProto, config: QuantConfig, summary: dict[str,
     return packed
 
 
-def handed_over(quantized: QuantizeResult, folder: Path) -> onnx.ModelProto | Path:
-    """The float model for tuning, which copies what it is given: past the external-data threshold
-    written to `folder` and dropped from `quantized`, so tuning holds the only copy of its weights."""
-    if not needs_external_data(quantized.float_model):
-        return quantized.float_model
-    path = folder / "float.onnx"
-    write_with_external_data(quantized.float_model, path)
-    quantized.float_model = None
+def handed_over(quantized: QuantizeResult, folder: Path) -> tuple[onnx.ModelProto | Path, onnx.ModelProto | Path]:
+    """The quantized and the float model for tuning, which copies what it is given: each past the
+    external-data threshold is written to `folder` and dropped from `quantized`, so tuning holds the
+    only copy of its weights (the quantized model's are the float weights under weight_storage float)."""
+    return _handed(quantized, "model", folder), _handed(quantized, "float_model", folder)
+
+
+def _handed(quantized: QuantizeResult, field: str, folder: Path) -> onnx.ModelProto | Path:
+    """One of handed_over's models: `quantized`'s `field`, or past the threshold its file in `folder`."""
+    if not needs_external_data(getattr(quantized, field)):
+        return getattr(quantized, field)
+    path = folder / f"{field}.onnx"
+    write_with_external_data(getattr(quantized, field), path)
+    setattr(quantized, field, None)
     return path
 
 

@@ -58,9 +58,8 @@ def quantize(path: Path, output: Path, args: argparse.Namespace) -> dict[str, An
     `finetune quantize [--finetune ...]` does."""
     from finetune.pipeline import quantize_and_finetune
 
-    config, data = {**CONFIG, "weight_storage": args.storage}, None
+    config, data = settings(args), None
     if args.finetune:
-        config = {**CONFIG, "fast_finetune": tuning(args)}
         rng = np.random.default_rng(SEED + 2)
         data = [{"x": rng.standard_normal((args.batch, args.width), dtype=np.float32)} for _ in range(args.batches)]
     result = quantize_and_finetune(path, config, data, model_path=output, output_dir=output.parent)
@@ -71,6 +70,12 @@ def quantize(path: Path, output: Path, args: argparse.Namespace) -> dict[str, An
                  "tuning_seconds": round(result.report["total_seconds"], 1)}
     return {"quantized_nodes": result.summary["quantized_nodes"], "summary_peak_rss_kib": result.summary["peak_rss_kib"],
             **tuned}
+
+
+def settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The run's config: the preset with `args.storage` as weight_storage, and the fast_finetune
+    section with `args.finetune`."""
+    return {**CONFIG, "weight_storage": args.storage, **({"fast_finetune": tuning(args)} if args.finetune else {})}
 
 
 def tuning(args: argparse.Namespace) -> dict[str, Any]:
@@ -157,8 +162,7 @@ def main() -> None:
         sizes = {"model_bytes": files_bytes(model), "output_bytes": files_bytes(output),
                  "output_files": sorted(f.name for f in Path(folder).iterdir() if f.name.startswith(output.name))}
     target_kib = (built["weight_bytes"] + 2 * 2**30) // 1024
-    config = {**CONFIG, "fast_finetune": tuning(args)} if args.finetune else CONFIG
-    print(json.dumps({"config": config, **sizes, "build": built, "quantize": quantized, "check": checked,
+    print(json.dumps({"config": settings(args), **sizes, "build": built, "quantize": quantized, "check": checked,
                       "quantize_target_kib": target_kib, "quantize_within_target": quantized["peak_rss_kib"] <= target_kib},
                      indent=1))
 

@@ -16,6 +16,7 @@ import pytest
 import finetune.recon.run
 from finetune.cli import main
 from finetune.config import FastFinetune
+from finetune.lift import LiftError, check_liftable, unliftable_ops
 from finetune.onnx.io import has_external_data, load_model, model_bytes, model_digest, save_model_atomic
 from finetune.onnx.session import inference_session
 from finetune.quantize import quantize_model
@@ -107,3 +108,23 @@ def test_the_digest_reads_one_tensor_at_a_time_and_names_the_model(tmp_path: Pat
     digests = {form: model_digest(load_model(path)) for form, path in paths.items()}
     assert digests["inline"] == digests["external"] == model_digest(stack())
     assert model_digest(stack(seed=1)) != digests["inline"]
+
+
+def test_the_preflight_reads_the_graph_not_the_weights(tmp_path: Path) -> None:
+    """Which ops a model has is read without its weights: with the data file gone, a model at an opset
+    normalisation upgrades still passes, one with an op no converter lifts is named, and a proto gives
+    the same answers as its file."""
+    path = tmp_path / "model.onnx"
+    save_model_atomic(stack(opset=11), path, external_data=True)
+    for data in data_files(path):
+        (path.parent / data).unlink()
+    check_liftable(path)
+    unliftable = stack()
+    unliftable.graph.node[1].op_type = "NotAnOnnxOp"
+    save_model_atomic(unliftable, path, external_data=True)
+    for data in data_files(path):
+        (path.parent / data).unlink()
+    with pytest.raises(LiftError, match=r"NotAnOnnxOp .*'relu0'"):
+        check_liftable(path)
+    assert unliftable_ops(unliftable) == unliftable_ops(path)
+    assert unliftable_ops(stack(opset=11)) == {}

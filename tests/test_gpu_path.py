@@ -25,6 +25,7 @@ from finetune.lift import lift_model
 from finetune.notices import Warnings
 from finetune.quantize import quantize_model
 from finetune.recon import finetune_model
+from finetune.recon import audit
 from finetune.recon.audit import nondeterministic_on_cuda, refuse_nondeterministic
 from finetune.recon.data.batches import Draw
 from finetune.recon.data.cache import ActivationCache
@@ -220,6 +221,24 @@ def test_ops_without_a_deterministic_cuda_kernel_are_found_before_any_work(tmp_p
     cnn = lift_model(quantized_model(digits["cnn"], "XINT8", digits["feeds"]))
     cnn_units = find_units(cnn, ("Conv", "Gemm"), unit="block")
     assert nondeterministic_on_cuda(cnn, cnn_units, cut(cnn, cnn_units), [torch.from_numpy(digits["feeds"][0]["x"])]) == {}
+
+
+def test_the_audit_holds_one_units_gradients_at_a_time(digits: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each unit's step starts with no gradient left by the units before it (all of them at once were
+    a copy of every weight)."""
+    cnn = lift_model(quantize_model(digits["cnn"], "XINT8", digits["feeds"]).model)
+    units = find_units(cnn, ("Conv", "Gemm"))
+    left: list[int] = []
+    step = audit._step_ops
+
+    def recording(train: torch.nn.Module, inputs: list[torch.Tensor]) -> set[str]:
+        left.append(sum(p.grad is not None for p in cnn.parameters()))
+        return step(train, inputs)
+
+    monkeypatch.setattr(audit, "_step_ops", recording)
+    nondeterministic_on_cuda(cnn, units, cut(cnn, units), [torch.from_numpy(digits["feeds"][0]["x"])])
+    assert len(left) == len(units) > 1 and left == [0] * len(units)
+    assert all(p.grad is None for p in cnn.parameters())
 
 
 def test_a_cuda_run_under_deterministic_stops_at_once_or_warns() -> None:

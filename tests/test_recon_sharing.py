@@ -14,7 +14,8 @@ from finetune.config import FastFinetune
 from finetune.quantize import quantize_model
 from finetune.recon import finetune_model
 from finetune.recon import run as recon_run
-from finetune.recon.data.sharing import SharedWeights
+from finetune.lift import lift_model
+from finetune.recon.data.sharing import SharedWeights, float_weights
 from finetune.zoo import digits_split
 from finetune.zoo_decoder import decoder_feeds, export_decoder
 
@@ -37,10 +38,12 @@ def digits(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 def _tuned(model: onnx.ModelProto, data: object, settings: dict, float_model: object, share: bool,
            monkeypatch: pytest.MonkeyPatch) -> tuple[onnx.ModelProto, dict]:
-    """Tune with the float model as reference, holding shared storages or (share False) two copies."""
+    """Tune with the float model as reference, holding shared storages or (share False) two copies:
+    neither lifted into the reference's tensors nor sharing them afterwards."""
     with monkeypatch.context() as patch:
         if not share:
             patch.setattr(recon_run, "SharedWeights", lambda *args: None)
+            patch.setattr(recon_run, "float_weights", lambda reference: {})
         return finetune_model(model, data, FastFinetune(seed=3, **settings), float_model=float_model)
 
 
@@ -96,3 +99,21 @@ def test_the_tiny_decoder_tunes_its_blocks_holding_its_weights_once(tmp_path: Pa
     copied, _ = _tuned(quantized, feeds, settings, path, False, monkeypatch)
     assert shared.graph == copied.graph
     assert report["weights_held_once"]["bytes_held_once"] > 0
+
+
+@pytest.mark.parametrize("storage", ["float", "compact"])
+def test_the_qdq_model_is_lifted_into_the_float_references_equal_weights(digits: dict, storage: str) -> None:
+    """Lifted with the float reference's weights to reuse, each weight equal bit for bit reads the
+    reference's storage from the start (float storage: every one; codes: none, their dequantized values
+    differ), and the module computes what the module lifted alone computes."""
+    quantized = quantize_model(digits["path"], {"preset": "XINT8", "weight_storage": storage}, digits["small"])
+    reference = lift_model(quantized.float_model)
+    weights = float_weights(reference)
+    module, alone = lift_model(quantized.model, reuse=weights), lift_model(quantized.model)
+    pointers = {tensor.untyped_storage().data_ptr() for tensor in weights.values()}
+    for name, source in module.finetune_params.items():
+        ours = module.get_parameter(name)
+        equal = source.initializer in weights and torch.equal(ours, weights[source.initializer])
+        assert (ours.untyped_storage().data_ptr() in pointers) == equal == (source.transform is None)
+    x = torch.from_numpy(digits["small"][0]["x"])
+    assert torch.equal(module(x), alone(x))

@@ -14,6 +14,7 @@ import inspect
 import logging
 import re
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from operator import getitem
 from pathlib import Path
@@ -62,14 +63,17 @@ class LiftedModule(fx.GraphModule):
         return copied
 
 
-def lift_model(model: str | Path | onnx.ModelProto, owned: bool = False) -> LiftedModule:
+def lift_model(model: str | Path | onnx.ModelProto, owned: bool = False,
+               reuse: Mapping[str, torch.Tensor] | None = None) -> LiftedModule:
     """A torch GraphModule computing what onnxruntime computes for the model (inputs in graph
     order; one output as a tensor, several as a tuple), with fake-quant modules for its QDQ
     patterns and `finetune_params` mapping each trainable parameter to its ParamSource. The model
     is normalised in one copy of its own, or with `owned` (a proto the caller hands over and drops
-    afterwards, the only way its memory is freed) in place: no copy."""
+    afterwards, the only way its memory is freed) in place: no copy. An initializer whose value is
+    bit for bit that of the tensor `reuse` holds under its name reads that tensor's storage instead
+    of a copy of its own (tuning lifts the QDQ model into its float reference's weights)."""
     normalized, _ = normalize_model(model if owned else load_model(model), in_place=True)
-    module = _Builder(normalized.graph, _Shared.of(normalized)).build()
+    module = _Builder(normalized.graph, _Shared.of(normalized, reuse or {})).build()
     module.finetune_params = _merged_sources(module)
     _freeze_unmapped_parameters(module)
     return module
@@ -84,15 +88,16 @@ class _Shared:
     opsets: dict[str, int]
     bodies: dict[tuple[str, str], onnx.GraphProto]
     trainable: set[str]
+    reuse: Mapping[str, torch.Tensor]
     made: dict[str, tuple[torch.Tensor, Dequantize | None]] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, model: onnx.ModelProto) -> _Shared:
-        """The shared state of a normalised model."""
+    def of(cls, model: onnx.ModelProto, reuse: Mapping[str, torch.Tensor]) -> _Shared:
+        """The shared state of a normalised model, reading the equal tensors of `reuse` (see lift_model)."""
         opsets = {("" if o.domain in DEFAULT_DOMAINS else o.domain): o.version for o in model.opset_import}
         bodies = dict(contained_bodies(model.graph, {t.name: t for t in model.graph.initializer}, {}))
         trainable = trainable_initializers(model.graph).union(*(trainable_initializers(b) for b in bodies.values()))
-        return cls(opsets, bodies, trainable)
+        return cls(opsets, bodies, trainable, reuse)
 
 
 class _Builder:
@@ -233,6 +238,8 @@ class _Builder:
             return value
         array = tensor_array(self.graph.initializers[name].proto)
         value = transform.apply(array) if transform is not None else to_torch(array)
+        if transform is None and _same_bits(self.shared.reuse.get(name), value):
+            value = self.shared.reuse[name].detach()  # its storage, not a copy
         if name in self.shared.trainable and value.is_floating_point():
             value = nn.Parameter(value)
         self.shared.made[name] = (value, transform)
@@ -281,6 +288,15 @@ def _merged_sources(root: LiftedModule) -> dict[str, ParamSource]:
             merged[key] = dataclasses.replace(earlier, quantizer=earlier.quantizer or local[name].quantizer,
                                               consumers=earlier.consumers + local[name].consumers)
     return merged
+
+
+def _same_bits(existing: torch.Tensor | None, value: torch.Tensor) -> bool:
+    """Whether an existing tensor holds `value` bit for bit (same shape, dtype, device and bytes)."""
+    if existing is None or existing.shape != value.shape or existing.dtype != value.dtype or existing.device != value.device:
+        return False
+    if not (existing.is_contiguous() and value.is_contiguous()):
+        return False
+    return torch.equal(existing.detach().reshape(-1).view(torch.uint8), value.reshape(-1).view(torch.uint8))
 
 
 def _joined(path: str, name: str) -> str:

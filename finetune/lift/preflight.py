@@ -11,7 +11,7 @@ import onnx
 
 from finetune.onnx.domains import DEFAULT_DOMAINS
 from finetune.onnx.graphs import all_nodes
-from finetune.onnx.io import load_model
+from finetune.onnx.io import external_header, load_model
 from finetune.onnx.normalize import normalize_model
 
 from .builder import LiftError
@@ -25,7 +25,7 @@ SHOWN_NAMES = 5  # node names listed per op before "and N more"
 def unliftable_ops(model: str | Path | onnx.ModelProto) -> dict[tuple[str, str, int | None], list[str]]:
     """The ops of the (normalised) model that cannot be lifted, as (domain, op type, opset) → the
     names of its nodes, in graph order; empty when every node can be."""
-    normalized, _ = normalize_model(load_model(model))
+    normalized, _ = normalize_model(_graph_only(model), in_place=True)
     opsets = {("" if o.domain in DEFAULT_DOMAINS else o.domain): o.version for o in normalized.opset_import}
     found: dict[tuple[str, str, int | None], list[str]] = defaultdict(list)
     for node in all_nodes(normalized.graph):
@@ -33,6 +33,15 @@ def unliftable_ops(model: str | Path | onnx.ModelProto) -> dict[tuple[str, str, 
         if not _liftable(node, domain, opsets.get(domain)):
             found[(domain, node.op_type, opsets.get(domain))].append(node.name)
     return dict(found)
+
+
+def _graph_only(model: str | Path | onnx.ModelProto) -> onnx.ModelProto:
+    """A copy of the model whose large tensors refer to data it does not read (a file's stay in its data
+    file): which ops a model has is read from its graph, and normalising reads no large tensor, so a
+    check before any work costs no copy of the weights (issue 44: two copies, the peak of a 2.5 GB run)."""
+    if isinstance(model, onnx.ModelProto):
+        return external_header(model, "", None)
+    return external_header(load_model(model, external_values=False), "", None)
 
 
 def check_liftable(model: str | Path | onnx.ModelProto) -> None:

@@ -27,7 +27,7 @@ from .checkpoint import Checkpoint, run_fingerprint
 from .data.cache import ActivationCache
 from .data.heldout import hold_out
 from .data.reference import SELF_REFERENCE, choose_reference, float_starts
-from .data.sharing import SharedWeights
+from .data.sharing import SharedWeights, float_weights
 from .data.shards import sum_across
 from .data.smoothing import carry_smoothing
 from .data.streams import FloatStream, QuantizedStream, cache_inputs
@@ -109,7 +109,7 @@ def _prepare(job: Job) -> _Run:
             logger.info("float model smoothed as the quantized one: %s", change)
         float_module = lift_model(job.float_model, owned=True)
         job.float_model = None  # its proto, a copy of the weights, is freed before the QDQ model is lifted
-    module = lift_model(original)
+    module = lift_model(original, reuse=float_weights(float_module))
     _check_tunable(module)
     warnings = Warnings()
     units = find_units(module, config.op_types, config.include_output_quant, config.unit, warnings)

@@ -75,6 +75,15 @@ class SharedWeights:
         return {"bytes_held_once": self.bytes_held_once, "tensors": len(self.shared), "released": len(self.released)}
 
 
+def float_weights(reference: LiftedModule | None) -> dict[str, torch.Tensor]:
+    """The float reference's trainable tensors by initializer name: the QDQ model is lifted into them
+    (lift_model's reuse), so a weight both hold equal is never made twice, not even before SharedWeights."""
+    if reference is None:
+        return {}
+    return {source.initializer: reference.get_parameter(name) for name, source in reference.finetune_params.items()
+            if source.transform is None}
+
+
 def _tensors(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """Every parameter and buffer by qualified name (quantizers' included: only equal ones share)."""
     yield from module.named_parameters(remove_duplicate=False)

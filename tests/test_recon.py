@@ -147,8 +147,8 @@ def test_activation_caching_is_linear_in_depth(digits: dict, monkeypatch: pytest
     (recon.threads). Nothing runs more often for deeper units."""
     calls: Counter = Counter()
 
-    def counted_lift(model: object) -> nn.Module:
-        module = lift_model(model)
+    def counted_lift(model: object, **options: object) -> nn.Module:
+        module = lift_model(model, **options)
         for name, sub in module.named_modules():
             if name and name != "initializers":
                 sub.register_forward_hook(lambda *_, name=name: calls.update([name]))

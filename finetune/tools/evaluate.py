@@ -24,8 +24,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
-from skimage.io import imread
-from skimage.metrics import peak_signal_noise_ratio, structural_similarity
 
 from finetune.calibrate.tokens import IGNORED, negative_log_likelihoods, next_token_agreement, next_token_targets
 from finetune.files import check_output, write_text_atomic
@@ -118,7 +116,9 @@ def _results(folder: Path) -> dict[str, Path]:
 
 
 def _load(path: Path) -> np.ndarray:
-    """An .npy array or an image (scikit-image's reader)."""
+    """An .npy array or an image (scikit-image's reader, imported here: every command imports this module)."""
+    from skimage.io import imread
+
     try:
         return np.load(path, allow_pickle=False) if path.suffix.lower() == ".npy" else imread(path)
     except (OSError, ValueError) as error:
@@ -127,6 +127,8 @@ def _load(path: Path) -> np.ndarray:
 
 def compare(name: str, baseline: np.ndarray, quantized: np.ndarray) -> FileMetrics:
     """Cosine similarity, L2, relative L2 (to the baseline), PSNR and, for images, SSIM."""
+    from skimage.metrics import peak_signal_noise_ratio  # scikit-image takes ~0.5 s to import: only when comparing
+
     a, b = baseline.astype(np.float64).ravel(), quantized.astype(np.float64).ravel()
     l2 = float(np.linalg.norm(a - b))
     norm = float(np.linalg.norm(a))
@@ -157,6 +159,8 @@ def _peak(name: str, baseline: np.ndarray) -> float:
 
 def _ssim(name: str, baseline: np.ndarray, quantized: np.ndarray, peak: float) -> float | None:
     """SSIM (scikit-image, 7x7 uniform window) of an image or image-shaped array, else None."""
+    from skimage.metrics import structural_similarity
+
     layout = _image_layout(name, baseline.shape)
     if layout is None:
         return None

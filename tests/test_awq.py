@@ -16,7 +16,7 @@ from onnx import helper, numpy_helper
 
 from finetune.config import ConfigError, load_config
 from finetune.quantize import quantize_model
-from finetune.quantize.awq import activation_aware_scales
+from finetune.quantize.awq import OUTPUT_LAYER, activation_aware_scales
 from finetune.quantize.calibrate import quantize_weight
 from finetune.quantize.plan import plan
 from finetune.zoo_decoder import decoder_feeds, export_module, tiny_decoder
@@ -45,7 +45,8 @@ def batches(spread: np.ndarray, count: int = 4, rows: int = 32, seed: int = 1) -
 
 
 def with_awq(config: dict, **section: object) -> dict:
-    return {**config, "awq": section}
+    """`config` with an awq section that also takes layers writing a model output (each test model's last layer)."""
+    return {**config, "awq": {"output_layers": True, **section}}
 
 
 @pytest.mark.parametrize(("name", "seed"), [(name, seed) for name in WEIGHT_ONLY for seed in (0, 1)])
@@ -146,14 +147,19 @@ def test_awq_lowers_the_output_error_of_int4_weights_on_a_decoder(outlier_decode
     np.testing.assert_allclose(*logits, rtol=1e-4, atol=1e-4 * float(np.abs(logits[1]).max()))
 
 
-def test_gptq_tunes_after_awq(outlier_decoder: Path, tmp_path: Path) -> None:
-    """AWQ then GPTQ: the tuned model runs in onnxruntime and is tuned towards the rescaled float graph."""
+def test_gptq_tunes_after_awq_which_leaves_the_lm_head_alone_by_default(outlier_decoder: Path, tmp_path: Path) -> None:
+    """AWQ then GPTQ: the tuned model runs in onnxruntime and is tuned towards the rescaled float
+    graph; without output_layers the LM head (it writes the logits) is skipped, with a warning."""
     from finetune.pipeline import quantize_and_finetune
 
     calibration = decoder_feeds(False, 4, seed=1)
-    config = with_awq({**WEIGHT_ONLY["INT4 g32"], "fast_finetune": {"algorithm": "gptq", "threads": 1}})
+    config = {**WEIGHT_ONLY["INT4 g32"], "awq": {}, "fast_finetune": {"algorithm": "gptq", "threads": 1}}
     result = quantize_and_finetune(str(outlier_decoder), config, calibration, model_path=tmp_path / "tuned.onnx")
-    assert result.report["float_reference"] == "float model" and result.summary["awq"]["smoothed"] == 15
+    awq = result.summary["awq"]
+    assert result.report["float_reference"] == "float model" and awq["smoothed"] == 14
+    assert {layer["node"]: layer["detail"] for layer in awq["layers"]}["/lm_head/MatMul"] == OUTPUT_LAYER
+    assert any(w.get("node") == "/lm_head/MatMul" and w["reason"].startswith("awq: it writes a model output")
+               for w in result.summary["warnings"])
     assert np.isfinite(run_ort(onnx.load(tmp_path / "tuned.onnx"), list(calibration[0].values()))[0]).all()
 
 
@@ -171,7 +177,8 @@ def test_awq_and_smooth_quant_together_are_refused_in_one_line() -> None:
         load_config({"preset": "A8W8", "awq": {}, "smooth_quant": {"alpha": 0.5}})
     message = str(caught.value)
     assert message.startswith("awq: ") and "pick one" in message and "\n" not in message
-    assert load_config({"preset": "A8W8", "awq": {}}).awq.grid == 20
+    defaults = load_config({"preset": "A8W8", "awq": {}}).awq
+    assert (defaults.grid, defaults.op_types, defaults.fold, defaults.output_layers) == (20, ("MatMul", "Gemm"), True, False)
 
 
 def test_awq_needs_calibration_data() -> None:
@@ -187,7 +194,8 @@ def test_the_summary_names_each_group_and_the_cli_table_says_what_awq_did() -> N
     result = quantize_model(model, with_awq(WEIGHT_ONLY["INT4 g32"], grid=4), batches(SPREAD))
     [group] = result.summary["awq"]["groups"]
     assert group["input"] == "x" and group["alpha"] in (0.25, 0.5, 0.75)
-    assert "awq (grid 4): 1 layer(s) scaled, 0 folded into their producer, 1 behind an inserted Mul" in format_summary(result.summary)
+    line = "awq (grid 4): 1 layer(s) scaled, 0 folded into their producer, 1 behind an inserted Mul"
+    assert line in format_summary(result.summary)
     stored = {t.name: numpy_helper.to_array(t) for t in result.float_model.graph.initializer}
     s = stored["w"][:, 0] / w[:, 0]
     np.testing.assert_allclose(stored["x_smooth_inverse"], 1 / s, rtol=1e-5)

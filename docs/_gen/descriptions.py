@@ -28,6 +28,7 @@ DESCRIPTIONS: dict[str, str] = {
     "AWQ.grid": "How many alphas are tried: 0, 1/grid, ..., (grid - 1)/grid in s = mean|X|^alpha (normalised); alpha 0 is rounding to nearest.",
     "AWQ.op_types": "The layer op types whose inputs are scaled (of MatMul, Gemm).",
     "AWQ.fold": "Fold 1/s into the input's producer where that is exact; false: always a Mul before the layers.",
+    "AWQ.output_layers": "Scale layers that write a model output (an LM head) too; off by default: on SmolLM2 it cost next-token agreement.",
     "QuantConfig.weight_storage": "`float`: float initializers read through QDQ; `compact`: weights stored as codes.",
     "QuantConfig.bf16_as_cast": "Write the final model's bfloat16 quantize-dequantize pairs as Cast pairs.",
     "QuantConfig.npu_cnn": "Apply the Vitis AI / Ryzen AI NPU constraints for CNNs (see the NPU page).",

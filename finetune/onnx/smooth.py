@@ -9,8 +9,9 @@ divided by s, so the function is unchanged while an outlier channel of X moves p
 into the weights, where per-channel or block scales absorb it. X / s is computed by the producer
 where that is exact (1/s folded into a LayerNormalization's scale and bias, a Mul's or Add's
 constant, or the output channels of a MatMul / Gemm / Conv, through Relu and MaxPool, which commute
-with positive scales), and only when every reader of X is smoothed; otherwise by a `Mul` inserted
-before the layers. Only the main graph is rewritten: a value a subgraph reads is never folded."""
+with positive scales, and through one operand of a product a * b, as SwiGLU's up projection), and
+only when every reader of X is smoothed (a Shape or Size reads no element); otherwise by a `Mul`
+inserted before the layers. Only the main graph is rewritten: a value a subgraph reads is never folded."""
 
 from __future__ import annotations
 
@@ -64,7 +65,8 @@ class _Constants:
 
     def __post_init__(self) -> None:
         self.tensors = {t.name: t for t in self.graph.initializer}
-        self.shape_readers = {node.name for node in self.graph.node if node.op_type in _SHAPE_ONLY and node.domain in DEFAULT_DOMAINS}
+        self.shape_readers = {node.name for node in self.graph.node
+                              if node.op_type in _SHAPE_ONLY and node.domain in DEFAULT_DOMAINS}
         for node in self.graph.node:
             for name in node_reads(node):  # a subgraph's reads of outer values count as its node's
                 self.readers[name].append(node.name)

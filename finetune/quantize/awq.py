@@ -85,18 +85,26 @@ def output_error(gram: np.ndarray, layer: onnx.NodeProto, weight: np.ndarray, sc
     return float(np.sum((gram @ error) * error, dtype=np.float64))
 
 
+OUTPUT_LAYER = ("it writes a model output (an LM head, judged by its largest logits, which the summed squared error "
+                "does not follow): awq.output_layers: true scales it too")
+
+
 class ActivationAware:
     """AWQ's search: the scales of the alpha with the least output error of the group's weights in
-    their planned formats; every layer with a quantized weight is taken, its input float or not."""
+    their planned formats; every layer with a quantized weight is taken, its input float or not,
+    but for one writing a model output unless `output_layers` (config.smooth.AWQ)."""
 
     section = "awq"
 
     def __init__(self, model: onnx.ModelProto, config: QuantConfig) -> None:
-        self.grid = config.awq.grid
+        self.grid, self.output_layers = config.awq.grid, config.awq.output_layers
+        self.outputs = {output.name for output in model.graph.output}
         self.uses = {use.node: use for use in plan(model, config, []) if use.role == "weight"}  # notices come with the real plan
         self.searched: list[dict[str, Any]] = []
 
-    def refusal(self, formats: NodeFormats) -> str | None:
+    def refusal(self, node: onnx.NodeProto, formats: NodeFormats) -> str | None:
+        if not self.output_layers and self.outputs.intersection(node.output):
+            return OUTPUT_LAYER
         return None
 
     def statistic(self, group: Group) -> GramStatistic:

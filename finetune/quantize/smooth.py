@@ -44,7 +44,7 @@ class Rescaling(Protocol):
 
     section: str
 
-    def refusal(self, formats: NodeFormats) -> str | None:
+    def refusal(self, node: onnx.NodeProto, formats: NodeFormats) -> str | None:
         """Why a main-graph layer of the section's op types with a quantized weight is not rescaled (None: it is)."""
 
     def statistic(self, group: Group) -> Statistic:
@@ -83,7 +83,7 @@ class SmoothQuantScales:
     def __init__(self, config: QuantConfig) -> None:
         self.alpha = config.smooth_quant.alpha
 
-    def refusal(self, formats: NodeFormats) -> str | None:
+    def refusal(self, node: onnx.NodeProto, formats: NodeFormats) -> str | None:
         return "its input stays float" if formats.activation is None else None
 
     def statistic(self, group: Group) -> ChannelAbsMax:
@@ -154,7 +154,7 @@ def _candidates(model: onnx.ModelProto, config: QuantConfig, op_types: tuple[str
         formats = config.node_formats(node.name, node.op_type) if node.op_type in op_types else None
         if formats is None or formats.weight is None:
             continue
-        refusal = "it lies inside an If/Loop/Scan body" if node.name not in main else method.refusal(formats)
+        refusal = "it lies inside an If/Loop/Scan body" if node.name not in main else method.refusal(node, formats)
         if refusal:
             skipped.append(Outcome(node.name, "skipped", refusal))
         else:

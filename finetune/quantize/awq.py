@@ -40,6 +40,7 @@ class GramStatistic:
         self.rows = 0
 
     def update(self, x: np.ndarray) -> None:
+        """Add one batch's rows (the activation flattened to [rows, channels]) to G and the sums."""
         if x.size == 0:
             return
         rows = np.asarray(x, np.float64).reshape(-1, x.shape[-1])
@@ -53,6 +54,7 @@ class GramStatistic:
         self.rows += rows.shape[0]
 
     def channels(self) -> int | None:
+        """The channels seen (None before any batch)."""
         return None if self.gram is None else self.gram.shape[0]
 
     def mean_magnitude(self) -> np.ndarray:
@@ -103,14 +105,17 @@ class ActivationAware:
         self.searched: list[dict[str, Any]] = []
 
     def refusal(self, node: onnx.NodeProto, formats: NodeFormats) -> str | None:
+        """A layer writing a model output is refused unless output_layers; any other is taken."""
         if not self.output_layers and self.outputs.intersection(node.output):
             return OUTPUT_LAYER
         return None
 
     def statistic(self, group: Group) -> GramStatistic:
+        """G and the mean magnitudes of the group's input (its channels lie last: MatMul, Gemm)."""
         return GramStatistic()
 
     def scales(self, group: Group, statistic: GramStatistic, weights: list[np.ndarray]) -> np.ndarray:
+        """The scales at the searched alpha; the search is recorded for the summary."""
         alphas = np.arange(self.grid) / self.grid
         magnitude, gram = statistic.mean_magnitude(), statistic.gram.astype(np.float32)
         losses = [sum(output_error(gram, layer, weight, activation_aware_scales(magnitude, alpha),
@@ -122,6 +127,7 @@ class ActivationAware:
         return activation_aware_scales(magnitude, alphas[best])
 
     def summary(self) -> dict[str, Any]:
+        """The grid, each group's search, and the loss over all groups relative to rounding to nearest."""
         before, after = (sum(group[key] for group in self.searched) for key in ("rtn_loss", "loss"))
         return {"grid": self.grid, "loss_over_rtn": after / before if before > 0 else None, "groups": self.searched}
 

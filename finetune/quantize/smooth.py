@@ -65,6 +65,7 @@ class ChannelAbsMax:
         self.maximum: np.ndarray | None = None
 
     def update(self, x: np.ndarray) -> None:
+        """Take in one batch's per-channel maxima."""
         if x.size == 0:
             return
         magnitude = np.abs(np.moveaxis(np.asarray(x, np.float32), self.axis, -1))
@@ -72,6 +73,7 @@ class ChannelAbsMax:
         self.maximum = batch if self.maximum is None else np.maximum(self.maximum, batch)
 
     def channels(self) -> int | None:
+        """The channels seen (None before any batch)."""
         return None if self.maximum is None else self.maximum.size
 
 
@@ -84,16 +86,20 @@ class SmoothQuantScales:
         self.alpha = config.smooth_quant.alpha
 
     def refusal(self, node: onnx.NodeProto, formats: NodeFormats) -> str | None:
+        """SmoothQuant moves range from quantized inputs: a layer whose input stays float is refused."""
         return "its input stays float" if formats.activation is None else None
 
     def statistic(self, group: Group) -> ChannelAbsMax:
+        """The channel maxima of the group's input."""
         return ChannelAbsMax(group.axis)
 
     def scales(self, group: Group, statistic: ChannelAbsMax, weights: list[np.ndarray]) -> np.ndarray:
+        """SmoothQuant's formula over the maxima of the input and of every layer's weight."""
         weight_max = np.max([weight_maxima(weight, layer) for weight, layer in zip(weights, group.layers)], axis=0)
         return smoothing_scales(statistic.maximum, weight_max, self.alpha)
 
     def summary(self) -> dict[str, Any]:
+        """The alpha used."""
         return {"alpha": self.alpha}
 
 

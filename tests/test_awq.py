@@ -163,6 +163,21 @@ def test_gptq_tunes_after_awq_which_leaves_the_lm_head_alone_by_default(outlier_
     assert np.isfinite(run_ort(onnx.load(tmp_path / "tuned.onnx"), list(calibration[0].values()))[0]).all()
 
 
+def test_an_awq_model_packs_as_matmul_nbits(outlier_decoder: Path, tmp_path: Path) -> None:
+    """weight_storage matmul_nbits after awq: every 4-bit MatMul weight is packed (the Muls awq
+    inserts act on the inputs), and the packed model computes the QDQ model's logits."""
+    from finetune.pipeline import quantize_and_finetune
+
+    calibration = decoder_feeds(False, 2, seed=1)
+    config = {"preset": "INT4_BLOCK32", "awq": {}}
+    packed = quantize_and_finetune(str(outlier_decoder), {**config, "weight_storage": "matmul_nbits"}, calibration).model
+    assert sum(node.op_type == "MatMulNBits" for node in packed.graph.node) == 15
+    qdq = quantize_model(str(outlier_decoder), config, calibration).model
+    logits = [run_ort(model, list(calibration[0].values()))[0] for model in (packed, qdq)]
+    # the same products summed by other kernels (equal to the bit on the machine this was written on)
+    np.testing.assert_allclose(*logits, rtol=1e-4, atol=1e-4 * float(np.abs(logits[1]).max()))
+
+
 @pytest.mark.parametrize(("section", "path"), [({"grid": 1}, "awq.grid"), ({"grid": 2.5}, "awq.grid"),
                                                ({"grid": "fine"}, "awq.grid"), ({"op_types": ["Conv"]}, "awq.op_types[0]"),
                                                ({"op_types": []}, "awq.op_types")])

@@ -27,7 +27,7 @@ from .test_smooth_quant import assert_same_function, transformer_like
 
 SPREAD = np.array([30.0, 1, 1, 0.5, 2, 1, 1, 1] * 8, np.float32)  # per input channel: one outlier
 WEIGHT_ONLY = {"INT4 channel": {"preset": "INT4_PER_CHANNEL"}, "INT4 g32": {"preset": "INT4_BLOCK32"},
-               "MXFP4": {"preset": "MXFP4", "activation": None}}
+               "MXFP4": {"preset": "MXFP4", "activation": None}, "MX6": {"preset": "MX6", "activation": None}}
 
 
 def matmul(inputs: int = 64, outputs: int = 48, seed: int = 0) -> tuple[onnx.ModelProto, np.ndarray]:
@@ -54,14 +54,14 @@ def test_the_searched_loss_is_the_output_error_and_never_above_rounding_to_neare
     """Weight-only: summed over the calibration rows, ||x Q(W) - x W||^2 of the plain quantized model
     is the summary's rtn_loss, and ||y_awq - y||^2 of the AWQ model its loss (the rescaling's own
     float rounding apart); with a 30x outlier channel the search beats rounding to nearest on int4
-    (MXFP4's power-of-two block scales may keep alpha 0: the loss is then rounding to nearest's)."""
+    (the power-of-two block scales of MXFP4 and MX6 may keep alpha 0: the loss is then rounding to nearest's)."""
     model, _ = matmul(seed=seed)
     data = batches(SPREAD, seed=seed + 10)
     plain = quantize_model(model, WEIGHT_ONLY[name], data)
     result = quantize_model(model, with_awq(WEIGHT_ONLY[name]), data)
     [group] = result.summary["awq"]["groups"]
     assert group["layers"] == ["mm"] and group["loss"] <= group["rtn_loss"]
-    if name != "MXFP4":
+    if name.startswith("INT4"):
         assert group["alpha"] > 0 and group["loss"] < 0.7 * group["rtn_loss"]
     for quantized, loss in ((plain.model, group["rtn_loss"]), (result.model, group["loss"])):
         measured = sum(float(((run_ort(quantized, [f["x"]])[0].astype(np.float64) - run_ort(model, [f["x"]])[0]) ** 2).sum())

@@ -1,5 +1,5 @@
 """INT4 weight-only on SmolLM2-135M-Instruct (issue 44), ours beside the peers in one run: float,
-finetune's round-to-nearest and GPTQ, and in their own virtual environments onnxruntime's
+finetune's round-to-nearest, GPTQ, AWQ and AWQ then GPTQ, and in their own virtual environments onnxruntime's
 matmul_nbits_quantizer (RTN, HQQ, GPTQ), NNCF (AWQ + scale estimation) and AMD Quark (MatMulNBits
 GPTQ), at two settings: groups of 128 along the reduction axis and per channel, symmetric. Every
 MatMul weight is quantized (the LM head too), the token table stays float. Calibration and
@@ -33,7 +33,8 @@ from bench_smollm2 import GPTQ, evaluate, feeds_of, token_windows  # a sibling s
 
 SETTINGS = {"g128": {"preset": "INT4_BLOCK32", "weight": {"block_size": 128}},  # name -> our config (int4 symmetric)
             "channel": {"preset": "INT4_PER_CHANNEL"}}
-OURS = {"ours_rtn": None, "ours_gptq": GPTQ}  # method -> our fast_finetune section
+OURS = {"ours_rtn": {}, "ours_gptq": {"fast_finetune": GPTQ}, "ours_awq": {"awq": {}},  # method -> what it adds to the setting
+        "ours_awq_gptq": {"awq": {}, "fast_finetune": GPTQ}}
 PEERS = {"ort_rtn": "ort", "ort_hqq": "ort", "ort_gptq": "ort", "nncf_awq_se": "nncf", "quark_gptq": "quark"}  # -> venv
 DATA_AWARE = ("ort_gptq", "nncf_awq_se", "quark_gptq")  # the peers whose time ours is held to
 PEER_PACKAGES = {"ort": "onnxruntime onnx numpy torch (HQQ)", "nncf": "nncf onnxruntime onnx numpy", "quark": "amd-quark onnxruntime onnx numpy"}
@@ -67,14 +68,15 @@ def prepare(folder: Path, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def quantize_ours(method: str, setting: str, folder: Path) -> dict[str, Any]:
-    """Our pipeline on the float model with the setting's config (and GPTQ for ours_gptq), the
-    model written to `<method>.<setting>.onnx`; its wall seconds."""
+    """Our pipeline on the float model with the setting's config and the method's additions (AWQ,
+    GPTQ), the model written to `<method>.<setting>.onnx`; its wall seconds (and AWQ's calibration
+    loss over rounding to nearest's)."""
     import torch
 
     from finetune.pipeline import quantize_and_finetune
 
     torch.set_num_threads(1)
-    config = {**SETTINGS[setting], **({"fast_finetune": OURS[method]} if OURS[method] else {})}
+    config = {**SETTINGS[setting], **OURS[method]}
     calibration = feeds_of(np.load(folder / "calibration.npy"))
     start = time.perf_counter()
     outcome = quantize_and_finetune(str(folder / "float.onnx"), config, calibration,
@@ -82,6 +84,8 @@ def quantize_ours(method: str, setting: str, folder: Path) -> dict[str, Any]:
     result = {"quantize_seconds": round(time.perf_counter() - start, 1), "config": config}
     if outcome.report is not None:
         result["tuned_units"] = len(outcome.report["units"])
+    if "awq" in outcome.summary:
+        result["awq_loss_over_rtn"] = outcome.summary["awq"]["loss_over_rtn"]
     return result
 
 

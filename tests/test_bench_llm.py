@@ -72,3 +72,15 @@ def test_the_driver_feeds_every_calibration_sequence_in_batches(monkeypatch: pyt
     done = subprocess.run([sys.executable, str(SCRIPTS / "llm_peer_driver.py"), "awq", "g128", "a", "b", "c"],
                           capture_output=True, text=True, check=False)
     assert done.returncode == 2 and "invalid choice: 'awq'" in done.stderr
+
+
+def test_every_method_of_ours_is_a_valid_config_at_every_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ours_awq and ours_awq_gptq add an awq section (with GPTQ after it for the latter) to the setting's config."""
+    from finetune.config import load_config
+
+    bench = script("bench_llm", monkeypatch)
+    for setting, base in bench.SETTINGS.items():
+        configs = {method: load_config({**base, **extra}) for method, extra in bench.OURS.items()}
+        assert configs["ours_awq"].awq is not None and configs["ours_awq"].fast_finetune is None
+        assert configs["ours_awq_gptq"].awq is not None and configs["ours_awq_gptq"].fast_finetune.algorithm == "gptq"
+        assert configs["ours_rtn"].awq is None and configs["ours_gptq"].weight == configs["ours_awq_gptq"].weight, setting

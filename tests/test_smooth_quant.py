@@ -230,3 +230,24 @@ def test_a_smoothed_model_is_not_tuned_towards_the_unsmoothed_float_model() -> N
                     warning["reason"])
     _, report = finetune_model(result.model, data, config, float_model=result.float_model)
     assert report["float_reference"] == "float model" and not [w for w in report["warnings"] if "model" in w]
+
+
+def test_fold_goes_past_shape_readers_and_into_the_operand_of_a_product_that_has_the_channels() -> None:
+    """x -> norm, whose output a Shape also reads, -> fc1; p = fc1(n) * Mul(z, c) with z [4, 1]
+    (broadcast) -> fc2. fc1 folds into the norm (a Shape reads no element); fc2 folds into fc1's
+    output channels, not into c, which would widen the narrow operand z * c."""
+    nodes = [helper.make_node("LayerNormalization", ["x", "gamma", "beta"], ["n"], name="norm", axis=-1),
+             helper.make_node("Shape", ["n"], ["shape"], name="shape"),
+             helper.make_node("MatMul", ["n", "w1"], ["a"], name="fc1"),
+             helper.make_node("Mul", ["z", "c"], ["b"], name="narrow"),
+             helper.make_node("Mul", ["a", "b"], ["p"], name="product"),
+             helper.make_node("MatMul", ["p", "w2"], ["y"], name="fc2")]
+    constants = {"gamma": weights(8), "beta": weights(8), "w1": weights(8, 8), "c": np.float32(1.5), "w2": weights(8, 3)}
+    model = onnx_model(nodes, [tensor("x", [4, 8]), tensor("z", [4, 1])], [tensor("y", [4, 3]), tensor("shape", [2], 7)],
+                       constants, opset=17)
+    data = [{**feed, "z": RNG.standard_normal((4, 1)).astype(np.float32)} for feed in batches((4, 8))]
+    result, summary = smoothed(model, data)
+    details = {layer["node"]: layer["detail"] for layer in summary["layers"]}
+    assert details == {"fc1": "folded into norm (LayerNormalization)", "fc2": "folded into fc1 (MatMul)"}
+    feed = [data[0]["x"], data[0]["z"]]
+    assert_same_function(run_ort(result, feed)[0], run_ort(model, feed)[0])

@@ -8,10 +8,10 @@ from .formats import AUTO, DEFAULT_OP_TYPES, FormatChoice, Override, format_fami
 from .io import PRESET_DIR, available_presets, from_quark, load_config, save_config, to_dict
 from .quant import QuantConfig
 from .schema import ConfigError
-from .smooth import SmoothQuant
+from .smooth import AWQ, SmoothQuant
 
 __all__ = [
-    "AUTO", "DEFAULT_LR", "DEFAULT_OP_TYPES", "DEVICE_HELP", "DEVICE_PATTERN", "GPTQ", "PRESET_DIR", "STEP_GROUP", "AdaQuant",
+    "AUTO", "AWQ", "DEFAULT_LR", "DEFAULT_OP_TYPES", "DEVICE_HELP", "DEVICE_PATTERN", "GPTQ", "PRESET_DIR", "STEP_GROUP", "AdaQuant",
     "ConfigError", "EarlyStop", "FastFinetune", "FormatChoice", "Override", "QuantConfig", "SmoothQuant", "available_presets",
     "default_lr", "format_family", "from_quark", "load_config", "save_config", "to_dict",
 ]

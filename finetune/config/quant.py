@@ -17,6 +17,7 @@ Schema (YAML keys are the dataclass field names; `preset:` is the one extra key,
     fold_batch_norm: true  # fold each BatchNormalization into the Conv/Gemm before it (onnx.batchnorm)
     cross_layer_equalization: false  # rescale Conv pairs to equal channel ranges before quantizing
     smooth_quant: null     # or {alpha: 0.5}: SmoothQuant of MatMul/Gemm/Conv inputs before quantizing (config.smooth)
+    awq: null              # or {grid: 20}: AWQ-style activation-aware scaling of MatMul/Gemm inputs (config.smooth); not with smooth_quant
     weight_storage: float  # float | compact | matmul_nbits (compact, then 4-bit MatMul weights as MatMulNBits)
     bf16_as_cast: false    # write bfloat16 QDQ pairs as Cast(to bfloat16) -> Cast(to float) in the final model
     npu_cnn: false         # Vitis AI / Ryzen AI NPU constraints for CNNs: shared scales around Concat, pooling, Pad, Slice (config.npu)
@@ -37,7 +38,7 @@ from .finetune import FastFinetune
 from .formats import ALL, DEFAULT_OP_TYPES, Bias, FormatChoice, NodeFormats, Override, resolve_bias
 from .npu import NPU_CNN_OP_TYPES, check_npu_cnn
 from .schema import ConfigError, Section, join_path
-from .smooth import SmoothQuant
+from .smooth import AWQ, SmoothQuant
 
 PER_LAUNCH_STRATEGIES = ("ddp_spawn", "ddp_fork", "ddp_notebook")  # Fabric starts their processes at each launch
 
@@ -61,6 +62,7 @@ class QuantConfig(Section):
     fold_batch_norm: bool = True
     cross_layer_equalization: bool = False
     smooth_quant: SmoothQuant | None = None
+    awq: AWQ | None = None
     weight_storage: Literal["float", "compact", "matmul_nbits"] = "float"
     bf16_as_cast: bool = False  # the final model's bfloat16 quantize-dequantize pairs as Cast pairs
     npu_cnn: bool = False  # NPU CNN constraints (finetune.config.npu), AMD Quark's enable_npu_cnn
@@ -78,6 +80,9 @@ class QuantConfig(Section):
             except re.error as error:
                 raise ConfigError(f"exclude_nodes[{i}]", f"not a valid regular expression ({error})") from None
         self._check_bias("bias", self.bias, self.activation, self.weight)
+        if self.awq is not None and self.smooth_quant is not None:
+            raise ConfigError("awq", "smooth_quant is set too, and both rescale the same layers' input channels: pick one "
+                              "(remove awq or smooth_quant)")
         if self.auto_mixed_precision is not None and self.fast_finetune is not None and self.fast_finetune.processes > 1:
             self._check_split_search(self.fast_finetune)
         for kind in ("op_type_overrides", "node_overrides"):

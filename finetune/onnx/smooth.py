@@ -1,5 +1,6 @@
 """SmoothQuant (Xiao et al., "SmoothQuant", 2022) as a rewrite of a float graph, given the
-activations' per-channel maxima (finetune.quantize.smooth collects them).
+activations' per-channel maxima (finetune.quantize.smooth collects them); smooth_graph takes any
+per-channel scales, so AWQ's searched ones (finetune.quantize.awq) are written the same way.
 
 Each activation X that MatMul / Gemm / Conv layers read, with constant weights, gets one scale per
 input channel j, s_j = max|X_j|^alpha / max|W_j|^(1 - alpha) (W_j: the j-th input channel of every
@@ -8,8 +9,9 @@ divided by s, so the function is unchanged while an outlier channel of X moves p
 into the weights, where per-channel or block scales absorb it. X / s is computed by the producer
 where that is exact (1/s folded into a LayerNormalization's scale and bias, a Mul's or Add's
 constant, or the output channels of a MatMul / Gemm / Conv, through Relu and MaxPool, which commute
-with positive scales), and only when every reader of X is smoothed; otherwise by a `Mul` inserted
-before the layers. Only the main graph is rewritten: a value a subgraph reads is never folded."""
+with positive scales, and through one operand of a product a * b, as SwiGLU's up projection), and
+only when every reader of X is smoothed (a Shape or Size reads no element); otherwise by a `Mul`
+inserted before the layers. Only the main graph is rewritten: a value a subgraph reads is never folded."""
 
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ SCALE_RANGE = (1e-4, 1e4)  # s is clamped here: a near-empty channel must not bl
 LAST, CHANNEL = LAYER_OPS["MatMul"].channel_axis, LAYER_OPS["Conv"].channel_axis  # where MatMul / Gemm and Conv inputs hold channels
 NO_WEIGHT = "its second operand is computed: no constant weight takes the scale"
 _COMMUTING = {"Relu": (LAST, CHANNEL), "MaxPool": (CHANNEL,)}  # ops that pass a positive per-channel scale through
+_SHAPE_ONLY = ("Shape", "Size")  # readers of a value's shape, which a scale leaves as it is
 
 
 @dataclass
@@ -62,9 +65,15 @@ class _Constants:
 
     def __post_init__(self) -> None:
         self.tensors = {t.name: t for t in self.graph.initializer}
+        self.shape_readers = {node.name for node in self.graph.node
+                              if node.op_type in _SHAPE_ONLY and node.domain in DEFAULT_DOMAINS}
         for node in self.graph.node:
             for name in node_reads(node):  # a subgraph's reads of outer values count as its node's
                 self.readers[name].append(node.name)
+
+    def value_readers(self, value: str) -> list[str]:
+        """The nodes that read a value's elements (not only its shape)."""
+        return [name for name in self.readers[value] if name not in self.shape_readers]
 
     def private(self, node: onnx.NodeProto, index: int) -> str:
         """The name of node.input[index], an initializer only this node now reads."""
@@ -142,10 +151,10 @@ def weight_maxima(weight: np.ndarray, node: onnx.NodeProto) -> np.ndarray:
     """max |W_j| over each input channel j of a layer's weight."""
     if node.op_type == "Conv":
         return np.abs(_by_input_channel(weight, node)).max(axis=(1, 3)).reshape(-1)
-    return np.abs(weight).max(axis=1 if _in_axis(node) == 0 else 0)
+    return np.abs(weight).max(axis=1 if input_axis(node) == 0 else 0)
 
 
-def _in_axis(node: onnx.NodeProto) -> int:
+def input_axis(node: onnx.NodeProto) -> int:
     """The input-channel axis of a MatMul's or Gemm's 2-D weight (onnx.layers.weight_axes)."""
     return weight_axes(node.op_type, 1, any(a.name == "transB" and a.i for a in node.attribute))[1] % 2
 
@@ -170,32 +179,24 @@ def smoothing_scales(activation_max: np.ndarray, weight_max: np.ndarray, alpha: 
     return np.clip(scales, *SCALE_RANGE)
 
 
-def smooth_graph(graph: onnx.GraphProto, groups: list[Group], activation_max: dict[str, np.ndarray], alpha: float,
-                 fold: bool) -> list[Outcome]:
-    """Smooth every group with statistics (in place) and say what happened to each layer."""
+def smooth_graph(graph: onnx.GraphProto, groups: list[Group], scales: dict[str, np.ndarray], fold: bool) -> list[Outcome]:
+    """Scale every group's weights' input channels by its `scales` (by the group's value; one per
+    channel, positive) and divide its input by them (in place); say what happened to each layer."""
     constants = _Constants(graph)
     outcomes: list[Outcome] = []
     muls: list[tuple[Group, np.ndarray]] = []
     for group in groups:
-        maxima = activation_max.get(group.value)
-        if maxima is None or maxima.size != group.channels:
-            why = (f"no calibration sample computed {group.value}" if maxima is None
-                   else f"{group.value} has {maxima.size} channels where its layers read {group.channels}")
-            outcomes += [Outcome(layer.name, "skipped", why) for layer in group.layers]
-            continue
-        weight_max = np.max([weight_maxima(numpy_helper.to_array(constants.tensors[layer.input[1]]), layer)
-                             for layer in group.layers], axis=0)
-        scales = smoothing_scales(maxima, weight_max, alpha)
+        s = scales[group.value]
         for layer in group.layers:
-            constants.scale(layer, 1, _weight_factor(layer, scales, tuple(constants.tensors[layer.input[1]].dims)))
+            constants.scale(layer, 1, weight_factor(layer, s, tuple(constants.tensors[layer.input[1]].dims)))
         steps, why = _fold_chain(graph, group, constants) if fold else (None, "fold: false")
         if steps is None:
-            muls.append((group, 1.0 / scales))
+            muls.append((group, 1.0 / s))
             outcomes += [Outcome(layer.name, "mul", f"Mul inserted before it: {why}") for layer in group.layers]
             continue
         for node, indices in steps:
             for index in indices:
-                constants.scale(node, index, _output_factor(node, index, group, 1.0 / scales))
+                constants.scale(node, index, _output_factor(node, index, group, 1.0 / s))
         where = f"folded into {steps[-1][0].name} ({steps[-1][0].op_type})"
         outcomes += [Outcome(layer.name, "folded", where) for layer in group.layers]
     constants.store()
@@ -203,11 +204,11 @@ def smooth_graph(graph: onnx.GraphProto, groups: list[Group], activation_max: di
     return outcomes
 
 
-def _weight_factor(layer: onnx.NodeProto, scales: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+def weight_factor(layer: onnx.NodeProto, scales: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     """`scales` shaped to multiply a layer's weight (of `shape`) along its input channels; a grouped
     Conv's output channel o reads input channels of its group only."""
     if layer.op_type != "Conv":
-        return scales[:, None] if _in_axis(layer) == 0 else scales[None, :]
+        return scales[:, None] if input_axis(layer) == 0 else scales[None, :]
     out, per_group = shape[:2]
     group_of = np.arange(out) // (out // _group_count(layer))
     channel = group_of[:, None] * per_group + np.arange(per_group)[None, :]
@@ -217,20 +218,26 @@ def _weight_factor(layer: onnx.NodeProto, scales: np.ndarray, shape: tuple[int, 
 def _fold_chain(graph: onnx.GraphProto, group: Group,
                 constants: _Constants) -> tuple[list[tuple[onnx.NodeProto, list[int]]] | None, str]:
     """The nodes (with the inputs to scale by 1/s) that compute X / s when X's producer absorbs
-    1/s: through Relu / MaxPool and Add of a constant, to a LayerNormalization, a Mul by a constant
-    or a MatMul / Gemm / Conv with constant weights. None, and why, where that is not exact."""
+    1/s: through Relu / MaxPool, Add of a constant and one operand of a Mul of two computed values,
+    to a LayerNormalization, a Mul by a constant or a MatMul / Gemm / Conv with constant weights.
+    None, and why, where that is not exact. Readers of X's shape only do not stand in the way."""
     producers = {output: node for node in graph.node for output in node.output}
-    outputs = {o.name for o in graph.output}
     names = {layer.name for layer in group.layers}
-    others = [name for name in constants.readers[group.value] if name not in names]
+    others = [name for name in constants.value_readers(group.value) if name not in names]
     if others:
         return None, f"{group.value} is also read by {others[0]}, which is not smoothed"
+    return _chain_from(group.value, group, constants, producers)
+
+
+def _chain_from(current: str, group: Group, constants: _Constants,
+                producers: dict[str, onnx.NodeProto]) -> tuple[list[tuple[onnx.NodeProto, list[int]]] | None, str]:
+    """_fold_chain's steps from the value `current` up (X itself, or a value only the chain reads)."""
+    outputs = {o.name for o in constants.graph.output}
     steps: list[tuple[onnx.NodeProto, list[int]]] = []
-    current = group.value
     while True:
         if current in outputs:
             return None, f"{current} is a graph output"
-        if current != group.value and len(constants.readers[current]) != 1:
+        if current != group.value and len(constants.value_readers(current)) != 1:
             return None, f"{current} is read by other nodes too"
         producer = producers.get(current)
         if producer is None or producer.domain not in DEFAULT_DOMAINS:
@@ -238,6 +245,8 @@ def _fold_chain(graph: onnx.GraphProto, group: Group,
         if group.axis in _COMMUTING.get(producer.op_type, ()):
             current = producer.input[0]
             continue
+        if producer.op_type == "Mul" and not any(name in constants.tensors for name in producer.input):
+            return _through_product(producer, group, constants, producers, steps)
         indices = _absorbing_inputs(producer, group, constants.tensors)
         if indices is None:
             return None, f"its producer {producer.name} ({producer.op_type}) cannot absorb the scale"
@@ -245,6 +254,18 @@ def _fold_chain(graph: onnx.GraphProto, group: Group,
         if producer.op_type != "Add":
             return steps, ""
         current = next(name for k, name in enumerate(producer.input) if k not in indices)
+
+
+def _through_product(product: onnx.NodeProto, group: Group, constants: _Constants, producers: dict[str, onnx.NodeProto],
+                     steps: list[tuple[onnx.NodeProto, list[int]]]) -> tuple[list[tuple[onnx.NodeProto, list[int]]] | None, str]:
+    """a * b / s = a * (b / s): the steps so far and those of the first operand whose chain ends in
+    a layer or a LayerNormalization, which have the channels (a Mul by a constant could broadcast a
+    narrower operand): SwiGLU's up projection, read by silu(gate) * up. Else None, and why."""
+    for operand in reversed(product.input) if len(set(product.input)) == 2 else ():  # silu(gate) * up: the second first
+        chain, _ = _chain_from(operand, group, constants, producers)
+        if chain is not None and chain[-1][0].op_type in ("MatMul", "Gemm", "Conv", "LayerNormalization"):
+            return steps + chain, ""
+    return None, f"its producer {product.name} (Mul) has no operand that can absorb the scale"
 
 
 def _absorbing_inputs(node: onnx.NodeProto, group: Group, tensors: dict[str, onnx.TensorProto]) -> list[int] | None:
@@ -261,7 +282,7 @@ def _absorbing_inputs(node: onnx.NodeProto, group: Group, tensors: dict[str, onn
     if isinstance(layout, str) or layout[0] != group.axis:  # a Conv writes channels on axis 1, MatMul and Gemm last
         return None
     weight = tensors[node.input[1]]
-    out = weight.dims[0] if node.op_type == "Conv" or _in_axis(node) == 1 else weight.dims[1]
+    out = weight.dims[0] if node.op_type == "Conv" or input_axis(node) == 1 else weight.dims[1]
     bias = [2] if len(node.input) > 2 and node.input[2] else []
     if out != group.channels or any(k not in floats for k in bias):
         return None
@@ -275,7 +296,7 @@ def _output_factor(node: onnx.NodeProto, index: int, group: Group, inverse: np.n
     if node.op_type == "Conv" and index == 1:
         return inverse.reshape(-1, 1, *[1] * (group.rank - 2))
     if node.op_type in ("MatMul", "Gemm") and index == 1:
-        return inverse[:, None] if _in_axis(node) == 1 else inverse[None, :]
+        return inverse[:, None] if input_axis(node) == 1 else inverse[None, :]
     return inverse  # a bias, or LayerNormalization's scale and bias: 1-D over the channels
 
 

@@ -21,6 +21,7 @@ from finetune.onnx.normalize import normalize_model
 from finetune.onnx.qdq import bf16_pairs_to_casts
 from finetune.onnx.session import require_loads
 
+from .awq import awq_model
 from .calibrate import calibrate, calibrated_uses
 from .checks import check_plan
 from .insert import insert_qdq
@@ -38,7 +39,7 @@ class QuantizeResult:
 
     model: onnx.ModelProto
     summary: dict[str, Any]
-    float_model: onnx.ModelProto  # the float graph the QDQ model was built from (normalised, folded, equalised, smoothed)
+    float_model: onnx.ModelProto  # the float graph the QDQ model was built from (normalised, folded, equalised, rescaled)
 
 
 def quantize_model(
@@ -65,9 +66,11 @@ def quantize_model(
     if config.cross_layer_equalization:
         normalized, equalized = equalize_model(normalized, notices)
         changes += equalized
-    smoothing = None
+    rescaling = {}
     if config.smooth_quant is not None:
-        normalized, smoothing = smooth_model(normalized, config, data, providers, notices)
+        normalized, rescaling["smooth_quant"] = smooth_model(normalized, config, data, providers, notices)
+    if config.awq is not None:  # the config refuses both
+        normalized, rescaling["awq"] = awq_model(normalized, config, data, providers, notices)
     float_model = normalized
     uses = plan(normalized, config, notices)
     alignments = None
@@ -88,7 +91,7 @@ def quantize_model(
     if config.bf16_as_cast:
         changes.append(f"bf16_as_cast: {bf16_pairs_to_casts(quantized)} bfloat16 quantize-dequantize pair(s) written as Cast pairs")
     require_loads(quantized, model, "quantize")
-    summary = summarize(bytes_before, quantized, uses, changes, notices, time.perf_counter() - start, alignments, smoothing)
+    summary = summarize(bytes_before, quantized, uses, changes, notices, time.perf_counter() - start, alignments, rescaling)
     return QuantizeResult(quantized, summary, float_model)
 
 

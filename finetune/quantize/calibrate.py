@@ -11,10 +11,11 @@ from typing import Any
 
 import numpy as np
 import onnx
+import torch
 from onnx import numpy_helper
 
 from finetune.calibrate import CalibrationData, Observer, collect_statistics, make_observer
-from finetune.formats import FloatSpec, FormatSpec, IntSpec
+from finetune.formats import FloatSpec, FormatSpec, IntSpec, quantize_dequantize
 from finetune.notices import Notice, warn
 
 from .plan import Use, with_producer_formats
@@ -81,6 +82,19 @@ def _check_unneeded_data(model: onnx.ModelProto, data: Any) -> None:
     next(iter(CalibrationData(data, model)), None)
     logger.info("the calibration data was not needed (no tensor's format needs calibration: block formats, BF16); "
                 "its first sample matches the model's inputs")
+
+
+def quantize_weight(use: Use, weight: np.ndarray) -> np.ndarray:
+    """A weight's values after the quantize-dequantize of its planned format, with the scale and
+    zero point calibrate gives it from these values: what the quantized model computes with (for
+    searches that try rescaled weights before the plan is final, as AWQ's)."""
+    scale = zero_point = None
+    if _needs_calibration(use):
+        observer = _observer(use)
+        observer.update(weight)
+        scale, zero_point = (torch.from_numpy(np.asarray(q)) for q in observer.scale_zero_point())
+    values = torch.from_numpy(np.ascontiguousarray(weight, np.float32))
+    return quantize_dequantize(values, use.spec, scale, zero_point).numpy()
 
 
 def _needs_calibration(use: Use) -> bool:

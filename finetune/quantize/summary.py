@@ -45,12 +45,12 @@ def format_attributes(spec: FormatSpec) -> str:
 
 def summarize(
     bytes_before: int, quantized: onnx.ModelProto, uses: list[Use], changes: list[str], notices: list[Notice],
-    seconds: float, alignments: list[dict[str, Any]] | None = None, smoothing: dict[str, Any] | None = None,
+    seconds: float, alignments: list[dict[str, Any]] | None = None, rescaling: dict[str, dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """Tensors per format and role, model sizes (`bytes_before`: the input's), what normalisation (and equalisation) changed,
     the warnings ({"tensor" | "node" | "model" | "config": name, "reason": ...} each), with
     npu_cnn the scales and formats its alignments changed (finetune.quantize.npu) and with
-    smooth_quant what it did to each layer (finetune.quantize.smooth)."""
+    smooth_quant or awq (`rescaling`, by section) what it did to each layer (finetune.quantize.smooth, .awq)."""
     distinct = {(u.tensor, u.spec): u for u in with_producer_formats(uses)}.values()
     per_format = Counter((use.role, display_name(use.spec), format_attributes(use.spec)) for use in distinct)
     summary = {
@@ -66,8 +66,7 @@ def summarize(
     }
     if alignments is not None:
         summary["npu_cnn_alignments"] = alignments
-    if smoothing is not None:
-        summary["smooth_quant"] = smoothing
+    summary.update(rescaling or {})
     return summary
 
 
@@ -91,5 +90,10 @@ def format_summary(summary: dict[str, Any]) -> str:
         smooth = summary["smooth_quant"]
         lines.append(f"smooth_quant (alpha {smooth['alpha']:g}): {smooth['smoothed']} layer(s) smoothed, {smooth['folded']} "
                      f"folded into their producer, {smooth['mul_inserted']} behind an inserted Mul, {smooth['skipped']} skipped")
+    if "awq" in summary:
+        awq = summary["awq"]
+        ratio = "" if awq["loss_over_rtn"] is None else f"; calibration loss {awq['loss_over_rtn']:.3f} of rounding to nearest's"
+        lines.append(f"awq (grid {awq['grid']}): {awq['smoothed']} layer(s) scaled, {awq['folded']} folded into their producer, "
+                     f"{awq['mul_inserted']} behind an inserted Mul, {awq['skipped']} skipped{ratio}")
     lines += [f"warning: {line}" for line in describe(summary["warnings"])]
     return "\n".join(lines)

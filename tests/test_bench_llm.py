@@ -80,6 +80,11 @@ def test_every_method_of_ours_is_a_valid_config_at_every_setting(monkeypatch: py
 
     bench = script("bench_llm", monkeypatch)
     for setting, base in bench.SETTINGS.items():
+        if "smooth_quant" in base:  # awq and smooth_quant exclude each other: those methods do not run there
+            assert not bench.runs_at("ours_awq", setting) and bench.runs_at("ours_gptq", setting)
+            assert load_config({**base, **bench.OURS["ours_gptq"]}).smooth_quant is not None
+            continue
+        assert bench.runs_at("nncf_awq_se", setting) == (setting in ("g128", "channel"))
         configs = {method: load_config({**base, **extra}) for method, extra in bench.OURS.items()}
         assert configs["ours_awq"].awq is not None and configs["ours_awq"].fast_finetune is None
         assert configs["ours_awq_gptq"].awq is not None and configs["ours_awq_gptq"].fast_finetune.algorithm == "gptq"

@@ -82,17 +82,21 @@ def test_adaquant_leaves_the_table_codes_as_written(export: Path) -> None:
     assert changed
 
 
-def test_a_gather_of_computed_data_stays_float_with_a_warning() -> None:
-    """Relu(x) gathered by rows has no constant table: the Gather is named in the warnings and gets no
-    quantize-dequantize pair; the MatMul after it is quantized as configured."""
-    weight = np.random.default_rng(0).standard_normal((3, 2)).astype(np.float32)
+def test_computed_data_is_an_activation_and_a_table_read_along_its_width_stays_float() -> None:
+    """Relu(x) gathered by rows is an activation: quantized as any other, no warning. A constant table
+    gathered along axis 1 has no rows to scale: it stays float, named in the warnings."""
+    rng = np.random.default_rng(0)
     nodes = [helper.make_node("Relu", ["x"], ["r"]), helper.make_node("Gather", ["r", "i"], ["g"], name="rows"),
-             helper.make_node("MatMul", ["g", "w"], ["y"])]
+             helper.make_node("Gather", ["t", "i"], ["c"], name="columns", axis=1),
+             helper.make_node("MatMul", ["g", "c"], ["y"])]
     model = onnx_model(nodes, [tensor("x", [4, 3]), tensor("i", [2], onnx.TensorProto.INT64)], [tensor("y", [2, 2])],
-                       {"w": weight})
+                       {"t": rng.standard_normal((3, 4)).astype(np.float32)})
     feeds = [{"x": np.ones((4, 3), np.float32), "i": np.array([0, 2])}]
-    result = quantize_model(model, table_config(INT8_ROWS), feeds)
-    assert [w["node"] for w in result.summary["warnings"] if "node" in w] == ["rows"]
-    gather = next(n for n in result.model.graph.node if n.op_type == "Gather")
-    assert gather.input[0] == "r"
-    assert any(n.op_type == "DequantizeLinear" for n in result.model.graph.node)
+    activation = {"format": "int", "dtype": "int8", "symmetric": False}
+    config = {"activation": activation, "weight": INT8_ROWS, "op_types": ["Gather", "MatMul"]}
+    result = quantize_model(model, config, feeds)
+    assert [w["node"] for w in result.summary["warnings"] if "node" in w] == ["columns"]
+    gathers = {n.name: n for n in result.model.graph.node if n.op_type == "Gather"}
+    producers = {output: n for n in result.model.graph.node for output in n.output}
+    assert producers[gathers["rows"].input[0]].op_type == "DequantizeLinear"
+    assert gathers["columns"].input[0] == "t"

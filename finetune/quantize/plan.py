@@ -111,16 +111,16 @@ def _producer_format(
 
 def _table_problem(node: onnx.NodeProto, initializers: dict[str, onnx.TensorProto], types: dict[str, int],
                    ranks: dict[str, int]) -> str | None:
-    """Why a Gather of float data cannot have its table quantized (None: it can, or it is no such
-    Gather): only a constant rank-2 table gathered along axis 0 has rows (tokens) to scale per channel."""
-    if node.op_type != TABLE_OP or types.get(node.input[0]) not in QUANTIZABLE_ELEMENT_TYPES:
+    """Why a Gather's constant float table cannot be quantized as a weight (None: it can, or it is no
+    such Gather; computed data is an activation, quantized as any other): only a [rows, width] table
+    read along axis 0 has rows (tokens) to scale per channel and a width to block."""
+    data = node.input[0]
+    if node.op_type != TABLE_OP or data not in initializers or types.get(data) not in QUANTIZABLE_ELEMENT_TYPES:
         return None
     axis = next((onnx.helper.get_attribute_value(a) for a in node.attribute if a.name == "axis"), 0)
-    if node.input[0] not in initializers:
-        return f"stays float: its data {node.input[0]} is computed, and only a constant table is quantized"
-    if ranks.get(node.input[0]) != 2 or axis != 0:
-        return (f"stays float: its table {node.input[0]} has rank {ranks.get(node.input[0])} and is read along axis "
-                f"{axis}; only a [rows, width] table read along axis 0 is quantized")
+    if ranks.get(data) != 2 or axis != 0:
+        return (f"stays float: its table {data} has rank {ranks.get(data)} and is read along axis {axis}; only a "
+                f"[rows, width] table read along axis 0 is quantized")
     return None
 
 

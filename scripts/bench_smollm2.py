@@ -34,6 +34,12 @@ SETTINGS = {  # name -> the pipeline's config (None: the float model itself)
     "int4_per_channel_gptq": {"preset": "INT4_PER_CHANNEL", "fast_finetune": GPTQ},
     "int4_g128": {"preset": "INT4_BLOCK32", "weight": {"block_size": 128}},
     "a8w8": {"preset": "A8W8"},
+    # the token table (Gather's data) float beside INT8 per row and INT4 in groups of 32; codes stored as integers
+    "int4_g32_table_float": {"preset": "INT4_BLOCK32", "weight_storage": "compact"},
+    "int4_g32_table_int8": {"preset": "INT4_BLOCK32", "weight_storage": "compact", "op_type_overrides": {"Gather": {"weight": {
+        "format": "int", "dtype": "int8", "symmetric": True, "granularity": "channel"}}}},
+    "int4_g32_table_int4_g32": {"preset": "INT4_BLOCK32", "weight_storage": "compact", "op_type_overrides": {"Gather": {
+        "weight": {"format": "int", "dtype": "int4", "symmetric": True, "granularity": "block", "block_size": 32}}}},
 }
 BATCH = 4  # sequences a feed
 
@@ -121,6 +127,7 @@ def run_setting(name: str, folder: Path, sequences: int) -> dict[str, Any]:
         outcome = quantize_and_finetune(str(folder / "float.onnx"), config, calibration)
         model = outcome.model
         result["quantize_seconds"] = round(time.perf_counter() - start, 1)
+        result["model_bytes"] = model.ByteSize()
         if outcome.report is not None:
             result["tuned_units"] = len(outcome.report["units"])
     float_path = folder / "float_tokens.npy"

@@ -23,6 +23,7 @@ logger = logging.getLogger(__name__)
 
 QUANTIZABLE_ELEMENT_TYPES = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16)
 UNTYPED = "stays float: its element type is unknown (onnx's shape inference could not infer it, as for outputs of custom-domain ops)"
+TABLE_OP = "Gather"  # its data input, a constant [rows, width] table read along axis 0, is quantized as a weight
 PER_CHANNEL_OPSET = 13
 FP8_OPSET = 19
 
@@ -54,12 +55,16 @@ def plan(model: onnx.ModelProto, config: QuantConfig, notices: list[Notice]) -> 
     types, ranks = tensor_types_and_ranks(model)
     producers = {output: node for node in all_nodes(model.graph) for output in node.output}
     uses: list[Use] = []
-    untyped = []
+    untyped, float_tables = [], []
     for node in all_nodes(model.graph):
         if node.domain not in DEFAULT_DOMAINS:
             continue
         formats = config.node_formats(node.name, node.op_type)
         if formats is None:
+            continue
+        problem = _table_problem(node, initializers, types, ranks)
+        if problem:
+            float_tables.append(Notice("node", node.name, problem))
             continue
         node_uses = []
         for index, role in _input_roles(node, initializers):
@@ -84,7 +89,7 @@ def plan(model: onnx.ModelProto, config: QuantConfig, notices: list[Notice]) -> 
             before = _producer_format(tensor, spec, producers, config, ranks) if config.dual_quant else None
             node_uses.append(Use(node.name, index, tensor, role, choice, spec, before))
         uses.extend(_int32_bias_axes(node_uses))
-    warn(logger, notices, untyped)
+    warn(logger, notices, [*untyped, *float_tables])
     logger.info("planned %d quantized inputs on %d nodes", len(uses), len({u.node for u in uses}))
     return uses
 
@@ -102,6 +107,21 @@ def _producer_format(
     rank = ranks.get(tensor)
     produced = choice.spec(rank, None, 1 if rank is None or rank > 1 else 0)
     return None if produced == spec else Use(producer.name, -1, tensor, "activation", choice, produced)
+
+
+def _table_problem(node: onnx.NodeProto, initializers: dict[str, onnx.TensorProto], types: dict[str, int],
+                   ranks: dict[str, int]) -> str | None:
+    """Why a Gather's constant float table cannot be quantized as a weight (None: it can, or it is no
+    such Gather; computed data is an activation, quantized as any other): only a [rows, width] table
+    read along axis 0 has rows (tokens) to scale per channel and a width to block."""
+    data = node.input[0]
+    if node.op_type != TABLE_OP or data not in initializers or types.get(data) not in QUANTIZABLE_ELEMENT_TYPES:
+        return None
+    axis = next((onnx.helper.get_attribute_value(a) for a in node.attribute if a.name == "axis"), 0)
+    if ranks.get(data) != 2 or axis != 0:
+        return (f"stays float: its table {data} has rank {ranks.get(data)} and is read along axis {axis}; only a "
+                f"[rows, width] table read along axis 0 is quantized")
+    return None
 
 
 def _input_roles(node: onnx.NodeProto, initializers: dict[str, onnx.TensorProto]) -> list[tuple[int, str]]:
@@ -124,10 +144,12 @@ def _input_roles(node: onnx.NodeProto, initializers: dict[str, onnx.TensorProto]
 
 def _axes(node: onnx.NodeProto, index: int, rank: int | None) -> tuple[int | None, int | None]:
     """(output-channel axis, reduction axis) of a node's input, for per-channel scales and blocks: a
-    weight's (onnx.layers.weight_axes), or an activation's channels (none for Gemm's A, read along
-    its columns or with transA its rows, nor for a recurrent layer's X, reduced along its last axis)."""
+    weight's (onnx.layers.weight_axes; a Gather's table: rows, width), or an activation's channels
+    (none for Gemm's A, read along its columns or with transA its rows, nor for a recurrent layer's X, reduced along its last axis)."""
     attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
     layer = LAYER_OPS.get(node.op_type)
+    if node.op_type == TABLE_OP and index == 0:  # one scale per row (token), blocks along the width
+        return 0, 1
     if layer is not None and index in layer.weights:
         return weight_axes(node.op_type, index, bool(attrs.get("transB", 0)))
     if node.op_type in ("Conv", "ConvTranspose"):

@@ -98,10 +98,11 @@ class ActivationAware:
 
     section = "awq"
 
-    def __init__(self, model: onnx.ModelProto, config: QuantConfig) -> None:
+    def __init__(self, model: onnx.ModelProto, config: QuantConfig, notices: list[Notice]) -> None:
         self.grid, self.output_layers = config.awq.grid, config.awq.output_layers
         self.outputs = {output.name for output in model.graph.output}
-        self.uses = {use.node: use for use in plan(model, config, []) if use.role == "weight"}  # notices come with the real plan
+        self.uses = {use.node: use for use in plan(model, config, notices) if use.role == "weight"}
+        # (its notices join the run's, so the plan after the rewrite logs none of them a second time)
         self.searched: list[dict[str, Any]] = []
 
     def refusal(self, node: onnx.NodeProto, formats: NodeFormats) -> str | None:
@@ -137,4 +138,4 @@ def awq_model(model: onnx.ModelProto, config: QuantConfig, data: Any, providers:
     """A copy of the normalised float `model` (never modified) with AWQ's scales, and the summary's awq
     entry: the grid, per group the chosen alpha and the calibration loss at alpha 0 (rtn_loss) and at
     it, the loss over all groups relative to rounding to nearest, and per layer what was rewritten."""
-    return rescale_model(model, config, data, providers, notices, ActivationAware(model, config))
+    return rescale_model(model, config, data, providers, notices, ActivationAware(model, config, notices))

@@ -88,12 +88,16 @@ def format_summary(summary: dict[str, Any]) -> str:
         lines.append(f"npu_cnn: {len(summary['npu_cnn_alignments'])} scale or format alignment(s)")
     if "smooth_quant" in summary:
         smooth = summary["smooth_quant"]
-        lines.append(f"smooth_quant (alpha {smooth['alpha']:g}): {smooth['smoothed']} layer(s) smoothed, {smooth['folded']} "
-                     f"folded into their producer, {smooth['mul_inserted']} behind an inserted Mul, {smooth['skipped']} skipped")
+        lines.append(_rescaling_line(f"smooth_quant (alpha {smooth['alpha']:g})", "smoothed", smooth))
     if "awq" in summary:
         awq = summary["awq"]
         ratio = "" if awq["loss_over_rtn"] is None else f"; calibration loss {awq['loss_over_rtn']:.3f} of rounding to nearest's"
-        lines.append(f"awq (grid {awq['grid']}): {awq['smoothed']} layer(s) scaled, {awq['folded']} folded into their producer, "
-                     f"{awq['mul_inserted']} behind an inserted Mul, {awq['skipped']} skipped{ratio}")
+        lines.append(_rescaling_line(f"awq (grid {awq['grid']})", "scaled", awq) + ratio)
     lines += [f"warning: {line}" for line in describe(summary["warnings"])]
     return "\n".join(lines)
+
+
+def _rescaling_line(label: str, verb: str, entry: dict[str, Any]) -> str:
+    """The CLI line of a rescaling's summary entry (smooth_quant's or awq's): what happened to its layers."""
+    return (f"{label}: {entry['smoothed']} layer(s) {verb}, {entry['folded']} folded into their producer, "
+            f"{entry['mul_inserted']} behind an inserted Mul, {entry['skipped']} skipped")

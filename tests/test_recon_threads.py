@@ -1,5 +1,5 @@
-"""fast_finetune.threads: auto takes one thread for small steps whatever the load (so their bytes
-never follow it), the CPUs other jobs leave free for large ones, never more than torch had; a number
+"""fast_finetune.threads: auto takes one thread for small steps (few FLOPs, small outputs) whatever
+the load (so their bytes never follow it), the CPUs other jobs leave free for large ones, never more than torch had; a number
 or OMP_NUM_THREADS pins it; the cgroup quota and the load are read from the system."""
 
 from __future__ import annotations
@@ -8,17 +8,20 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from finetune.config import ConfigError, FastFinetune
 from finetune.recon import finetune_model
-from finetune.recon.threads import SMALL_STEP_FLOPS, LoadMeter, ThreadPolicy, cgroup_quota, cpu_allowance
+from finetune.recon.threads import (LARGE_OUTPUT_ELEMENTS, SMALL_STEP_FLOPS, LoadMeter, StepWork, ThreadPolicy, cgroup_quota,
+                                    cpu_allowance, step_work)
 
 from .recon_helpers import one_thread, quantized  # noqa: F401  (fixtures)
 
-LARGE = 10 * SMALL_STEP_FLOPS
+SMALL = StepWork(SMALL_STEP_FLOPS - 1, LARGE_OUTPUT_ELEMENTS - 1)
+LARGE = StepWork(10 * SMALL_STEP_FLOPS)
 
 
 class Busy:
@@ -39,8 +42,27 @@ def policy(setting: object = "auto", cpus: int = 4, most: int = 4, busy: float |
 @pytest.mark.parametrize("busy", [0.0, 3.9, None])
 def test_a_small_step_takes_one_thread_whatever_the_load(busy: float | None) -> None:
     chosen = policy(busy=busy)
-    assert chosen.choose("unit", SMALL_STEP_FLOPS - 1) == 1
+    assert chosen.choose("unit", SMALL) == 1
     assert chosen.summary()["bytes_may_follow_load"] is False
+
+
+@pytest.mark.parametrize("work", [StepWork(SMALL_STEP_FLOPS), StepWork(0.0, LARGE_OUTPUT_ELEMENTS)])
+def test_many_operations_or_a_large_output_take_a_second_thread(work: StepWork) -> None:
+    assert policy(cpus=2, most=2).choose("unit", work) == 2
+
+
+def test_a_units_work_counts_its_operations_and_its_largest_output() -> None:
+    torch.manual_seed(0)
+    float_model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(), torch.nn.Flatten(),
+                                      torch.nn.Linear(8 * 6 * 6, 10))
+    module = torch.fx.symbolic_trace(float_model)
+    names = {node.target: node.name for node in module.graph.nodes if node.op == "call_module"}
+    units = [SimpleNamespace(nodes=(names["0"], names["1"])), SimpleNamespace(nodes=(names["3"],))]
+    whole, (convolution, linear) = step_work(module, units, [torch.randn(2, 3, 6, 6)], rows=16)  # type: ignore[arg-type]
+    scale = 16 // 2  # counted on a batch of 2, for steps of 16 rows
+    assert convolution == StepWork(scale * 2 * (2 * 8 * 36 * 27), scale * 2 * 8 * 36)  # 2 FLOPs a multiply-add
+    assert linear == StepWork(scale * 2 * (2 * 288 * 10), scale * 2 * 10)
+    assert whole == StepWork(convolution.flops + linear.flops, convolution.largest_output)
 
 
 @pytest.mark.parametrize(("busy", "expected"), [(0.0, 4), (0.4, 4), (0.5, 3), (1.6, 2), (3.5, 1), (8.0, 1)])
@@ -62,7 +84,7 @@ def test_processes_share_the_free_cpus_and_torchs_count_caps_them() -> None:
 
 
 def test_a_number_or_the_environment_pins_the_count(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert policy(setting=3, busy=4.0).choose("unit", SMALL_STEP_FLOPS - 1) == 3
+    assert policy(setting=3, busy=4.0).choose("unit", SMALL) == 3
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
     pinned_by_environment = policy(most=2, busy=4.0)
     assert pinned_by_environment.choose("unit", 1.0) == 2

@@ -1,7 +1,7 @@
 """Intra-op threads of a tuning run on the CPU (`fast_finetune.threads`). torch's default takes every
 core, and its OpenMP threads spin at each barrier: beside other busy jobs a 2-thread step waits on a
 descheduled thread and runs 5-40x slower than on one thread. So `auto` runs a step on one thread
-where a second gains little (small work: SMALL_STEP_FLOPS) and otherwise on the CPUs of this process
+where a second gains little (few FLOPs and small outputs: StepWork.small) and otherwise on the CPUs of this process
 (affinity, cgroup quota) that other jobs leave free, judged from /proc/stat since the last choice,
 never more than torch had before the run (OMP_NUM_THREADS, torch.set_num_threads).
 Float sums split by thread, so a count chosen from the load can change the last bits: the report
@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +33,14 @@ ThreadSetting = Literal["auto"] | int
 # side by side: 3.7 MFLOP forward 0.99x, 8 MFLOP 1.12x, 15 MFLOP 1.06x, 33 MFLOP 1.27-1.36x, 59 MFLOP
 # 1.52x, 180 MFLOP 1.65-2.0x; a tuning step adds quantizers' elementwise work that gains less still.
 SMALL_STEP_FLOPS = 3 * 10**7
+
+# Elements of a unit's largest module output (at its batch) from which a step takes a second thread
+# even under SMALL_STEP_FLOPS: its elementwise work (quantizers, activations, their backward) splits
+# well. Measured unit by unit (AdaQuant, MX4, 100 iterations, quiet, 1 against 2 threads): PP-OCR's
+# angle classifier units of 2.4-25 MFLOP with outputs of 0.15-0.48 M elements 1.26-1.63x, the text
+# detector's of 7-20 MFLOP and 0.2-0.8 M elements 1.1-1.37x; outputs of a few thousand elements
+# 0.71-0.89x, the digits CNN block (14.5 MFLOP, 33 k elements) 0.95x; at 147 k elements 0.90-1.26x.
+LARGE_OUTPUT_ELEMENTS = 2**17
 
 # A CPU counts as taken by other jobs from this share of its time busy (not by this process) on.
 BUSY_SHARE = 0.5
@@ -125,13 +133,13 @@ class ThreadPolicy:
     allowance: tuple[int, str] = field(default_factory=cpu_allowance)
     chosen: list[dict[str, Any]] = field(default_factory=list)
     meter: LoadMeter | None = None  # made at the first choice the load decides
-    _unit_flops: list[float] = field(default_factory=list)
+    _unit_work: list[StepWork] = field(default_factory=list)
 
     def begin(self, module: LiftedModule, units: list[Unit], sample: list[torch.Tensor], rows: int) -> None:
         """Count the work of a step of `rows` rows (model and units) and choose the count of the
         set-up and the streams' passes by the whole model's."""
-        model_flops, self._unit_flops = step_flops(module, units, sample, rows)
-        self.choose("set-up and streams", model_flops)
+        model_work, self._unit_work = step_work(module, units, sample, rows)
+        self.choose("set-up and streams", model_work)
 
     def fingerprint(self) -> int | str:
         """What a checkpoint records of the counts (float sums follow them): the count where every
@@ -145,26 +153,27 @@ class ThreadPolicy:
 
     def unit(self, k: int, unit: Unit) -> None:
         """Choose the count of unit k's stream passes and steps."""
-        self.choose(unit.name, self._unit_flops[k])
+        self.choose(unit.name, self._unit_work[k])
 
-    def choose(self, stretch: str, step_flops: float | None, sets_bytes: bool = True) -> int:
-        """Set and return the thread count for `stretch`, whose steps each run `step_flops` forward
-        operations (None: unknown, counted as large); `sets_bytes` False for a stretch whose sums
-        reach no output (the checks before any work)."""
-        count, reason, by_load = self._decide(step_flops)
+    def choose(self, stretch: str, work: StepWork | None, sets_bytes: bool = True) -> int:
+        """Set and return the thread count for `stretch`, each of whose steps does `work` (None:
+        unknown, counted as large); `sets_bytes` False for a stretch whose sums reach no output (the
+        checks before any work)."""
+        count, reason, by_load = self._decide(work)
         torch.set_num_threads(count)
         self.chosen.append({"stretch": stretch, "threads": count, "reason": reason, "by_load": by_load and sets_bytes})
         return count
 
-    def _decide(self, step_flops: float | None) -> tuple[int, str, bool]:
+    def _decide(self, work: StepWork | None) -> tuple[int, str, bool]:
         """The count, why, and whether the load decided it."""
         if self.setting != "auto":
             return int(self.setting), "fast_finetune.threads", False
         given = next((name for name in THREAD_VARIABLES if os.environ.get(name)), None)
         if given is not None:
             return self.most, f"{given}={os.environ[given]}", False
-        if step_flops is not None and step_flops < SMALL_STEP_FLOPS:
-            return 1, f"{step_flops / 1e6:.1f} MFLOP a step, under {SMALL_STEP_FLOPS / 1e6:.0f}: one thread", False
+        if work is not None and work.small():
+            return 1, (f"{work.flops / 1e6:.1f} MFLOP a step, under {SMALL_STEP_FLOPS / 1e6:.0f}, outputs of at most "
+                       f"{work.largest_output / 1e3:.0f} k elements, under {LARGE_OUTPUT_ELEMENTS / 1e3:.0f}: one thread"), False
         if self.most == 1:
             return 1, "torch's thread count was 1 before the run", False
         cpus, source = min(self.allowance[0], self.most), self.allowance[1]
@@ -185,20 +194,49 @@ class ThreadPolicy:
                 "bytes_may_follow_load": any(entry["by_load"] for entry in self.chosen)}
 
 
-def step_flops(module: LiftedModule, units: list[Unit], sample: list[torch.Tensor], rows: int) -> tuple[float, list[float]]:
-    """Forward operations of one step of `rows` rows: the whole model's and each unit's (the sum of
-    its modules'), counted by torch's FlopCounterMode on the first calibration batch and scaled by
-    rows. Shapes alone decide the counts, so the choice they drive is the same on every run."""
+@dataclass(frozen=True)
+class StepWork:
+    """What one step of a stretch computes: its forward floating-point operations and the elements of
+    its largest module output."""
+
+    flops: float
+    largest_output: float = 0.0
+
+    def small(self) -> bool:
+        """Whether a second thread gains little: few operations and no large output."""
+        return self.flops < SMALL_STEP_FLOPS and self.largest_output < LARGE_OUTPUT_ELEMENTS
+
+
+def step_work(module: LiftedModule, units: list[Unit], sample: list[torch.Tensor], rows: int) -> tuple[StepWork, list[StepWork]]:
+    """The work of one step of `rows` rows: the whole model's and each unit's (the sum of its modules'
+    operations, the largest of their outputs), counted by torch's FlopCounterMode and forward hooks on
+    the first calibration batch and scaled by rows. Shapes alone decide the counts, so the choice they
+    drive is the same on every run."""
     root = type(module).__name__
-    with torch.no_grad(), quantizers_disabled(module), FlopCounterMode(display=False) as counter:
-        module(*sample)
+    targets = {node.name: node.target for node in module.graph.nodes if node.op == "call_module"}
+    largest: dict[str, int] = {}
+
+    def record(target: str) -> Callable[..., None]:
+        def hook(_module: torch.nn.Module, _inputs: Any, output: Any) -> None:
+            outputs = output if isinstance(output, (tuple, list)) else (output,)
+            sizes = [value.numel() for value in outputs if isinstance(value, torch.Tensor)]
+            largest[target] = max([largest.get(target, 0), *sizes])
+        return hook
+
+    hooks = [module.get_submodule(target).register_forward_hook(record(target)) for target in set(targets.values())]
+    try:
+        with torch.no_grad(), quantizers_disabled(module), FlopCounterMode(display=False) as counter:
+            module(*sample)
+    finally:
+        for hook in hooks:
+            hook.remove()
     counts = {name: sum(ops.values()) for name, ops in counter.get_flop_counts().items()}
     batch = sample[0].shape[0] if sample and sample[0].dim() else 1
     scale = rows / max(1, batch)
-    targets = {node.name: node.target for node in module.graph.nodes if node.op == "call_module"}
-    per_unit = [scale * sum(counts.get(f"{root}.{targets[name]}", 0) for name in unit.nodes if name in targets)
+    per_unit = [StepWork(scale * sum(counts.get(f"{root}.{targets[name]}", 0) for name in unit.nodes if name in targets),
+                         scale * max([largest.get(targets[name], 0) for name in unit.nodes if name in targets] or [0]))
                 for unit in units]
-    return scale * counts.get("Global", 0), per_unit
+    return StepWork(scale * counts.get("Global", 0), scale * max(largest.values() or [0])), per_unit
 
 
 @contextmanager

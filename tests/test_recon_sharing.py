@@ -1,6 +1,7 @@
 """The weights a run holds once: with the float model given, the tuned module reads the float
-reference's storage wherever both hold the same values, and tuning gives the same bytes as a run
-holding two copies (every storage a later float segment reads is copied before it changes)."""
+reference's storage wherever both hold the same values or it stores codes the float weight quantizes
+to, and tuning gives the same bytes as a run holding two copies (every storage a later float segment
+reads is copied before it changes)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ from finetune.quantize import quantize_model
 from finetune.recon import finetune_model
 from finetune.recon import run as recon_run
 from finetune.lift import lift_model
-from finetune.recon.data.sharing import SharedWeights, float_weights
+from finetune.export import export_model
+from finetune.recon.data.reference import codes_values
+from finetune.recon.data.sharing import SharedWeights, coded_float_names, float_weights
 from finetune.zoo import digits_split
 from finetune.zoo_decoder import decoder_feeds, export_decoder
 
@@ -43,7 +46,7 @@ def _tuned(model: onnx.ModelProto, data: object, settings: dict, float_model: ob
     with monkeypatch.context() as patch:
         if not share:
             patch.setattr(recon_run, "SharedWeights", lambda *args: None)
-            patch.setattr(recon_run, "float_weights", lambda reference: {})
+            patch.setattr(recon_run, "float_weights", lambda reference, coded: {})
         return finetune_model(model, data, FastFinetune(seed=3, **settings), float_model=float_model)
 
 
@@ -56,11 +59,8 @@ def test_shared_storage_tunes_the_bytes_two_copies_tune(digits: dict, case: str,
     assert shared.graph == copied.graph
     assert [u["loss_after"] for u in report["units"]] == [u["loss_after"] for u in apart["units"]]
     assert report["float_reference"] == "float model" and apart["weights_held_once"] is None
-    held = report["weights_held_once"]
-    if config.get("weight_storage") == "compact":  # codes: the float weights are let go unit by unit instead
-        assert held["released"] > 0
-    else:  # float weights equal to the float model's: held once from the start
-        assert held["bytes_held_once"] > 0 and held["tensors"] > 0
+    held = report["weights_held_once"]  # float weights equal to the float model's, or codes it quantizes to
+    assert held["bytes_held_once"] > 0 and held["tensors"] > 0
 
 
 def test_a_storage_read_by_a_later_segment_is_copied_before_its_unit_changes_it() -> None:
@@ -102,18 +102,42 @@ def test_the_tiny_decoder_tunes_its_blocks_holding_its_weights_once(tmp_path: Pa
 
 
 @pytest.mark.parametrize("storage", ["float", "compact"])
-def test_the_qdq_model_is_lifted_into_the_float_references_equal_weights(digits: dict, storage: str) -> None:
-    """Lifted with the float reference's weights to reuse, each weight equal bit for bit reads the
-    reference's storage from the start (float storage: every one; codes: none, their dequantized values
-    differ), and the module computes what the module lifted alone computes."""
+def test_the_qdq_model_is_lifted_into_the_float_references_weights(digits: dict, storage: str) -> None:
+    """Lifted with the float reference's weights to reuse, each weight reads the reference's storage
+    from the start (float storage: equal bit for bit; codes: the float weight quantizes to them), and
+    the module computes and writes back what the module lifted alone does, bit for bit."""
     quantized = quantize_model(digits["path"], {"preset": "XINT8", "weight_storage": storage}, digits["small"])
     reference = lift_model(quantized.float_model)
-    weights = float_weights(reference)
+    weights = float_weights(reference, coded_float_names(quantized.model, quantized.float_model))
     module, alone = lift_model(quantized.model, reuse=weights), lift_model(quantized.model)
     pointers = {tensor.untyped_storage().data_ptr() for tensor in weights.values()}
-    for name, source in module.finetune_params.items():
-        ours = module.get_parameter(name)
-        equal = source.initializer in weights and torch.equal(ours, weights[source.initializer])
-        assert (ours.untyped_storage().data_ptr() in pointers) == equal == (source.transform is None)
+    layers = [name for name, source in module.finetune_params.items() if source.initializer in weights]
+    assert len(layers) == 5 and all(module.get_parameter(name).untyped_storage().data_ptr() in pointers for name in layers)
+    coded = [name for name in layers if module.finetune_params[name].transform is not None]
+    assert len(coded) == (5 if storage == "compact" else 0)
     x = torch.from_numpy(digits["small"][0]["x"])
     assert torch.equal(module(x), alone(x))
+    assert export_model(module, quantized.model) == export_model(alone, quantized.model)
+    codes_values(module, reference)  # as a model that is its own reference holds them
+    for name in coded:
+        assert torch.equal(module.get_parameter(name), alone.get_parameter(name))
+        assert module.get_parameter(name).untyped_storage().data_ptr() not in pointers
+
+
+def test_codes_a_float_weight_does_not_quantize_to_are_lifted_as_their_own_values(digits: dict) -> None:
+    """A float weight one code away from the stored codes is no stand-in: that parameter holds the
+    dequantized codes in a storage of its own."""
+    quantized = quantize_model(digits["path"], {"preset": "XINT8", "weight_storage": "compact"}, digits["small"])
+    reference = lift_model(quantized.float_model)
+    coded = coded_float_names(quantized.model, quantized.float_model)
+    weights = float_weights(reference, coded)
+    moved = next(iter(coded))
+    with torch.no_grad():
+        weights[moved].view(-1)[0] += 1.0
+    module, alone = lift_model(quantized.model, reuse=weights), lift_model(quantized.model)
+    for name, source in module.finetune_params.items():
+        if source.initializer in coded:
+            shared = module.get_parameter(name).untyped_storage().data_ptr() == weights[source.initializer].untyped_storage().data_ptr()
+            assert shared == (source.initializer != moved)
+            if not shared:
+                assert torch.equal(module.get_parameter(name), alone.get_parameter(name))

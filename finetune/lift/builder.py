@@ -71,7 +71,9 @@ def lift_model(model: str | Path | onnx.ModelProto, owned: bool = False,
     is normalised in one copy of its own, or with `owned` (a proto the caller hands over and drops
     afterwards, the only way its memory is freed) in place: no copy. An initializer whose value is
     bit for bit that of the tensor `reuse` holds under its name reads that tensor's storage instead
-    of a copy of its own (tuning lifts the QDQ model into its float reference's weights)."""
+    of a copy of its own, and so does one of codes that the tensor quantizes to exactly
+    (Dequantize.stands_for): the parameter holds the float values, which its quantizer turns into
+    the codes' values (tuning lifts the QDQ model into its float reference's weights)."""
     normalized, _ = normalize_model(model if owned else load_model(model), in_place=True)
     module = _Builder(normalized.graph, _Shared.of(normalized, reuse or {})).build()
     module.finetune_params = _merged_sources(module)
@@ -237,9 +239,13 @@ class _Builder:
                 raise LiftError(f"quantized initializer {name!r} has several consumers; only one DequantizeLinear may read it")
             return value
         array = tensor_array(self.graph.initializers[name].proto)
-        value = transform.apply(array) if transform is not None else to_torch(array)
-        if transform is None and _same_bits(self.shared.reuse.get(name), value):
-            value = self.shared.reuse[name].detach()  # its storage, not a copy
+        existing = self.shared.reuse.get(name)
+        if transform is not None and existing is not None and transform.stands_for(existing, array):
+            value = existing.detach()  # the float weight these codes quantize it to, not a dequantized copy
+        else:
+            value = transform.apply(array) if transform is not None else to_torch(array)
+            if transform is None and _same_bits(existing, value):
+                value = existing.detach()  # its storage, not a copy
         if name in self.shared.trainable and value.is_floating_point():
             value = nn.Parameter(value)
         self.shared.made[name] = (value, transform)

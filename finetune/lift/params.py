@@ -12,7 +12,7 @@ import onnx
 import torch
 from onnx import helper, numpy_helper
 
-from finetune.formats import FloatSpec, IntSpec, dequantize_linear, float_codes, int_codes
+from finetune.formats import FloatSpec, IntSpec, dequantize_linear, float_codes, int_codes, quantize_dequantize
 from finetune.onnx.domains import DEFAULT_DOMAINS
 from finetune.onnx.fold import fold_constants, foldable
 from finetune.onnx.layers import PARAMETER_INPUTS
@@ -43,6 +43,18 @@ class Dequantize:
         else:
             codes = float_codes(v, self.spec, self.scale, self.zero_point).float()
         return codes.numpy().astype(helper.tensor_dtype_to_np_dtype(self.data_type))
+
+    def stands_for(self, values: torch.Tensor, codes: np.ndarray) -> bool:
+        """Whether a parameter holding float `values` in place of these codes' dequantization computes
+        and writes back what they do: `values` encode to exactly `codes`, and quantize-dequantize to
+        exactly the codes' dequantized values (lifting a model of codes into its float weights)."""
+        if values.shape != codes.shape or values.dtype != torch.float32 or values.is_meta:
+            return False
+        with torch.no_grad():
+            if not np.array_equal(self.encode(values), codes):
+                return False
+            return torch.equal(quantize_dequantize(values.detach().cpu(), self.spec, self.scale, self.zero_point),
+                               self.apply(codes))
 
 
 @dataclass(frozen=True)

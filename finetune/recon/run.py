@@ -27,7 +27,7 @@ from .checkpoint import Checkpoint, run_fingerprint
 from .data.cache import ActivationCache
 from .data.heldout import hold_out
 from .data.reference import SELF_REFERENCE, choose_reference, float_starts
-from .data.sharing import SharedWeights, float_weights
+from .data.sharing import SharedWeights, coded_float_names, float_weights
 from .data.shards import sum_across
 from .data.smoothing import carry_smoothing
 from .data.streams import FloatStream, QuantizedStream, cache_inputs
@@ -103,13 +103,14 @@ def _prepare(job: Job) -> _Run:
     config, original = job.config, job.original
     for change in fold_computed_weights(original):  # so a weight computed from constants is tuned too
         logger.info("weights computed from constants: %s", change)
-    float_module = None
+    float_module, coded = None, {}
     if job.float_model is not None:
         for change in carry_smoothing(job.float_model, original):  # SmoothQuant: the float model in the codes' coordinates
             logger.info("float model smoothed as the quantized one: %s", change)
+        coded = coded_float_names(original, job.float_model)
         float_module = lift_model(job.float_model, owned=True)
         job.float_model = None  # its proto, a copy of the weights, is freed before the QDQ model is lifted
-    module = lift_model(original, reuse=float_weights(float_module))
+    module = lift_model(original, reuse=float_weights(float_module, coded))
     _check_tunable(module)
     warnings = Warnings()
     units = find_units(module, config.op_types, config.include_output_quant, config.unit, warnings)

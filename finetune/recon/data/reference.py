@@ -48,6 +48,7 @@ def choose_reference(module: LiftedModule, float_module: LiftedModule | None, un
                      "before quantizing): the "
                      "float model is set aside and tuning goes towards the quantized model's own float weights, which "
                      "compute the same function", "model")
+        codes_values(module, reference)
     weights = [module.finetune_params[layer.weight] for unit in units for layer in unit.layers]
     coded = sorted(source.initializer for source in weights if source.transform is not None)
     logger.info("float reference: the %s", SELF_REFERENCE)
@@ -55,6 +56,18 @@ def choose_reference(module: LiftedModule, float_module: LiftedModule | None, un
         warnings.add(name, "stored as quantized codes and no float model was given: its float reference is the dequantized "
                      "codes (pass the float model, --float-model, to tune towards the real float weights)", "tensor")
     return module
+
+
+def codes_values(module: LiftedModule, float_module: LiftedModule) -> None:
+    """Give each weight of codes that was lifted into the float model's weight (lift_model's reuse)
+    the codes' dequantized values again: a model that is its own reference computes the float function
+    in its own (dequantized) weights, and tuning starts from them."""
+    floats = {tensor.untyped_storage().data_ptr() for tensor in float_module.parameters()}
+    with torch.no_grad():
+        for name, source in module.finetune_params.items():
+            parameter = module.get_parameter(name)
+            if source.transform is not None and parameter.untyped_storage().data_ptr() in floats:
+                parameter.data = source.transform.apply(source.transform.encode(parameter)).to(parameter.dtype)
 
 
 def float_values(module: LiftedModule, reference: LiftedModule,

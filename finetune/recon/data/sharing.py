@@ -1,19 +1,24 @@
 """The weights a run holds once: the tuned module and its float reference read one storage for every
-tensor both hold with the same value, a tuned tensor gets a storage of its own only where the float
-stream still reads the reference's after its unit, and the reference's tensors are let go once the
-float stream has read them for the last time and no later unit starts from them. Over weights
-stored as float this halves what tuning holds from the start; over codes the float copy shrinks as
-units are tuned (issue 44: 2.3 GiB of weights were held twice)."""
+tensor both hold with the same value, and for every weight stored as codes that the float weight
+quantizes to exactly (its quantizer gives the codes' values from it); a tuned tensor gets a storage
+of its own only where the float stream still reads the reference's after its unit, and the
+reference's tensors are let go once the float stream has read them for the last time and no later
+unit starts from them. So tuning holds one copy of the weights from the start, stored as float or as
+codes (issue 44: 2.3 GiB of weights were held twice)."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
+import onnx
 import torch
 
 from finetune.lift import LiftedModule
 from finetune.lift.graph import Segment
+from finetune.lift.qdq import QUANTIZE_TO_DEQUANTIZE, is_quantizer
+from finetune.onnx.domains import DEFAULT_DOMAINS
+from finetune.onnx.layers import LAYER_OPS
 
 from ..units import Unit, parameters_of, tuned_tensor
 
@@ -31,14 +36,19 @@ class SharedWeights:
         self.last_read = _last_reads(reference, segments)
         self.released: set[str] = set()
         theirs = dict(_tensors(reference))
-        self.shared: set[str] = set()  # tensors of the module reading the reference's tensor of their name
+        owners = {tensor.untyped_storage().data_ptr(): name for name, tensor in theirs.items() if tensor.numel()}
+        self.shared: dict[str, str] = {}  # tensors of the module reading a reference tensor's storage: its name there
         with torch.no_grad():
             for name, ours in _tensors(module):
                 other = theirs.get(name)
                 if other is not None and _fits(other, ours) and torch.equal(ours, other):
                     ours.data = other.data
-                    self.shared.add(name)
-        self.bytes_held_once = sum(theirs[name].untyped_storage().nbytes() for name in self.shared)
+                owner = owners.get(ours.untyped_storage().data_ptr()) if ours.numel() else None
+                if owner is not None:  # equal by name, or lifted into it (a weight of codes: lift_model's reuse)
+                    self.shared[name] = owner
+        storages = {theirs[owner].untyped_storage().data_ptr(): theirs[owner].untyped_storage().nbytes()
+                    for owner in self.shared.values()}
+        self.bytes_held_once = sum(storages.values())
         if self.shared:
             logger.info("%d tensor(s) of the float reference and the tuned model share their storage (%.1f MiB held "
                         "once)", len(self.shared), self.bytes_held_once / 2**20)
@@ -48,10 +58,10 @@ class SharedWeights:
         reads after segment k gets a copy of its own."""
         with torch.no_grad():
             for name in parameters_of(unit):
-                if name in self.shared and self.last_read.get(name, UNKNOWN) > k:
+                if name in self.shared and self.last_read.get(self.shared[name], UNKNOWN) > k:
                     tensor = tuned_tensor(self.module, name)
                     tensor.data = tensor.data.clone()
-                    self.shared.discard(name)
+                    del self.shared[name]
 
     def after_unit(self, k: int, starts: dict[str, torch.Tensor]) -> None:
         """Once unit k is done, the reference tensors no later segment reads, and no later unit starts
@@ -75,13 +85,39 @@ class SharedWeights:
         return {"bytes_held_once": self.bytes_held_once, "tensors": len(self.shared), "released": len(self.released)}
 
 
-def float_weights(reference: LiftedModule | None) -> dict[str, torch.Tensor]:
-    """The float reference's trainable tensors by initializer name: the QDQ model is lifted into them
-    (lift_model's reuse), so a weight both hold equal is never made twice, not even before SharedWeights."""
+def float_weights(reference: LiftedModule | None, coded: Mapping[str, str]) -> dict[str, torch.Tensor]:
+    """The float reference's trainable tensors by initializer name, and by the name of each initializer
+    of codes `coded` maps to one of them: the QDQ model is lifted into them (lift_model's reuse), so a
+    weight both hold equal, or one stored as codes it quantizes to, is never made twice."""
     if reference is None:
         return {}
-    return {source.initializer: reference.get_parameter(name) for name, source in reference.finetune_params.items()
-            if source.transform is None}
+    tensors = {source.initializer: reference.get_parameter(name) for name, source in reference.finetune_params.items()
+               if source.transform is None}
+    return {**tensors, **{codes: tensors[name] for codes, name in coded.items() if name in tensors}}
+
+
+def coded_float_names(quantized: onnx.ModelProto, float_model: onnx.ModelProto) -> dict[str, str]:
+    """For each initializer of codes that a lone dequantize node of the quantized model feeds into a
+    layer's weight input (LAYER_OPS; biases keep their codes' values), the float model's initializer
+    at the same input of the node of the same name."""
+    float_initializers = {tensor.name for tensor in float_model.graph.initializer}
+    float_inputs = {(node.name, index): value for node in float_model.graph.node for index, value in enumerate(node.input)
+                    if value in float_initializers}
+    graph = quantized.graph
+    initializers = {tensor.name for tensor in graph.initializer}
+    readers: dict[str, list[tuple[str, int]]] = {}
+    for node in graph.node:
+        layer = LAYER_OPS.get(node.op_type) if node.domain in DEFAULT_DOMAINS else None
+        for index, value in enumerate(node.input):
+            readers.setdefault(value, []).append((node.name, index) if layer and index in layer.weights else ("", -1))
+    found = {}
+    for node in graph.node:
+        if node.op_type in QUANTIZE_TO_DEQUANTIZE.values() and is_quantizer(node.domain, node.op_type) \
+                and node.input[0] in initializers and len(readers.get(node.output[0], [])) == 1:
+            name = float_inputs.get(readers[node.output[0]][0])
+            if name is not None:
+                found[node.input[0]] = name
+    return found
 
 
 def _tensors(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:

@@ -12,11 +12,12 @@ from typing import Any
 import numpy as np
 import onnx
 import pytest
+import torch
 
 import finetune.recon.run
 from finetune.cli import main
 from finetune.config import FastFinetune
-from finetune.lift import LiftError, check_liftable, unliftable_ops
+from finetune.lift import LiftError, check_liftable, lift_model, unliftable_ops
 from finetune.onnx.io import has_external_data, load_model, model_bytes, model_digest, save_model_atomic
 from finetune.onnx.session import inference_session
 from finetune.quantize import quantize_model
@@ -128,3 +129,28 @@ def test_the_preflight_reads_the_graph_not_the_weights(tmp_path: Path) -> None:
         check_liftable(path)
     assert unliftable_ops(unliftable) == unliftable_ops(path)
     assert unliftable_ops(stack(opset=11)) == {}
+
+
+def test_a_float_model_file_is_lifted_one_tensor_at_a_time(tmp_path: Path, lowered: None) -> None:
+    """A float model with external data is lifted from its header, each weight read from the data file as
+    it is made (the proto never holds the bytes), into the module the loaded model gives; its digest is
+    the loaded model's."""
+    paths = pair(tmp_path, stack())
+    header = load_model(paths["external"], external_values=False)
+    module = lift_model(header, folder=paths["external"].parent)
+    assert not any(tensor.HasField("raw_data") for tensor in header.graph.initializer if tensor.data_location == onnx.TensorProto.EXTERNAL)
+    loaded = lift_model(paths["inline"])
+    assert [name for name, _ in module.named_parameters()] == [name for name, _ in loaded.named_parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(module.parameters(), loaded.parameters()))
+    assert model_digest(header, paths["external"].parent) == model_digest(load_model(paths["inline"]))
+    with pytest.raises(LiftError, match="external data file that was not loaded"):
+        lift_model(header)
+
+
+def test_tuning_towards_a_float_model_file_gives_the_in_proto_bytes(tmp_path: Path, lowered: None) -> None:
+    """GPTQ over codes towards the float model given as a file with external data (read one tensor at a
+    time) or in one proto: the same tuned model."""
+    float_paths = pair(tmp_path, stack())
+    quantized = quantize_model(stack(), {"preset": "INT4_BLOCK32", "weight_storage": "compact"}, None).model
+    tuned = [finetune_model(quantized, feeds(), SETTINGS["gptq"], float_model=path)[0] for path in float_paths.values()]
+    assert_same(*tuned)

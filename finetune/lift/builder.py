@@ -64,7 +64,7 @@ class LiftedModule(fx.GraphModule):
 
 
 def lift_model(model: str | Path | onnx.ModelProto, owned: bool = False,
-               reuse: Mapping[str, torch.Tensor] | None = None) -> LiftedModule:
+               reuse: Mapping[str, torch.Tensor] | None = None, folder: Path | None = None) -> LiftedModule:
     """A torch GraphModule computing what onnxruntime computes for the model (inputs in graph
     order; one output as a tensor, several as a tuple), with fake-quant modules for its QDQ
     patterns and `finetune_params` mapping each trainable parameter to its ParamSource. The model
@@ -73,9 +73,11 @@ def lift_model(model: str | Path | onnx.ModelProto, owned: bool = False,
     bit for bit that of the tensor `reuse` holds under its name reads that tensor's storage instead
     of a copy of its own, and so does one of codes that the tensor quantizes to exactly
     (Dequantize.stands_for): the parameter holds the float values, which its quantizer turns into
-    the codes' values (tuning lifts the QDQ model into its float reference's weights)."""
+    the codes' values (tuning lifts the QDQ model into its float reference's weights). A proto
+    loaded without its external data reads each tensor's values from `folder` as it is made, so
+    its weights are never held twice (onnx.io.loaded_tensor)."""
     normalized, _ = normalize_model(model if owned else load_model(model), in_place=True)
-    module = _Builder(normalized.graph, _Shared.of(normalized, reuse or {})).build()
+    module = _Builder(normalized.graph, _Shared.of(normalized, reuse or {}, folder)).build()
     module.finetune_params = _merged_sources(module)
     _freeze_unmapped_parameters(module)
     return module
@@ -91,15 +93,17 @@ class _Shared:
     bodies: dict[tuple[str, str], onnx.GraphProto]
     trainable: set[str]
     reuse: Mapping[str, torch.Tensor]
+    folder: Path | None  # where external values not loaded are read from
     made: dict[str, tuple[torch.Tensor, Dequantize | None]] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, model: onnx.ModelProto, reuse: Mapping[str, torch.Tensor]) -> _Shared:
-        """The shared state of a normalised model, reading the equal tensors of `reuse` (see lift_model)."""
+    def of(cls, model: onnx.ModelProto, reuse: Mapping[str, torch.Tensor], folder: Path | None) -> _Shared:
+        """The shared state of a normalised model, reading the equal tensors of `reuse` and the values
+        not loaded from `folder` (see lift_model)."""
         opsets = {("" if o.domain in DEFAULT_DOMAINS else o.domain): o.version for o in model.opset_import}
         bodies = dict(contained_bodies(model.graph, {t.name: t for t in model.graph.initializer}, {}))
         trainable = trainable_initializers(model.graph).union(*(trainable_initializers(b) for b in bodies.values()))
-        return cls(opsets, bodies, trainable, reuse)
+        return cls(opsets, bodies, trainable, reuse, folder)
 
 
 class _Builder:
@@ -196,7 +200,7 @@ class _Builder:
         constant inputs itself; the graph passes the rest, omitted ones as None."""
         if isinstance(module, OnnxShape):
             return HostShape.of(module), [self._value(value, None) for value in inputs], {}
-        constants = {i: to_torch(tensor_array(self.graph.initializers[value].proto))
+        constants = {i: to_torch(tensor_array(self.graph.initializers[value].proto, self.shared.folder))
                      for i, value in enumerate(inputs) if value in self.host.constants}
         return HostOp(module, constants), [self._value(v, None) for i, v in enumerate(inputs) if i not in constants], {}
 
@@ -238,7 +242,7 @@ class _Builder:
             if transform is not None or previous is not None:
                 raise LiftError(f"quantized initializer {name!r} has several consumers; only one DequantizeLinear may read it")
             return value
-        array = tensor_array(self.graph.initializers[name].proto)
+        array = tensor_array(self.graph.initializers[name].proto, self.shared.folder)
         existing = self.shared.reuse.get(name)
         if transform is not None and existing is not None and transform.stands_for(existing, array):
             value = existing.detach()  # the float weight these codes quantize it to, not a dequantized copy

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -15,6 +16,7 @@ from onnx import helper, numpy_helper
 from finetune.formats import FloatSpec, IntSpec, dequantize_linear, float_codes, int_codes, quantize_dequantize
 from finetune.onnx.domains import DEFAULT_DOMAINS
 from finetune.onnx.fold import fold_constants, foldable
+from finetune.onnx.io import loaded_tensor
 from finetune.onnx.layers import PARAMETER_INPUTS
 
 from .qdq import is_quantizer
@@ -69,9 +71,10 @@ class ParamSource:
     transform: Dequantize | None = None
 
 
-def tensor_array(tensor: onnx.TensorProto) -> np.ndarray:
-    """The value of a tensor proto as numpy (ml_dtypes for int4, bfloat16, float8)."""
-    return numpy_helper.to_array(tensor)
+def tensor_array(tensor: onnx.TensorProto, folder: Path | None = None) -> np.ndarray:
+    """The value of a tensor proto as numpy (ml_dtypes for int4, bfloat16, float8), read from its
+    external data file in `folder` where the model was loaded without it (onnx.io.loaded_tensor)."""
+    return numpy_helper.to_array(loaded_tensor(tensor, folder))
 
 
 def trainable_initializers(graph: onnx.GraphProto) -> set[str]:

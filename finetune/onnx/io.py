@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-from onnx import helper, shape_inference, version_converter
+from onnx import external_data_helper, helper, shape_inference, version_converter
 
 from finetune.files import write_atomic
 
@@ -89,17 +89,36 @@ def _field_size(length: int) -> int:
     return 1 + max(1, (length.bit_length() + 6) // 7) + length
 
 
-def model_digest(model: onnx.ModelProto) -> str:
+def model_digest(model: onnx.ModelProto, folder: str | os.PathLike | None = None) -> str:
     """A short sha256 digest of the model (for a run's fingerprint), fed its header and then one
     initializer at a time: serializing the whole model would copy its weights, and past 2 GB fails.
-    Equal models give equal digests, whether or not their tensors came from external data."""
+    Equal models give equal digests, whether or not their tensors came from external data, and
+    whether or not that data was loaded (`folder`: where a model loaded without it reads it)."""
     digest = hashlib.sha256(copy_without_initializers(model).SerializeToString())
     for tensor in model.graph.initializer:
+        tensor = loaded_tensor(tensor, folder)
         metadata = _tensor_metadata(tensor)
         metadata.ClearField("data_location")  # onnx.load sets it on tensors read from a data file
         digest.update(metadata.SerializeToString())
         digest.update(tensor.raw_data)
     return digest.hexdigest()[:16]
+
+
+def loaded_tensor(tensor: onnx.TensorProto, folder: str | os.PathLike | None) -> onnx.TensorProto:
+    """The tensor itself, or where its values are still in its external data file (a model loaded
+    without them) a copy with them read from `folder`, which the caller drops after use: the model's
+    proto never holds the bytes, so a model over 2 GB is read one tensor at a time."""
+    if not external_data_helper.uses_external_data(tensor) or tensor.HasField("raw_data"):
+        return tensor
+    if folder is None:
+        raise ValueError(f"the values of tensor {tensor.name!r} are in an external data file that was not loaded, and no "
+                         "folder to read it from was given")
+    loaded = onnx.TensorProto()
+    loaded.CopyFrom(tensor)
+    external_data_helper.load_external_data_for_tensor(loaded, str(folder))
+    loaded.data_location = onnx.TensorProto.DEFAULT
+    del loaded.external_data[:]
+    return loaded
 
 
 def has_external_data(source: str | os.PathLike | onnx.ModelProto) -> bool:

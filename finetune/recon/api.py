@@ -71,7 +71,10 @@ def finetune_model(
     saver = Checkpoint(checkpoint) if checkpoint is not None else None
     run_callbacks = list(check_callbacks([*([saver] if saver else []), *builtin_callbacks(config, log_dir), *callbacks]))
     fabric = make_fabric(config, device, run_callbacks)
-    job = Job(original, load_model(float_model) if float_model is not None else None, data, config, saver, resume, run_callbacks, attach_ops, bf16_as_cast)
+    from_file = float_model is not None and not isinstance(float_model, onnx.ModelProto)
+    float_folder = Path(float_model).parent if from_file and has_external_data(float_model) else None  # type: ignore[arg-type]
+    float_proto = load_model(float_model, external_values=float_folder is None) if float_model is not None else None
+    job = Job(original, float_proto, data, config, saver, resume, run_callbacks, attach_ops, bf16_as_cast, float_folder)
     tuned, report = launch(fabric, tune_process, job)[0] if config.processes > 1 else tune_process(fabric, job)
     if tuned is None:
         return None, report  # a process other than the first of a data-parallel run: the first one writes

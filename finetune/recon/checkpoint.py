@@ -32,8 +32,9 @@ CHECKPOINT_KEYS = {"fingerprint", "results", "warnings", "weights"}  # what a ch
 class Checkpoint(Callback):
     """The run's progress after every unit, in one file beside its output that a killed run resumes
     from: the weights of the finished units, their report rows and warnings, and the fingerprint of
-    what the run started from. Written whole (Fabric's save into a temporary file renamed over the
-    last checkpoint) and read back with Fabric's load, tensors and plain values only.
+    what the run started from. Written whole (torch.save, streaming one tensor at a time, into a
+    temporary file renamed over the last checkpoint: Fabric's save would first build the whole file in
+    memory, a copy of every finished weight) and read back with Fabric's load, tensors and plain values only.
 
     No random state is saved: each unit draws from numpy generators seeded by (seed, unit index)
     (recon.data.batches, recon.methods.qdrop), and nothing else in a run draws random numbers (no lifted op does: Dropout is
@@ -81,7 +82,7 @@ class Checkpoint(Callback):
         state = {"fingerprint": self.fingerprint, "results": [dataclasses.asdict(r) for r in tuner.results],
                  "warnings": list(tuner.warnings), "weights": weights,  # CHECKPOINT_KEYS
                  "rate_search": dataclasses.asdict(tuner.rate_search) if tuner.rate_search else None}  # lr: auto's choice
-        write_atomic(self.path, lambda tmp: tuner.fabric.save(tmp, state))
+        write_atomic(self.path, lambda tmp: torch.save(state, tmp))  # streamed: Fabric's save buffers the whole file in memory
 
     def on_run_end(self, tuner: TuningRun, results: list[UnitResult]) -> None:
         """After a run that stopped short, say where its finished units are kept."""

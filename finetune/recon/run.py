@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from pathlib import Path
 from typing import Any
 
 import onnx
@@ -43,14 +44,17 @@ logger = logging.getLogger(__name__)
 
 class Job:
     """What a tuning process needs (each process of a data-parallel run gets a copy): the QDQ model,
-    the float model (None: the QDQ model with its quantizers off), the calibration data, the settings,
+    the float model (None: the QDQ model with its quantizers off; a file with external data is loaded
+    without it, each tensor read from `float_folder` as it is lifted), the calibration data, the settings,
     the checkpoint it keeps (None: none) and whether it resumes from it, the Fabric's callbacks (whose
     on_step_end hooks the tuner calls directly) and how the tuned model is written. A plain class:
     see processes.launch."""
 
     def __init__(self, original: onnx.ModelProto, float_model: onnx.ModelProto | None, data: Any, config: FastFinetune,
-                 checkpoint: Checkpoint | None, resume: bool, callbacks: list[Any], attach_ops: bool, bf16_as_cast: bool) -> None:
+                 checkpoint: Checkpoint | None, resume: bool, callbacks: list[Any], attach_ops: bool, bf16_as_cast: bool,
+                 float_folder: Path | None = None) -> None:
         self.original, self.float_model, self.data, self.config = original, float_model, data, config
+        self.float_folder = float_folder  # where the float model's external data is read from, one tensor at a time
         self.checkpoint, self.resume, self.callbacks = checkpoint, resume, callbacks
         self.attach_ops, self.bf16_as_cast = attach_ops, bf16_as_cast
 
@@ -71,7 +75,7 @@ def tune_process(fabric: Fabric, job: Job) -> tuple[onnx.ModelProto | None, dict
     only one). Only the first process exports: the others return no model."""
     config, original, device = job.config, job.original, fabric.device
     sources = {"model": model_digest(original),
-               "float_model": model_digest(job.float_model) if job.float_model is not None else None}
+               "float_model": model_digest(job.float_model, job.float_folder) if job.float_model is not None else None}
     with thread_policy(config.threads, device, fabric.world_size) as threads:
         return _tune_and_export(fabric, job, sources, threads)
 
@@ -105,10 +109,10 @@ def _prepare(job: Job) -> _Run:
         logger.info("weights computed from constants: %s", change)
     float_module, coded = None, {}
     if job.float_model is not None:
-        for change in carry_smoothing(job.float_model, original):  # SmoothQuant: the float model in the codes' coordinates
+        for change in carry_smoothing(job.float_model, original, job.float_folder):  # SmoothQuant: the float model in the codes' coordinates
             logger.info("float model smoothed as the quantized one: %s", change)
         coded = coded_float_names(original, job.float_model)
-        float_module = lift_model(job.float_model, owned=True)
+        float_module = lift_model(job.float_model, owned=True, folder=job.float_folder)
         job.float_model = None  # its proto, a copy of the weights, is freed before the QDQ model is lifted
     module = lift_model(original, reuse=float_weights(float_module, coded))
     _check_tunable(module)

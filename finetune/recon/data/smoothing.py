@@ -9,18 +9,22 @@ that quantize to the stored codes, and unit inputs that match the quantized stre
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import onnx
 from onnx import numpy_helper
 
 from finetune.lift.qdq import is_quantizer
+from finetune.onnx.io import loaded_tensor
 
 
-def carry_smoothing(float_model: onnx.ModelProto, quantized: onnx.ModelProto) -> list[str]:
+def carry_smoothing(float_model: onnx.ModelProto, quantized: onnx.ModelProto, folder: Path | None = None) -> list[str]:
     """Insert into `float_model` (in place) every Mul by a constant that `quantized` has and it lacks,
     where the Mul reads a value of the float model and feeds, through quantizers only, MatMul or Gemm
     layers of the same names, each with a constant weight that it alone reads; returns one line per
-    layer changed. Anything else is left as it is (the weight check then names its layer)."""
+    layer changed. Anything else is left as it is (the weight check then names its layer). A float
+    model loaded without its external data reads a weight it divides from `folder`."""
     graph, theirs = float_model.graph, quantized.graph
     names = {n.name for n in graph.node}
     values = {v for n in graph.node for v in n.output} | {i.name for i in graph.input} | {t.name for t in graph.initializer}
@@ -39,7 +43,7 @@ def carry_smoothing(float_model: onnx.ModelProto, quantized: onnx.ModelProto) ->
         if scale is None or source is None or not layers:
             continue
         m = numpy_helper.to_array(constants[scale]).reshape(-1)
-        scaled = [n for n in graph.node if n.name in layers and _divide_weight(graph, n, source, m)]
+        scaled = [n for n in graph.node if n.name in layers and _divide_weight(graph, n, source, m, folder)]
         if not scaled:
             continue
         for node in scaled:
@@ -65,7 +69,7 @@ def _layers_behind(value: str, readers: dict[str, list[onnx.NodeProto]]) -> set[
     return layers
 
 
-def _divide_weight(graph: onnx.GraphProto, node: onnx.NodeProto, source: str, m: np.ndarray) -> bool:
+def _divide_weight(graph: onnx.GraphProto, node: onnx.NodeProto, source: str, m: np.ndarray, folder: Path | None) -> bool:
     """Divide the weight of a MatMul or Gemm that reads `source` as its first operand, and a 2-D
     constant that no other node reads as its second, by `m` along its input channels; False,
     changing nothing, for any other layout."""
@@ -76,7 +80,7 @@ def _divide_weight(graph: onnx.GraphProto, node: onnx.NodeProto, source: str, m:
     if weight is None or len(weight.dims) != 2 or sum(weight.name in n.input for n in graph.node) != 1:
         return False
     axis = 1 if attributes.get("transB", 0) else 0  # the input channels: B is [in, out], or [out, in] transposed
-    array = numpy_helper.to_array(weight)
+    array = numpy_helper.to_array(loaded_tensor(weight, folder))
     if array.shape[axis] != m.size:
         return False
     shape = [1, 1]

@@ -71,9 +71,11 @@ def finetune_model(
     saver = Checkpoint(checkpoint) if checkpoint is not None else None
     run_callbacks = list(check_callbacks([*([saver] if saver else []), *builtin_callbacks(config, log_dir), *callbacks]))
     fabric = make_fabric(config, device, run_callbacks)
-    from_file = float_model is not None and not isinstance(float_model, onnx.ModelProto)
-    float_folder = Path(float_model).parent if from_file and has_external_data(float_model) else None  # type: ignore[arg-type]
-    float_proto = load_model(float_model, external_values=float_folder is None) if float_model is not None else None
+    float_proto, float_folder = None, None
+    if float_model is not None:  # a file is read once, its external data left in place (tensors read as lifted)
+        from_file = not isinstance(float_model, onnx.ModelProto)
+        float_proto = load_model(float_model, external_values=not from_file)
+        float_folder = Path(float_model).parent if from_file and has_external_data(float_proto) else None  # type: ignore[arg-type]
     job = Job(original, float_proto, data, config, saver, resume, run_callbacks, attach_ops, bf16_as_cast, float_folder)
     tuned, report = launch(fabric, tune_process, job)[0] if config.processes > 1 else tune_process(fabric, job)
     if tuned is None:

@@ -15,8 +15,8 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from finetune.lift.params import tensor_array
 from finetune.lift.qdq import is_quantizer
-from finetune.onnx.io import loaded_tensor
 
 
 def carry_smoothing(float_model: onnx.ModelProto, quantized: onnx.ModelProto, folder: Path | None = None) -> list[str]:
@@ -80,7 +80,7 @@ def _divide_weight(graph: onnx.GraphProto, node: onnx.NodeProto, source: str, m:
     if weight is None or len(weight.dims) != 2 or sum(weight.name in n.input for n in graph.node) != 1:
         return False
     axis = 1 if attributes.get("transB", 0) else 0  # the input channels: B is [in, out], or [out, in] transposed
-    array = numpy_helper.to_array(loaded_tensor(weight, folder))
+    array = tensor_array(weight, folder)
     if array.shape[axis] != m.size:
         return False
     shape = [1, 1]

@@ -149,4 +149,4 @@ def input_hessian(op: nn.Module, layout: Layout, train: nn.Module, inputs: UnitI
     if fabric.world_size > 1:
         total[0] = fabric.all_reduce(total[0], reduce_op="sum")
         count = int(fabric.all_reduce(torch.tensor(float(count), dtype=torch.float64), reduce_op="sum"))
-    return total[0] / max(count, 1)
+    return total[0].div_(max(count, 1))  # in place: a width-4096 layer's Hessian is 128 MiB

@@ -46,51 +46,52 @@ def gptq(weight: torch.Tensor, hessian: torch.Tensor, grid: FixedGrid, perc_damp
 
 def _factor(hessian: torch.Tensor, perc_damp: float, act_order: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """inverse_cholesky's factor (as float32) of the damped Hessian (float64) with its columns in the order
-    they are rounded, and that order (None: the natural one, which needs no permuted copies). Its float64
-    matrices are let go on return, before the columns are rounded."""
-    h = hessian.detach().to(torch.float64, copy=True)
-    diagonal = h.diagonal(dim1=1, dim2=2)
+    they are rounded, and that order (None: the natural one, which needs no permuted copies). At most two
+    float64 matrices are alive at once (each step's input is let go as its result is made)."""
+    held = [hessian.detach().to(torch.float64, copy=True)]
+    diagonal = held[0].diagonal(dim1=1, dim2=2)
     diagonal.masked_fill_(diagonal == 0, 1.0)  # dead inputs: rounded to nearest, nothing passed on
     diagonal += perc_damp * diagonal.mean(dim=1, keepdim=True)
-    if not act_order:
-        return inverse_cholesky(h).to(torch.float32), None
-    order = torch.argsort(diagonal, dim=1, descending=True, stable=True)
-    ordered = h.gather(1, order[:, :, None].expand_as(h)).gather(2, order[:, None, :].expand_as(h))
-    del h, diagonal  # only the ordered copy is factored
-    return inverse_cholesky(ordered).to(torch.float32), order
+    order = torch.argsort(diagonal, dim=1, descending=True, stable=True) if act_order else None
+    del diagonal  # a view: it would keep the damped matrix alive
+    if order is not None:
+        held[0] = held[0].gather(1, order[:, :, None].expand_as(held[0]))
+        held[0] = held[0].gather(2, order[:, None, :].expand_as(held[0]))
+    return inverse_cholesky(held).to(torch.float32), order
 
 
-def inverse_cholesky(hessian: torch.Tensor) -> torch.Tensor:
-    """The upper Cholesky factor U of H⁻¹ (H⁻¹ = UᵀU), batched, in H's dtype: row i of U, over its
-    diagonal, spreads column i's error over the later columns (the OBS update with the rows and
-    columns of the earlier ones already eliminated)."""
-    factor, info = torch.linalg.cholesky_ex(hessian)
+def inverse_cholesky(held: list[torch.Tensor]) -> torch.Tensor:
+    """The upper Cholesky factor U of H⁻¹ (H⁻¹ = UᵀU), batched, in H's dtype, for `held` = [H], which it
+    empties (so H is let go once factored: a width-4096 layer's float64 matrices are 128 MiB each): row i
+    of U, over its diagonal, spreads column i's error over the later columns (the OBS update with the rows
+    and columns of the earlier ones already eliminated)."""
+    factor, info = torch.linalg.cholesky_ex(held.pop())
     if bool((info > 0).any()):
         raise ValueError("the damped Hessian of the layer's inputs is not positive definite (raise perc_damp)")
     factor = torch.cholesky_inverse(factor)  # H⁻¹; the lower factor of H is let go here
-    upper, info = torch.linalg.cholesky_ex(factor, upper=True)
+    factor, info = torch.linalg.cholesky_ex(factor, upper=True)
     if bool((info > 0).any()):
         raise ValueError("the inverse Hessian of the layer's inputs is not positive definite (raise perc_damp)")
-    return upper
+    return factor
 
 
 def _columns(w: torch.Tensor, upper: torch.Tensor, grid: FixedGrid, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """GPTQ's loop over the columns of w [groups, rows, columns] in order, with `upper` the factor of
-    inverse_cholesky; a block's errors reach the columns after it in one product."""
-    w = w.clone()
-    quantized, compensated = torch.empty_like(w), torch.empty_like(w)
+    inverse_cholesky; a block's errors reach the columns after it in one product. A column's errors
+    reach only the columns after it, so the working copy of w ends as the compensated weights."""
+    compensated = w.clone()
+    quantized = torch.empty_like(w)
     columns = w.shape[2]
     for start in range(0, columns, block_size):
         end = min(start + block_size, columns)
-        block, factor = w[:, :, start:end], upper[:, start:end, start:end]
+        block, factor = compensated[:, :, start:end], upper[:, start:end, start:end]
         errors = torch.empty_like(block)
         for i in range(end - start):
             column = block[:, :, i:i + 1]
-            compensated[:, :, start + i:start + i + 1] = column
             rounded = grid.round(column, slice(start + i, start + i + 1))
             quantized[:, :, start + i:start + i + 1] = rounded
             error = (column - rounded) / factor[:, i:i + 1, i:i + 1]
-            block[:, :, i:] -= error @ factor[:, i:i + 1, i:]
+            block[:, :, i + 1:] -= error @ factor[:, i:i + 1, i + 1:]
             errors[:, :, i:i + 1] = error
-        w[:, :, end:] -= errors @ upper[:, start:end, end:]
+        compensated[:, :, end:] -= errors @ upper[:, start:end, end:]
     return quantized, compensated

@@ -14,12 +14,15 @@ import onnx
 import pytest
 import torch
 
+import finetune.pipeline
+import finetune.recon
 import finetune.recon.run
 from finetune.cli import main
 from finetune.config import FastFinetune
 from finetune.lift import LiftError, check_liftable, lift_model, unliftable_ops
 from finetune.onnx.io import has_external_data, load_model, model_bytes, model_digest, save_model_atomic
 from finetune.onnx.session import inference_session
+from finetune.pipeline import quantize_and_finetune
 from finetune.quantize import quantize_model
 from finetune.recon import finetune_model
 
@@ -154,3 +157,25 @@ def test_tuning_towards_a_float_model_file_gives_the_in_proto_bytes(tmp_path: Pa
     quantized = quantize_model(stack(), {"preset": "INT4_BLOCK32", "weight_storage": "compact"}, None).model
     tuned = [finetune_model(quantized, feeds(), SETTINGS["gptq"], float_model=path)[0] for path in float_paths.values()]
     assert_same(*tuned)
+
+
+def test_quantize_and_finetune_hands_a_large_model_over_as_a_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past HANDOVER_BYTES the quantized and float models reach tuning as files (tuning would copy a proto
+    while the quantizer's result still holds it) and are dropped from that result; the tuned bytes are
+    those of the in-memory handover."""
+    config = {"preset": "INT4_BLOCK32", "weight_storage": "compact", "fast_finetune": {"algorithm": "gptq", "batch_size": 4,
+                                                                                         "validation_share": 0.0}}
+    given: list[list[bool]] = []  # per run: whether each model came as a file
+    tune = finetune.recon.finetune_model
+
+    def spy(qdq_model: Any, data: Any, settings: Any, float_model: Any, *args: Any, **kwargs: Any) -> Any:
+        given.append([isinstance(model, Path) for model in (qdq_model, float_model)])
+        assert not given[-1][1] or has_external_data(float_model)  # so it is lifted one tensor at a time
+        return tune(qdq_model, data, settings, float_model, *args, **kwargs)
+
+    monkeypatch.setattr(finetune.recon, "finetune_model", spy)
+    in_memory = quantize_and_finetune(stack(), config, feeds()).model
+    monkeypatch.setattr(finetune.pipeline, "HANDOVER_BYTES", 1)  # both: the codes take 24 KiB
+    by_file = quantize_and_finetune(stack(), config, feeds()).model
+    assert given == [[False, False], [True, True]]
+    assert_same(by_file, in_memory)

@@ -254,7 +254,7 @@ def _add_finetune_flags(parser: argparse.ArgumentParser) -> None:
                             f"its schedule (default: {'on' if EarlyStop().enabled else 'off'}; --no-early-stop runs every "
                             "iteration)")
     group.add_argument("--resume", action="store_true",
-                       help="continue a killed run from its checkpoint beside the output (model.onnx.finetune.ckpt for "
+                       help="continue a killed run from its checkpoint folder beside the output (model.onnx.finetune.ckpt for "
                             "-o model.onnx); same model, data and settings give the bytes of an uninterrupted run")
 
 

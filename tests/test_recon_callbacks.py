@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import shutil
 import stat
 from pathlib import Path
 from typing import Any
@@ -177,7 +178,8 @@ def test_a_stopped_run_resumes_from_its_checkpoint_to_the_same_bytes(quantized: 
     checkpoint = stopped_run(model, feeds, config, tmp_path / "cut")
     umask = os.umask(0)
     os.umask(umask)
-    assert stat.S_IMODE(checkpoint.stat().st_mode) == 0o666 & ~umask
+    assert sorted(p.name for p in checkpoint.iterdir()) == ["progress.pt", "unit-00000.pt", "unit-00001.pt"]
+    assert all(stat.S_IMODE(p.stat().st_mode) == 0o666 & ~umask for p in checkpoint.iterdir())
     starts = UnitStarts()
     with caplog.at_level(logging.INFO):
         resumed, report = finetune_model(model, feeds, config, output_dir=tmp_path / "cut", name="run", callbacks=[starts],
@@ -192,6 +194,19 @@ def test_a_stopped_run_resumes_from_its_checkpoint_to_the_same_bytes(quantized: 
     assert logs[0].read_text() == logs[1].read_text()
     assert sorted(p.name for p in checkpoint.parent.iterdir()) == ["run.json", "run.logs", "run.png"]
 
+
+def test_a_fresh_run_replaces_an_earlier_checkpoint_at_its_first_unit(quantized: tuple, tmp_path: Path,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    """Without resume, an earlier run's checkpoint (two units) is replaced, with a warning, when the new
+    run's first unit ends: none of the earlier units' files are left to be read as this run's."""
+    model, feeds = quantized
+    checkpoint = stopped_run(model, feeds, FastFinetune(algorithm="adaquant", iterations=4, seed=5), tmp_path)
+    with caplog.at_level(logging.WARNING):
+        assert stopped_run(model, feeds, FastFinetune(algorithm="adaquant", iterations=4, seed=6), tmp_path, after=0) == checkpoint
+    assert "holds an earlier run's checkpoint: this run starts afresh and replaces it" in caplog.text
+    assert sorted(p.name for p in checkpoint.iterdir()) == ["progress.pt", "unit-00000.pt"]
+    progress = torch.load(checkpoint / "progress.pt", weights_only=True)
+    assert len(progress["results"]) == 1 and progress["fingerprint"]["config"]["seed"] == 6
 
 def test_a_checkpoint_of_another_run_is_refused(quantized: tuple, tmp_path: Path) -> None:
     """Another seed, other data, another model, a file that is no checkpoint, or no output folder to
@@ -215,8 +230,16 @@ def test_a_checkpoint_of_another_run_is_refused(quantized: tuple, tmp_path: Path
         resume(model=other)
     with pytest.raises(ValueError, match="resume needs output_dir"):
         finetune_model(model, feeds, config, resume=True)
-    checkpoint.write_bytes(b"not a checkpoint")
-    with pytest.raises(ValueError, match=rf"^cannot read the checkpoint {checkpoint} \(UnpicklingError\): it is damaged"):
+    (checkpoint / "unit-00000.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(ValueError, match=rf"^cannot read the checkpoint {checkpoint} \(UnpicklingError in unit-00000.pt\): "
+                                         "it is damaged"):
+        resume()
+    (checkpoint / "progress.pt").unlink()
+    with pytest.raises(ValueError, match=r"\(FileNotFoundError in progress.pt\): it is damaged or not a fine-tuning checkpoint"):
+        resume()
+    shutil.rmtree(checkpoint)
+    checkpoint.write_bytes(b"an earlier version's checkpoint")
+    with pytest.raises(ValueError, match=rf"^{checkpoint} is not a fine-tuning checkpoint \(a checkpoint is a folder\)"):
         resume()
 
 

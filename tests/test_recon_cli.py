@@ -164,7 +164,7 @@ def test_a_killed_run_leaves_no_spilled_activations(digits: dict, tmp_path: Path
 def finished_units(checkpoint: Path) -> int:
     """How many units a run's checkpoint holds (0 while it has none)."""
     try:
-        return len(torch.load(checkpoint, weights_only=True)["results"])
+        return len(torch.load(checkpoint / "progress.pt", weights_only=True)["results"])
     except FileNotFoundError:
         return 0
 
@@ -216,7 +216,7 @@ def test_cli_tune_stopped_by_ctrl_c_resumes_to_the_same_bytes(digits: dict, tmp_
     monkeypatch.setattr(Tuner, "tune", interrupted)
     stopped = cli(*args, "-o", str(out))
     checkpoint = out.with_name("tuned.onnx.finetune.ckpt")
-    assert stopped.returncode == 130 and not out.exists() and checkpoint.is_file()
+    assert stopped.returncode == 130 and not out.exists() and checkpoint.is_dir()
     assert f"the run stopped after 2 of 5 units; they are kept in {checkpoint}: run again with --resume" in stopped.stderr
     monkeypatch.undo()
     resumed = cli(*args, "--resume", "-o", str(out))

@@ -87,8 +87,8 @@ def finetune_model(
     report["peak_rss_kib"] = peak_rss_kib()
     if output_dir is not None:
         write_report(report, Path(output_dir), name)
-    if checkpoint is not None:
-        checkpoint.unlink(missing_ok=True)  # the run is complete: nothing is left to resume
+    if saver is not None:
+        saver.remove()  # the run is complete: nothing is left to resume
     return tuned, report
 
 

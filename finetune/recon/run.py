@@ -170,11 +170,10 @@ def _tune_units(run: _Run, job: Job, fabric: Fabric, cache: ActivationCache, sou
     sharing = SharedWeights(module, reference, units, floats.segments) if reference is not module else None
     stream = QuantizedStream(plan, placeholders, inputs, cache, device)
     tuner = Tuner(config, fabric, units, job.callbacks, held_out, run.methods)
-    finished_weights = {}
     if job.checkpoint is not None:
         counts = threads.fingerprint() if threads is not None else torch.get_num_threads()
         job.checkpoint.fingerprint = run_fingerprint(sources, config, inputs, counts)
-        finished_weights = job.checkpoint.start(tuner, job.resume)
+        job.checkpoint.start(tuner, job.resume)
     with tuner:
         for k, unit in enumerate(units):
             if threads is not None:
@@ -184,7 +183,7 @@ def _tune_units(run: _Run, job: Job, fabric: Fabric, cache: ActivationCache, sou
             if sharing is not None:
                 sharing.before_unit(k, unit)
             if k < tuner.resumed_units:
-                tuner.restore(k, module, finished_weights)
+                tuner.restore(k, module, job.checkpoint.unit_weights(k))  # type: ignore[union-attr]  (resumed: one is kept)
             else:
                 tuner.tune(k, module, plan.train[k], unit_inputs, float_inputs, targets, starts, stream.side_inputs(unit))
             for value in (float_inputs, *targets):

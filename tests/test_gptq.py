@@ -39,6 +39,7 @@ from finetune.quantize import quantize_model
 from finetune.recon import finetune_model
 from finetune.recon.data.cache import ActivationCache
 from finetune.recon.data.rows import UnitInputs
+from finetune.recon.methods import gptq as gptq_method
 from finetune.recon.methods.gptq_layouts import _gemm_layout, _matmul_layout, input_hessian
 from finetune.recon.methods.gptq_solver import gptq
 from finetune.zoo import digits_split
@@ -140,6 +141,9 @@ def test_gptq_equals_an_independent_obs_reimplementation(kind: str, act_order: b
     assert bool((margins == 1).all())  # no tie near: float32 and float64 arithmetic round alike
     quantized, compensated = gptq(w.float()[None], h[None], grid.laid_out(lambda t: t[None]), 0.01, 16, act_order)
     assert torch.allclose(quantized[0].double(), expected, rtol=1e-6, atol=0)  # codes equal (float32 products of codes and scales)
+    held = [h[None].clone()]  # handed over to be consumed: the same weights, the list emptied
+    consumed = gptq(w.float()[None], held, grid.laid_out(lambda t: t[None]), 0.01, 16, act_order)
+    assert held == [] and torch.equal(consumed[0], quantized) and torch.equal(consumed[1], compensated)
     assert torch.equal(grid.laid_out(lambda t: t[None]).round(compensated), quantized)
     rtn = torch.stack([round_column(w[:, j], j) for j in range(32)], dim=1)
     assert not torch.equal(expected, rtn)  # the error propagation changed some roundings
@@ -340,6 +344,19 @@ def test_gptq_end_to_end(small: dict, preset: object, tmp_path: Path) -> None:
                for name, source in module.finetune_params.items() if source.quantizer and name.endswith("weight")]
     assert len(weights) == 3 and all(torch.equal(quantizer(w), w) for w, quantizer in weights)
 
+
+def test_a_layers_own_weight_quantizer_is_off_while_its_inputs_are_measured(small: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The passes that measure a layer's inputs stop at the layer, so its weight quantizer (which feeds
+    it alone) is the identity meanwhile: the tuned bytes are those of passes that quantize it."""
+    quantized = quantize_model(small["path"], W4A8_CHANNEL, small["calibration"]).model
+    answers: list[bool] = []
+    feeds_only = gptq_method._feeds_only
+    monkeypatch.setattr(gptq_method, "_feeds_only", lambda *args: answers.append(feeds_only(*args)) or answers[-1])
+    idle, _ = finetune_model(quantized, small["calibration"], FastFinetune(algorithm="gptq"))
+    assert answers == [True] * 3
+    monkeypatch.setattr(gptq_method, "_feeds_only", lambda *args: False)
+    quantizing, _ = finetune_model(quantized, small["calibration"], FastFinetune(algorithm="gptq"))
+    assert idle.SerializeToString() == quantizing.SerializeToString()
 
 @pytest.mark.parametrize("algorithm", ["adaround", "adaquant"])
 def test_gptq_init_starts_from_gptqs_weights(small: dict, algorithm: str) -> None:

@@ -5,6 +5,7 @@ gptq_init it is where AdaRound or AdaQuant start."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -13,6 +14,7 @@ from finetune.config import GPTQ as GPTQSettings
 from finetune.config import FastFinetune
 from finetune.formats.grids import fixed_grid
 from finetune.lift import FakeQuantize
+from finetune.lift.fake_quant import quantizers_disabled
 
 from ..units import Layer
 from .base import Algorithm, Method, UnitWork
@@ -71,11 +73,27 @@ def _quantize_layer(layer: Layer, work: UnitWork, settings: GPTQSettings, weight
     if isinstance(layout, str):
         return layout
     grid = fixed_grid(weight, quantizer.spec, quantizer.scale, quantizer.zero_point).laid_out(layout.to_matrix)
-    hessian = input_hessian(op, layout, work.data.train, work.data.inputs, work.fabric, work.held)
-    quantized, compensated = gptq(layout.to_matrix(weight.detach().float()), hessian, grid, settings.perc_damp,
-                                  settings.block_size, settings.act_order)
+    with _idle(quantizer) if _feeds_only(module, layer) else contextlib.nullcontext():
+        held = [input_hessian(op, layout, work.data.train, work.data.inputs, work.fabric, work.held)]
+    groups, columns = held[0].shape[0], held[0].shape[-1]
+    quantized, compensated = gptq(layout.to_matrix(weight.detach().float()), held, grid, settings.perc_damp,
+                                  settings.block_size, settings.act_order)  # consumes the Hessian
     start = compensated if weights == "compensated" else quantized
     with torch.no_grad():
         weight.copy_(layout.from_matrix(start).to(weight.dtype))
-    logger.debug("GPTQ: %s, %d column(s) in %d group(s)", layer.name, hessian.shape[-1], hessian.shape[0])
+    logger.debug("GPTQ: %s, %d column(s) in %d group(s)", layer.name, columns, groups)
     return None
+
+
+def _feeds_only(module: torch.nn.Module, layer: Layer) -> bool:
+    """Whether the layer's weight quantizer feeds the layer's op alone, so the passes that measure the
+    op's inputs (which stop at the op) need not quantize its weight."""
+    users = [user for node in module.graph.nodes if node.op == "call_module" and node.target == layer.weight_quantizer
+             for user in node.users]
+    return bool(users) and all(user.op == "call_module" and user.target == layer.name for user in users)
+
+
+def _idle(quantizer: FakeQuantize) -> contextlib.AbstractContextManager[None]:
+    """The weight quantizer as the identity inside the block: a width-4096 weight's quantize-dequantize
+    makes temporaries of about 250 MiB in each pass, for an output no one reads."""
+    return quantizers_disabled(quantizer, keep_ranges=False)

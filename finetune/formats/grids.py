@@ -54,7 +54,7 @@ def fixed_grid(weight: torch.Tensor, spec: IntSpec | FloatSpec | BFPSpec | MXSpe
     w = weight.detach().float()
     if isinstance(spec, IntSpec):
         s = broadcast_param(scale, w, spec.axis, spec.block_size, torch.float32).expand_as(w).contiguous()
-        # the zero point in its own dtype (integers, exact in it), not float64: rounding converts each column's
+        # the zero point in its own dtype (integers, exact in it), not float64: rounding converts each column's slice
         zp = broadcast_param(zero_point, w, spec.axis, spec.block_size).expand_as(w).contiguous()
         elementwise = replace(spec, axis=0, block_size=1)  # one scale per element: a block of one along axis 0
         return FixedGrid(lambda v, s, zp: int_quantize_dequantize(v, s, zp, elementwise), (s, zp))

@@ -50,28 +50,26 @@ class Checkpoint(Callback):
         self._replace = False  # an earlier run's checkpoint is there, to be replaced at the first unit's end
         self._fabric: Any = None  # the run's Fabric, whose load reads the files (set by start)
 
-    def start(self, tuner: Tuner, resume: bool) -> int:
-        """With `resume`, hand `tuner` the finished units of the checkpoint and return how many (their
-        weights: unit_weights); a checkpoint of another run is refused, and without one the run starts at
-        the first unit. Without `resume`, an earlier run's checkpoint is replaced at the first unit's end
-        (a warning)."""
+    def start(self, tuner: Tuner, resume: bool) -> None:
+        """With `resume`, hand `tuner` the finished units of the checkpoint (their weights: unit_weights);
+        a checkpoint of another run is refused, and without one the run starts at the first unit. Without
+        `resume`, an earlier run's checkpoint is replaced at the first unit's end (a warning)."""
         self._fabric = tuner.fabric
         if not self.path.exists():
             if resume:
                 logger.warning("no checkpoint at %s to resume from: starting from the first unit", self.path)
-            return 0
+            return
         if not resume:
             logger.warning("%s holds an earlier run's checkpoint: this run starts afresh and replaces it (resume to "
                            "continue that run instead)", self.path)
             self._replace = True
-            return 0
+            return
         state = self._load()
         _check_same_run(self.path, state["fingerprint"], self.fingerprint)
         search = state.get("rate_search")
         tuner.resume([UnitResult(**row) for row in state["results"]], state["warnings"], search and RateSearch(**search))
         logger.info("resuming from %s: %d of %d units finished earlier and are restored, not tuned again",
                     self.path, tuner.resumed_units, len(tuner.units))
-        return tuner.resumed_units
 
     def unit_weights(self, index: int) -> dict[str, torch.Tensor]:
         """The weights finished unit `index` left (read when it is restored: one unit's at a time)."""

@@ -59,6 +59,8 @@ def _round_trip(original: onnx.ModelProto, inputs: list[np.ndarray]) -> tuple[to
     exported = export_model(module, original)
     assert original.SerializeToString() == before
     assert _topology(exported) == _topology(original)
+    owned = copy.deepcopy(original)  # a tuning run's own copy: written into, the same bytes
+    assert export_model(module, owned, in_place=True) is owned and owned.SerializeToString() == exported.SerializeToString()
     assert not np.allclose(run_ort(exported, inputs)[0], run_ort(original, inputs)[0])
     return module, exported
 

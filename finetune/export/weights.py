@@ -23,15 +23,16 @@ from .scales import write_quantizer_params
 
 
 def export_model(module: LiftedModule, original_model: str | Path | onnx.ModelProto, attach_ops: bool = False,
-                 bf16_as_cast: bool = False) -> onnx.ModelProto:
+                 bf16_as_cast: bool = False, in_place: bool = False) -> onnx.ModelProto:
     """A copy of `original_model` whose weights are the module's parameters: float initializers
     get the values, integer/float8 initializers the codes of the original scale and zero point.
     The model keeps its own form (domains, op types, attributes), so a model made for another
     toolchain (AMD Quark's com.amd.quark ops) stays deployable there; our com.finetune ops, which
     only we define, get their function bodies, and with `attach_ops` so do AMD Quark's, for stock
     onnxruntime to run them. With `bf16_as_cast`, our bfloat16 quantize-dequantize pairs become
-    Cast pairs (onnx.qdq.bf16_pairs_to_casts)."""
-    model = load_model(original_model)
+    Cast pairs (onnx.qdq.bf16_pairs_to_casts). With `in_place`, `original_model` (a proto the caller
+    owns) is changed and returned, each weight replaced as it is written: no second copy of the codes."""
+    model = original_model if in_place and isinstance(original_model, onnx.ModelProto) else load_model(original_model)
     tensors = _writable_tensors(model.graph)
     write_quantizer_params(model, module, tensors)  # learned scales and zero points (recon.methods.scales)
     for name, source in module.finetune_params.items():

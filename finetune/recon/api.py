@@ -81,7 +81,7 @@ def finetune_model(
     if tuned is None:
         return None, report  # a process other than the first of a data-parallel run: the first one writes
     report["total_seconds"] = time.perf_counter() - begin
-    require_loads(tuned, original, "fine-tuning")
+    require_loads(tuned, qdq_model, "fine-tuning")  # the input as given: `original` became the tuned model
     if model_path is not None:
         save_model_atomic(tuned, model_path, external_data=keep_external)
     report["peak_rss_kib"] = peak_rss_kib()

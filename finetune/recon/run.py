@@ -99,7 +99,7 @@ def _tune_and_export(fabric: Fabric, job: Job, sources: dict[str, str | None],
     if not fabric.is_global_zero:
         return None, report
     run.module.cpu()
-    return export_model(run.module, original, job.attach_ops, job.bf16_as_cast), report
+    return export_model(run.module, original, job.attach_ops, job.bf16_as_cast, in_place=True), report  # the job's own copy
 
 
 def _prepare(job: Job) -> _Run:

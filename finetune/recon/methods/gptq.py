@@ -73,7 +73,9 @@ def _quantize_layer(layer: Layer, work: UnitWork, settings: GPTQSettings, weight
     if isinstance(layout, str):
         return layout
     grid = fixed_grid(weight, quantizer.spec, quantizer.scale, quantizer.zero_point).laid_out(layout.to_matrix)
-    with _idle(quantizer) if _feeds_only(module, layer) else contextlib.nullcontext():
+    # the passes stop at the layer: where its weight quantizer feeds it alone, that quantizer is the identity
+    # meanwhile (at width 4096 its quantize-dequantize made ~250 MiB of temporaries per pass, read by no one)
+    with quantizers_disabled(quantizer, keep_ranges=False) if _feeds_only(module, layer) else contextlib.nullcontext():
         held = [input_hessian(op, layout, work.data.train, work.data.inputs, work.fabric, work.held)]
     groups, columns = held[0].shape[0], held[0].shape[-1]
     quantized, compensated = gptq(layout.to_matrix(weight.detach().float()), held, grid, settings.perc_damp,
@@ -91,9 +93,3 @@ def _feeds_only(module: torch.nn.Module, layer: Layer) -> bool:
     users = [user for node in module.graph.nodes if node.op == "call_module" and node.target == layer.weight_quantizer
              for user in node.users]
     return bool(users) and all(user.op == "call_module" and user.target == layer.name for user in users)
-
-
-def _idle(quantizer: FakeQuantize) -> contextlib.AbstractContextManager[None]:
-    """The weight quantizer as the identity inside the block: a width-4096 weight's quantize-dequantize
-    makes temporaries of about 250 MiB in each pass, for an output no one reads."""
-    return quantizers_disabled(quantizer, keep_ranges=False)

@@ -18,13 +18,9 @@ import torch
 
 from finetune.config import QuantConfig, load_config, save_config, to_dict
 from finetune.export.matmul_nbits import to_matmul_nbits
-from finetune.onnx.io import has_external_data, model_bytes, needs_external_data, save_model_atomic, write_with_external_data
+from finetune.onnx.io import goes_by_file, has_external_data, save_model_atomic, write_with_external_data
 from finetune.quantize import QuantizeResult, quantize_model
 from finetune.quantize.summary import peak_rss_kib
-
-# A model of this many bytes or more is handed to tuning as a file (written once, ~1 s per GB) rather
-# than as a proto, which tuning would copy while the quantizer's result still holds the original.
-HANDOVER_BYTES = 1 << 26
 
 
 @dataclass
@@ -99,15 +95,16 @@ def runtime_form(model: onnx.ModelProto, config: QuantConfig, summary: dict[str,
 
 def handed_over(quantized: QuantizeResult, folder: Path) -> tuple[onnx.ModelProto | Path, onnx.ModelProto | Path]:
     """The quantized and the float model for tuning, which copies a proto it is given: each of
-    HANDOVER_BYTES or more is written to `folder` and dropped from `quantized`, so tuning holds the
+    onnx.io.BY_FILE_BYTES or more is written to `folder` (written once, ~1 s per GB) and dropped from
+    `quantized`, so tuning (which would copy a proto while the result still holds it) holds the
     only copy of its weights (and reads a float model file one tensor at a time)."""
     return _handed(quantized, "model", folder), _handed(quantized, "float_model", folder)
 
 
 def _handed(quantized: QuantizeResult, field: str, folder: Path) -> onnx.ModelProto | Path:
-    """One of handed_over's models: `quantized`'s `field`, or from HANDOVER_BYTES on its file in `folder`."""
+    """One of handed_over's models: `quantized`'s `field`, or from BY_FILE_BYTES on its file in `folder`."""
     model = getattr(quantized, field)
-    if not needs_external_data(model) and model_bytes(model) < HANDOVER_BYTES:
+    if not goes_by_file(model):
         return model
     path = folder / f"{field}.onnx"
     write_with_external_data(model, path)

@@ -18,8 +18,18 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper, shape_inference
 
 import finetune.files
+import finetune.onnx.io
+import finetune.onnx.session
 from finetune.cli import main
-from finetune.onnx.io import check_model, copy_without_initializers, has_external_data, infer_shapes_of, load_model, model_bytes, save_model_atomic
+from finetune.onnx.io import (
+    check_model,
+    copy_without_initializers,
+    has_external_data,
+    infer_shapes_of,
+    load_model,
+    model_bytes,
+    save_model_atomic,
+)
 from finetune.onnx.session import inference_session, session_options
 
 WIDTH, LAYERS = 128, 3  # three 64 KiB weights: far past the lowered threshold, well within a test's seconds
@@ -120,6 +130,34 @@ def test_an_interrupted_write_leaves_the_old_pair_which_readers_see_until_the_mo
     save_model_atomic(stack(seed=1), path)
     assert_same(load_model(path), stack(seed=1))
     assert len(list(tmp_path.iterdir())) == 2
+
+
+def test_a_model_past_by_file_bytes_reaches_onnxruntime_as_a_file(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Below 2 GB but from BY_FILE_BYTES on, onnxruntime is given a model file (with its data file), not the
+    serialized proto (two more copies of the weights in memory), for a plain session and for the
+    agreement check's session with values exposed; the outputs are the in-memory session's."""
+    from finetune.lift.agreement import onnxruntime_values
+
+    model = stack()
+    x = np.random.default_rng(1).standard_normal((2, WIDTH)).astype(np.float32)
+    in_memory = inference_session(model).run(None, {"x": x})[0]
+    given: list[type] = []
+    session = ort.InferenceSession
+
+    def spy(source: str | bytes, *args: object, **kwargs: object) -> ort.InferenceSession:
+        given.append(type(source))
+        return session(source, *args, **kwargs)
+
+    monkeypatch.setattr(finetune.onnx.session.ort, "InferenceSession", spy)
+    monkeypatch.setattr(finetune.onnx.io, "BY_FILE_BYTES", model_bytes(model))
+    np.testing.assert_array_equal(inference_session(model).run(None, {"x": x})[0], in_memory)
+    values = onnxruntime_values(model, {"x": x}, ["h0"])
+    np.testing.assert_array_equal(values["y"], in_memory)
+    assert values["h0"].shape == (2, WIDTH)
+    assert given == [str, str]
+    monkeypatch.setattr(finetune.onnx.io, "BY_FILE_BYTES", model_bytes(model) + 1)
+    inference_session(model)
+    assert given == [str, str, bytes]
 
 
 def test_sessions_shape_inference_and_checker_take_large_models(lowered: None) -> None:

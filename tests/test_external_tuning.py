@@ -14,6 +14,7 @@ import onnx
 import pytest
 import torch
 
+import finetune.onnx.io
 import finetune.pipeline
 import finetune.recon
 import finetune.recon.run
@@ -160,7 +161,7 @@ def test_tuning_towards_a_float_model_file_gives_the_in_proto_bytes(tmp_path: Pa
 
 
 def test_quantize_and_finetune_hands_a_large_model_over_as_a_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Past HANDOVER_BYTES the quantized and float models reach tuning as files (tuning would copy a proto
+    """From BY_FILE_BYTES on the quantized and float models reach tuning as files (tuning would copy a proto
     while the quantizer's result still holds it) and are dropped from that result; the tuned bytes are
     those of the in-memory handover."""
     config = {"preset": "INT4_BLOCK32", "weight_storage": "compact", "fast_finetune": {"algorithm": "gptq", "batch_size": 4,
@@ -175,7 +176,7 @@ def test_quantize_and_finetune_hands_a_large_model_over_as_a_file(tmp_path: Path
 
     monkeypatch.setattr(finetune.recon, "finetune_model", spy)
     in_memory = quantize_and_finetune(stack(), config, feeds()).model
-    monkeypatch.setattr(finetune.pipeline, "HANDOVER_BYTES", 1)  # both: the codes take 24 KiB
+    monkeypatch.setattr(finetune.onnx.io, "BY_FILE_BYTES", 1)  # both: the codes take 24 KiB
     by_file = quantize_and_finetune(stack(), config, feeds()).model
     assert given == [[False, False], [True, True]]
     assert_same(by_file, in_memory)

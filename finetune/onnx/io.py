@@ -25,6 +25,10 @@ PROTOBUF_LIMIT = 2**31 - 1
 # Models of this many serialized bytes or more are written (and handed to onnxruntime, shape
 # inference and the checker) as a model file plus one data file; tests lower it to exercise that path.
 EXTERNAL_DATA_THRESHOLD = PROTOBUF_LIMIT
+# A model of this many serialized bytes or more is handed on as a file with its tensors in a data file (to
+# onnxruntime, and from the quantizer to tuning) rather than as a proto to copy or serialize: in memory it
+# would be held two or three times at once (the proto, its copy or bytes, onnxruntime's parse).
+BY_FILE_BYTES = 1 << 26
 # Tensors smaller than this stay in the model file: scalars and shapes, which shape inference reads.
 INLINE_TENSOR_BYTES = 1024
 # Offsets of tensors in the data file are multiples of this (a page), so onnxruntime may map them.
@@ -53,6 +57,11 @@ def load_model(source: str | os.PathLike | onnx.ModelProto, external_values: boo
 def needs_external_data(model: onnx.ModelProto) -> bool:
     """Whether the model is too large (EXTERNAL_DATA_THRESHOLD) to be serialized as one protobuf."""
     return model_bytes(model) >= EXTERNAL_DATA_THRESHOLD
+
+
+def goes_by_file(model: onnx.ModelProto) -> bool:
+    """Whether the model is handed on as a file with a data file rather than in memory (BY_FILE_BYTES)."""
+    return needs_external_data(model) or model_bytes(model) >= BY_FILE_BYTES
 
 
 def model_bytes(model: onnx.ModelProto) -> int:

@@ -1,5 +1,6 @@
-"""onnxruntime sessions, made in one place: from memory, or for models over protobuf's 2 GB from a
-temporary model file and data file written tensor by tensor (no copy of the proto); by default at ORT_DISABLE_ALL, the level that keeps a QDQ
+"""onnxruntime sessions, made in one place: from memory, or for models of onnx.io.BY_FILE_BYTES or more
+(those over protobuf's 2 GB among them) from a temporary model file and data file written tensor by
+tensor (no copy of the proto, no serialized bytes); by default at ORT_DISABLE_ALL, the level that keeps a QDQ
 model's simulated numerics exact (above it, DequantizeLinear -> MatMul fuses into kernels that
 quantize activations: DESIGN decision 5)."""
 
@@ -13,7 +14,7 @@ from pathlib import Path
 import onnx
 import onnxruntime as ort
 
-from .io import external_header, has_external_data, load_model, needs_external_data, write_with_external_data, write_without_values
+from .io import external_header, goes_by_file, has_external_data, load_model, write_with_external_data, write_without_values
 
 DEFAULT_PROVIDERS = ("CPUExecutionProvider",)
 OPTIMIZATION = {
@@ -42,7 +43,7 @@ def inference_session(
     providers = list(providers or DEFAULT_PROVIDERS)
     if not isinstance(model, onnx.ModelProto):
         return ort.InferenceSession(str(model), options, providers=providers)
-    if not needs_external_data(model):
+    if not goes_by_file(model):
         return ort.InferenceSession(model.SerializeToString(), options, providers=providers)
     # Through files rather than SessionOptions.add_external_initializers: that needs every large tensor
     # as a numpy array, a second copy of the weights in memory beside the proto's, while onnxruntime
@@ -58,9 +59,9 @@ SESSION_FILE = "model.onnx"  # a session's model file in its temporary folder, w
 
 def copy_for_session(model: onnx.ModelProto, folder: Path) -> onnx.ModelProto:
     """A copy of the model to rewrite (outputs added, say) before `session_of_copy(copy, folder)`:
-    past the threshold, its large tensors are written once to a data file in `folder` and the copy
+    from BY_FILE_BYTES on, its large tensors are written once to a data file in `folder` and the copy
     refers to them, so no second copy of the weights is held in memory."""
-    if not needs_external_data(model):
+    if not goes_by_file(model):
         return load_model(model)
     with open(folder / f"{SESSION_FILE}.data", "wb") as data:
         return external_header(model, f"{SESSION_FILE}.data", data.write)

@@ -4,6 +4,7 @@ as they are, integer or float8 codes through their dequantization)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,9 @@ from finetune.onnx.layers import PARAMETER_INPUTS
 
 from .qdq import is_quantizer
 
+# Elements per slice where a dequantization checks or converts a large tensor (Dequantize._pieces).
+PIECE_ELEMENTS = 1 << 22
+
 
 @dataclass(frozen=True, eq=False)
 class Dequantize:
@@ -33,7 +37,15 @@ class Dequantize:
     zero_point: torch.Tensor
 
     def apply(self, codes: np.ndarray) -> torch.Tensor:
-        """float32 values of the codes; the difference is exact in float64, as onnxruntime computes it."""
+        """float32 values of the codes; the difference is exact in float64, as onnxruntime computes it
+        (a piece at a time: the float64 temporaries are a piece's, not the tensor's)."""
+        values = torch.empty(codes.shape, dtype=torch.float32)
+        for part, piece, codes_piece in self._pieces(values, codes):
+            piece.copy_(part._dequantized(codes_piece))
+        return values
+
+    def _dequantized(self, codes: np.ndarray) -> torch.Tensor:
+        """apply's values of the codes, all at once."""
         block = self.spec.block_size if isinstance(self.spec, IntSpec) else None
         return dequantize_linear(torch.from_numpy(codes.astype(np.float64)), self.scale, self.zero_point, self.spec.axis, block)
 
@@ -53,10 +65,30 @@ class Dequantize:
         if values.shape != codes.shape or values.dtype != torch.float32 or values.is_meta:
             return False
         with torch.no_grad():
-            if not np.array_equal(self.encode(values), codes):
-                return False
-            return torch.equal(quantize_dequantize(values.detach().cpu(), self.spec, self.scale, self.zero_point),
-                               self.apply(codes))
+            return all(np.array_equal(part.encode(piece), codes_piece)
+                       and torch.equal(quantize_dequantize(piece, part.spec, part.scale, part.zero_point),
+                                       part._dequantized(codes_piece))
+                       for part, piece, codes_piece in self._pieces(values.detach().cpu(), codes))
+
+    def _pieces(self, values: torch.Tensor, codes: np.ndarray) -> Iterator[tuple[Dequantize, torch.Tensor, np.ndarray]]:
+        """The tensor and its codes cut into slices of about PIECE_ELEMENTS along their longest dimension
+        other than the quantization axis, each with this dequantization cut to it (a blocked scale and zero
+        point are cut with them; per-tensor and per-channel ones apply to every slice as they are): checks
+        and conversions then hold float64 temporaries of a slice (about 0.7 GiB for a 4096x4096 weight whole)."""
+        axis = None if self.spec.axis is None or not values.dim() else self.spec.axis % values.dim()
+        others = [d for d in range(values.dim()) if d != axis and values.shape[d] > 1]
+        if values.numel() <= PIECE_ELEMENTS or not others:
+            yield self, values, codes
+            return
+        dim = max(others, key=lambda d: values.shape[d])
+        step = max(1, values.shape[dim] * PIECE_ELEMENTS // values.numel())
+        for start in range(0, values.shape[dim], step):
+            length = min(step, values.shape[dim] - start)
+            index = (slice(None),) * dim + (slice(start, start + length),)
+            cut = {name: parameter.narrow(dim, start, length)
+                   if parameter.dim() == values.dim() and parameter.shape[dim] == values.shape[dim] else parameter
+                   for name, parameter in (("scale", self.scale), ("zero_point", self.zero_point))}
+            yield dataclasses.replace(self, **cut), values[index], codes[index]
 
 
 @dataclass(frozen=True)

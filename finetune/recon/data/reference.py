@@ -7,7 +7,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 
-import onnx
 import torch
 
 from finetune.lift import LiftedModule
@@ -109,11 +108,11 @@ def differs(module: LiftedModule, layer: Layer, value: torch.Tensor, warnings: W
     stored as codes that is an error (the float values are nowhere else). Only a weight within TIE of
     a rounding tie may have the code beside its own; for stored codes those are counted per layer in a
     warning (training starts from the float weights, so they may round either way)."""
-    if layer.weight_quantizer is None:
-        return False
+    stored = module.get_parameter(layer.weight)
+    if layer.weight_quantizer is None or _same_tensor(stored, value):
+        return False  # lift_model reused the float weight: it quantizes to the codes (Dequantize.stands_for)
     quantizer = module.get_submodule(layer.weight_quantizer)
     with torch.no_grad():
-        stored = module.get_parameter(layer.weight)
         value = value.to(stored.device)
         ours, theirs = quantizer(value), quantizer(stored)
         differ = ours != theirs
@@ -131,3 +130,9 @@ def differs(module: LiftedModule, layer: Layer, value: torch.Tensor, warnings: W
                      "weight quantizes to, each at a rounding tie (another tool's arithmetic); tuning starts from the float "
                      "weights")
     return bool(away)
+
+
+def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors are one view of the same memory (equal without reading them)."""
+    return (a.device == b.device and a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
+            and a.data_ptr() == b.data_ptr())

@@ -214,6 +214,19 @@ def test_gptq_weights_are_exactly_representable(spec: object, scale: torch.Tenso
     assert not torch.equal(result, quantize_dequantize(w, spec, scale, zero_point))
 
 
+def test_a_grid_holds_a_value_shared_by_every_element_once() -> None:
+    """Zero points (or a scale) with one value throughout are a view of that value under every layout,
+    not a tensor like the weight (at width 4096, 64 MiB per layer); varying ones are held per element."""
+    w = torch.randn(64, 32, generator=torch.Generator().manual_seed(8))
+    scale = torch.rand(8, 32, generator=torch.Generator().manual_seed(9)) + 0.1
+    for zero_point, zero_bytes in [(torch.zeros(8, 32), 4), (torch.arange(256.0).reshape(8, 32) % 3, w.numel() * 4)]:
+        grid = fixed_grid(w, IntSpec("int4", symmetric=False, axis=0, block_size=8), scale, zero_point)
+        s, zp = grid.laid_out(lambda t: t.T[None]).params
+        assert (s.untyped_storage().nbytes(), zp.untyped_storage().nbytes()) == (w.numel() * 4, zero_bytes)
+        assert torch.equal(grid.round(w), quantize_dequantize(w, IntSpec("int4", symmetric=False, axis=0, block_size=8),
+                                                              scale, zero_point))
+
+
 # --- layouts -----------------------------------------------------------------------------------------
 
 

@@ -53,17 +53,16 @@ def fixed_grid(weight: torch.Tensor, spec: IntSpec | FloatSpec | BFPSpec | MXSpe
     exactly the format's quantize-dequantize of `weight`."""
     w = weight.detach().float()
     if isinstance(spec, IntSpec):
-        s = broadcast_param(scale, w, spec.axis, spec.block_size, torch.float32).expand_as(w).contiguous()
+        s = _per_element(scale, w, spec.axis, spec.block_size, torch.float32)
         # the zero point in its own dtype (integers, exact in it), not float64: rounding converts each column's slice
-        zp = broadcast_param(zero_point, w, spec.axis, spec.block_size).expand_as(w).contiguous()
+        zp = _per_element(zero_point, w, spec.axis, spec.block_size)
         elementwise = replace(spec, axis=0, block_size=1)  # one scale per element: a block of one along axis 0
         return FixedGrid(lambda v, s, zp: int_quantize_dequantize(v, s, zp, elementwise), (s, zp))
     if isinstance(spec, FloatSpec):
-        s = broadcast_param(1.0 if scale is None else scale, w, spec.axis, None, torch.float32).expand_as(w).contiguous()
-        zp = broadcast_param(0.0 if zero_point is None else zero_point, w, spec.axis, None, torch.float32)
+        s = _per_element(1.0 if scale is None else scale, w, spec.axis, None, torch.float32)
+        zp = _per_element(0.0 if zero_point is None else zero_point, w, spec.axis, None, torch.float32)
         plain = FloatSpec(spec.dtype, spec.saturate)
-        return FixedGrid(lambda v, s, zp: (float_quantize_dequantize(v / s + zp, plain) - zp) * s,
-                         (s, zp.expand_as(w).contiguous()))
+        return FixedGrid(lambda v, s, zp: (float_quantize_dequantize(v / s + zp, plain) - zp) * s, (s, zp))
     if w.numel() <= 1:
         raise ValueError("a one-element weight is not quantized by block formats")
     if isinstance(spec, BFPSpec):
@@ -71,6 +70,18 @@ def fixed_grid(weight: torch.Tensor, spec: IntSpec | FloatSpec | BFPSpec | MXSpe
     if isinstance(spec, MXSpec):
         return _mx_grid(w, spec)
     raise TypeError(f"unknown format spec {spec!r}")
+
+
+def _per_element(param: torch.Tensor | float, w: torch.Tensor, axis: int | None, block_size: int | None,
+                 dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A scale or zero point (as QuantizeLinear reads it) for every element of w: where it holds one value
+    throughout (a symmetric format's zero points, a per-tensor scale) a view of that value, which every
+    layout keeps a view (no memory: a 4096x4096 weight's float32 zero points were 64 MiB); else a
+    tensor of its own shaped like w (one value means the same at every granularity)."""
+    compact = torch.as_tensor(param, dtype=dtype, device=w.device)
+    if compact.numel() and bool((compact == compact.reshape(-1)[0]).all()):
+        return compact.reshape(-1)[0].clone().expand_as(w)
+    return broadcast_param(compact, w, axis, block_size, dtype).expand_as(w).contiguous()
 
 
 def _bfp_grid(w: torch.Tensor, spec: BFPSpec) -> FixedGrid:

@@ -21,7 +21,7 @@ import finetune.recon.run
 from finetune.cli import main
 from finetune.config import FastFinetune
 from finetune.lift import LiftError, check_liftable, lift_model, unliftable_ops
-from finetune.onnx.io import has_external_data, load_model, model_bytes, model_digest, save_model_atomic
+from finetune.onnx.io import INLINE_TENSOR_BYTES, has_external_data, load_model, model_bytes, model_digest, save_model_atomic
 from finetune.onnx.session import inference_session
 from finetune.pipeline import quantize_and_finetune
 from finetune.quantize import quantize_model
@@ -180,3 +180,24 @@ def test_quantize_and_finetune_hands_a_large_model_over_as_a_file(tmp_path: Path
     by_file = quantize_and_finetune(stack(), config, feeds()).model
     assert given == [[False, False], [True, True]]
     assert_same(by_file, in_memory)
+
+
+def test_the_quantized_models_bytes_lie_in_a_file_while_units_are_tuned(monkeypatch: pytest.MonkeyPatch) -> None:
+    """From BY_FILE_BYTES on, the QDQ model's large tensors lie in a temporary file while the units are tuned
+    (they are read again only to be written) and are put back before the export: the tuned model is,
+    byte for byte, the one tuned with them in memory."""
+    qdq = quantize_model(stack(), "INT4_BLOCK32", None).model
+    in_memory, _ = finetune_model(qdq, feeds(), SETTINGS["gptq"])
+    aside: list[tuple[int, int]] = []  # per run: (tensors pointing to the file, the largest bytes left in the proto)
+    restore = finetune.recon.run.put_back
+
+    def spy(header: onnx.ModelProto, folder: Path) -> onnx.ModelProto:
+        tensors = header.graph.initializer
+        aside.append((sum(t.data_location == onnx.TensorProto.EXTERNAL for t in tensors), max(t.ByteSize() for t in tensors)))
+        return restore(header, folder)
+
+    monkeypatch.setattr(finetune.recon.run, "put_back", spy)
+    monkeypatch.setattr(finetune.onnx.io, "BY_FILE_BYTES", model_bytes(qdq))
+    set_aside, _ = finetune_model(qdq, feeds(), SETTINGS["gptq"])
+    assert len(aside) == 1 and aside[0][0] >= 3 and aside[0][1] < 2 * INLINE_TENSOR_BYTES  # the three weights' codes, at least
+    assert set_aside.SerializeToString() == in_memory.SerializeToString()

@@ -216,6 +216,31 @@ def external_header(model: onnx.ModelProto, location: str, sink: Callable[[bytes
     return header
 
 
+SET_ASIDE = "set-aside.data"  # the data file of set_aside's header in its folder
+
+
+def set_aside(model: onnx.ModelProto, folder: Path) -> onnx.ModelProto:
+    """The model's header (see external_header) with its large tensors' bytes in a data file in `folder`,
+    for a proto kept only to be written at the end of a long run: the caller drops `model` (protobuf
+    frees a message's bytes only with the whole message) and calls put_back before writing it."""
+    with open(folder / SET_ASIDE, "wb") as data:
+        return external_header(model, SET_ASIDE, data.write)
+
+
+def put_back(header: onnx.ModelProto, folder: Path) -> onnx.ModelProto:
+    """set_aside's header with its tensors' bytes read back from `folder`, in place: the model as it was."""
+    with open(folder / SET_ASIDE, "rb") as data:
+        for tensor in header.graph.initializer:
+            place = {entry.key: entry.value for entry in tensor.external_data}
+            if tensor.data_location != onnx.TensorProto.EXTERNAL or place.get("location") != SET_ASIDE:
+                continue
+            data.seek(int(place["offset"]))
+            tensor.raw_data = data.read(int(place["length"]))
+            tensor.ClearField("external_data")
+            tensor.ClearField("data_location")
+    return header
+
+
 def write_with_external_data(model: onnx.ModelProto, path: Path) -> None:
     """Write the model as `path` plus `path`.data (not atomically: for temporary folders)."""
     with open(path.with_name(path.name + ".data"), "wb") as data:

@@ -77,6 +77,7 @@ def finetune_model(
         float_proto = load_model(float_model, external_values=not from_file)
         float_folder = Path(float_model).parent if from_file and has_external_data(float_proto) else None  # type: ignore[arg-type]
     job = Job(original, float_proto, data, config, saver, resume, run_callbacks, attach_ops, bf16_as_cast, float_folder)
+    del original, float_proto  # the job's are the only references: tuning lets them go, or their bytes, as it can
     tuned, report = launch(fabric, tune_process, job)[0] if config.processes > 1 else tune_process(fabric, job)
     if tuned is None:
         return None, report  # a process other than the first of a data-parallel run: the first one writes

@@ -107,6 +107,15 @@ def keep_freed_host_memory() -> bool:
     return True
 
 
+def release_freed_host_memory() -> None:
+    """Hand the freed memory glibc holds back to the system (malloc_trim; nothing elsewhere), after work
+    whose many temporaries of up to 32 MiB, freed among smaller live blocks, stay in the heap: lifting
+    a 2.5 GB model of codes kept 0.98 GiB so. Milliseconds; the next allocations fault their pages in again."""
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)
+
+
 @contextlib.contextmanager
 def host_memory_kept(device: torch.device) -> Iterator[None]:
     """Inside the block, a CPU run keeps freed host memory for reuse (`keep_freed_host_memory`);
@@ -116,7 +125,7 @@ def host_memory_kept(device: torch.device) -> Iterator[None]:
         yield
     finally:
         if kept:
-            _glibc().malloc_trim(0)  # type: ignore[union-attr]  (kept: glibc is there)
+            release_freed_host_memory()
 
 
 # Every float32-precision setting of torch's fp32_precision API, by its path under torch.backends

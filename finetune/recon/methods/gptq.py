@@ -12,7 +12,7 @@ import torch
 
 from finetune.config import GPTQ as GPTQSettings
 from finetune.config import FastFinetune
-from finetune.formats.grids import fixed_grid
+from finetune.formats.grids import FixedGrid, fixed_grid
 from finetune.lift import FakeQuantize
 from finetune.lift.fake_quant import quantizers_disabled
 
@@ -72,7 +72,10 @@ def _quantize_layer(layer: Layer, work: UnitWork, settings: GPTQSettings, weight
     layout = layout_of(layer, op, weight.shape)
     if isinstance(layout, str):
         return layout
-    grid = fixed_grid(weight, quantizer.spec, quantizer.scale, quantizer.zero_point).laid_out(layout.to_matrix)
+
+    def grid() -> FixedGrid:  # made once the Hessian is factored (the weight has not moved since)
+        return fixed_grid(weight, quantizer.spec, quantizer.scale, quantizer.zero_point).laid_out(layout.to_matrix)
+
     # the passes stop at the layer: where its weight quantizer feeds it alone, that quantizer is the identity
     # meanwhile (at width 4096 its quantize-dequantize made ~250 MiB of temporaries per pass, read by no one)
     with quantizers_disabled(quantizer, keep_ranges=False) if _feeds_only(module, layer) else contextlib.nullcontext():

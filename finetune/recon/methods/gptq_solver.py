@@ -18,21 +18,26 @@ dead in calibration keeps its weights where it is alive)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from finetune.formats.grids import FixedGrid
 
 
-def gptq(weight: torch.Tensor, hessian: torch.Tensor | list[torch.Tensor], grid: FixedGrid, perc_damp: float = 0.01,
-         block_size: int = 128, act_order: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def gptq(weight: torch.Tensor, hessian: torch.Tensor | list[torch.Tensor], grid: FixedGrid | Callable[[], FixedGrid],
+         perc_damp: float = 0.01, block_size: int = 128, act_order: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(quantized weights, compensated weights) of `weight` [groups, rows, columns] (float32) under
     `hessian` [groups, columns, columns] (any float dtype; factored in float64), each group on its
     own; given as [H], H is consumed (the list emptied, a float64 H damped and factored in its own
     memory: one 128 MiB copy less at width 4096). The compensated weights are each column's values
     when its turn came (after the errors of earlier columns reached it): rounding them to nearest on
     `grid` gives the quantized ones. `perc_damp` of the mean diagonal is added to the diagonal;
-    `act_order` rounds the columns of largest curvature first (then in that order within each group)."""
+    `act_order` rounds the columns of largest curvature first (then in that order within each group).
+    `grid` may be a function making it, called once the Hessian is factored (a grid holds tensors shaped
+    like the weight, which then never sit beside the float64 matrices)."""
     upper, order = _factor(hessian, perc_damp, act_order)
+    grid = grid() if callable(grid) else grid
 
     def permuted(t: torch.Tensor) -> torch.Tensor:
         return t if order is None else t.gather(2, order[:, None, :].expand_as(t))

@@ -6,11 +6,9 @@ float32 precision a run holds while it tunes."""
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import functools
 import logging
 import os
-import platform
 import re
 from collections.abc import Iterator
 
@@ -18,6 +16,7 @@ import torch
 from lightning.fabric.utilities.seed import seed_everything
 
 from finetune.config import DEVICE_HELP, DEVICE_PATTERN
+from finetune.host_memory import glibc, release_freed_host_memory
 
 
 def resolve_device(name: str) -> torch.device:
@@ -82,14 +81,6 @@ logger = logging.getLogger(__name__)
 
 
 @functools.cache
-def _glibc() -> ctypes.CDLL | None:
-    """The C library where it is glibc (whose mallopt and malloc_trim the settings below use), else None."""
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-        return None
-    return ctypes.CDLL("libc.so.6")
-
-
-@functools.cache
 def keep_freed_host_memory() -> bool:
     """Let glibc keep freed memory for reuse instead of handing it back to the system after each
     step (once per process; False where the C library is not glibc). A CPU step allocates and frees
@@ -97,7 +88,7 @@ def keep_freed_host_memory() -> bool:
     faults: on the text recogniser that was 4-7x more faults and about 10 s per run (8 % of a run at
     20-60 iterations per unit, noise at 300).
     The process's memory then falls back only when a run ends (see `host_memory_kept`)."""
-    libc = _glibc()
+    libc = glibc()
     if libc is None:
         return False
     if not all(libc.mallopt(parameter, value) for parameter, value in HOST_MEMORY_SETTINGS.items()):
@@ -105,15 +96,6 @@ def keep_freed_host_memory() -> bool:
         return False
     logger.info("host memory: glibc keeps up to 1 GiB of freed memory for reuse (mallopt)")
     return True
-
-
-def release_freed_host_memory() -> None:
-    """Hand the freed memory glibc holds back to the system (malloc_trim; nothing elsewhere), after work
-    whose many temporaries of up to 32 MiB, freed among smaller live blocks, stay in the heap: lifting
-    a 2.5 GB model of codes kept 0.98 GiB so. Milliseconds; the next allocations fault their pages in again."""
-    libc = _glibc()
-    if libc is not None:
-        libc.malloc_trim(0)
 
 
 @contextlib.contextmanager

@@ -19,6 +19,7 @@ from finetune.calibrate import CalibrationData
 from finetune.config import FastFinetune, to_dict
 from finetune.export import export_model
 from finetune.formats.compiled import compiled_kernels, resolve_compile
+from finetune.host_memory import HEAP_SLACK, release_freed_host_memory
 from finetune.lift import FakeQuantize, LiftedModule, check_lifted, lift_model
 from finetune.lift.params import fold_computed_weights
 from finetune.notices import Warnings
@@ -33,7 +34,7 @@ from .data.shards import sum_across
 from .data.sharing import SharedWeights, coded_float_names, float_weights
 from .data.smoothing import carry_smoothing
 from .data.streams import FloatStream, QuantizedStream, cache_inputs
-from .device import deterministic, device_name, host_memory_kept, release_freed_host_memory
+from .device import deterministic, device_name, host_memory_kept
 from .methods import Method, run_methods
 from .results import UnitResult
 from .threads import ThreadPolicy, thread_policy
@@ -200,6 +201,7 @@ def _tune_units(run: _Run, job: Job, fabric: Fabric, cache: ActivationCache, sou
             if sharing is not None:
                 sharing.after_unit(k, starts)
             stream.after(k)
+            release_freed_host_memory(at_least=HEAP_SLACK)
     checked = guard.check(run.warnings) if guard is not None else None
     if guard is not None:
         guard.release(cache)

@@ -6,6 +6,7 @@ loads; the resume fingerprint is the in-proto run's; the report carries the peak
 from __future__ import annotations
 
 import json
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -184,20 +185,24 @@ def test_quantize_and_finetune_hands_a_large_model_over_as_a_file(tmp_path: Path
 
 def test_the_quantized_models_bytes_lie_in_a_file_while_units_are_tuned(monkeypatch: pytest.MonkeyPatch) -> None:
     """From BY_FILE_BYTES on, the QDQ model's large tensors lie in a temporary file while the units are tuned
-    (they are read again only to be written) and are put back before the export: the tuned model is,
-    byte for byte, the one tuned with them in memory."""
+    (they are read again only to be written); before the export all come back but the tuned weights' codes,
+    which the export replaces whole: the tuned model is, byte for byte, the one tuned with them in memory."""
     qdq = quantize_model(stack(), "INT4_BLOCK32", None).model
     in_memory, _ = finetune_model(qdq, feeds(), SETTINGS["gptq"])
-    aside: list[tuple[int, int]] = []  # per run: (tensors pointing to the file, the largest bytes left in the proto)
+    calls: list[tuple[int, int, set[str]]] = []  # (tensors pointing to the file, the largest left in the proto, skipped)
     restore = finetune.recon.run.put_back
 
-    def spy(header: onnx.ModelProto, folder: Path) -> onnx.ModelProto:
+    def spy(header: onnx.ModelProto, folder: Path, skip: Collection[str] = ()) -> onnx.ModelProto:
         tensors = header.graph.initializer
-        aside.append((sum(t.data_location == onnx.TensorProto.EXTERNAL for t in tensors), max(t.ByteSize() for t in tensors)))
-        return restore(header, folder)
+        calls.append((sum(t.data_location == onnx.TensorProto.EXTERNAL for t in tensors), max(t.ByteSize() for t in tensors),
+                      set(skip)))
+        return restore(header, folder, skip)
 
     monkeypatch.setattr(finetune.recon.run, "put_back", spy)
     monkeypatch.setattr(finetune.onnx.io, "BY_FILE_BYTES", model_bytes(qdq))
     set_aside, _ = finetune_model(qdq, feeds(), SETTINGS["gptq"])
-    assert len(aside) == 1 and aside[0][0] >= 3 and aside[0][1] < 2 * INLINE_TENSOR_BYTES  # the three weights' codes, at least
+    assert len(calls) == 2
+    (aside, largest, skipped), (left, _, _) = calls
+    assert aside >= 3 and largest < 2 * INLINE_TENSOR_BYTES  # the three weights' codes, at least, were in the file
+    assert len(skipped) == 3 and left == 0  # the tuned codes were not read back: the export wrote them
     assert set_aside.SerializeToString() == in_memory.SerializeToString()

@@ -10,7 +10,7 @@ import math
 import os
 import re
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 import numpy as np
@@ -227,12 +227,14 @@ def set_aside(model: onnx.ModelProto, folder: Path) -> onnx.ModelProto:
         return external_header(model, SET_ASIDE, data.write)
 
 
-def put_back(header: onnx.ModelProto, folder: Path) -> onnx.ModelProto:
-    """set_aside's header with its tensors' bytes read back from `folder`, in place: the model as it was."""
+def put_back(header: onnx.ModelProto, folder: Path, skip: Collection[str] = ()) -> onnx.ModelProto:
+    """set_aside's header with its tensors' bytes read back from `folder`, in place: the model as it was
+    (a data_location of DEFAULT left unset, which means the same). Tensors named in `skip` stay references
+    for now (the caller replaces them whole, or puts them back later)."""
     with open(folder / SET_ASIDE, "rb") as data:
         for tensor in header.graph.initializer:
             place = {entry.key: entry.value for entry in tensor.external_data}
-            if tensor.data_location != onnx.TensorProto.EXTERNAL or place.get("location") != SET_ASIDE:
+            if tensor.data_location != onnx.TensorProto.EXTERNAL or place.get("location") != SET_ASIDE or tensor.name in skip:
                 continue
             data.seek(int(place["offset"]))
             tensor.raw_data = data.read(int(place["length"]))

@@ -90,23 +90,35 @@ def _tune_and_export(fabric: Fabric, job: Job, sources: dict[str, str | None],
     config, device = job.config, fabric.device
     run = _prepare(job)
     release_freed_host_memory()  # the lifts' temporaries
-    with (deterministic(config.seed, config.deterministic, config.allow_tf32, device), host_memory_kept(device),
-          ActivationCache(config.cache_budget_bytes) as cache, tempfile.TemporaryDirectory(prefix="finetune-aside-") as aside,
-          compiled_kernels(resolve_compile(config.compile, device.type), max(1, config.iterations)) as kernels):
-        tuner, timing = _tune_units(run, job, fabric, cache, sources, threads, Path(aside))
-        if (Path(aside) / SET_ASIDE).exists():
-            job.original = put_back(job.original, Path(aside))
-        cache_stats = {"peak_bytes_in_memory": cache.peak_in_memory, "peak_bytes_on_disk": cache.peak_on_disk,
-                       "spilled_arrays": cache.spilled}
-    report = _report(config, device, run.reference is run.module, tuner, [*run.warnings, *tuner.warnings], timing, cache_stats)
-    report["kernels"] = kernels.summary()
-    report["threads"] = threads.summary() if threads is not None else None
-    for method in run.methods:
-        report.update(method.report(run.module, run.units))
-    if not fabric.is_global_zero:
-        return None, report
-    run.module.cpu()
-    return export_model(run.module, job.original, job.attach_ops, job.bf16_as_cast, in_place=True), report  # the job's own copy
+    with tempfile.TemporaryDirectory(prefix="finetune-aside-") as folder:
+        with (deterministic(config.seed, config.deterministic, config.allow_tf32, device), host_memory_kept(device),
+              ActivationCache(config.cache_budget_bytes) as cache,
+              compiled_kernels(resolve_compile(config.compile, device.type), max(1, config.iterations)) as kernels):
+            tuner, timing = _tune_units(run, job, fabric, cache, sources, threads, Path(folder))
+            cache_stats = {"peak_bytes_in_memory": cache.peak_in_memory, "peak_bytes_on_disk": cache.peak_on_disk,
+                           "spilled_arrays": cache.spilled}
+        report = _report(config, device, run.reference is run.module, tuner, [*run.warnings, *tuner.warnings], timing,
+                         cache_stats)
+        report["kernels"] = kernels.summary()
+        report["threads"] = threads.summary() if threads is not None else None
+        for method in run.methods:
+            report.update(method.report(run.module, run.units))
+        if not fabric.is_global_zero:
+            return None, report
+        run.module.cpu()
+        return _export(run, job, Path(folder)), report
+
+
+def _export(run: _Run, job: Job, aside: Path) -> onnx.ModelProto:
+    """The tuned model, written into the job's own copy of the QDQ model. Where its tensors were set aside,
+    they come back from `aside` but the tuned ones, which the export replaces whole (their old codes would
+    be read only to be dropped: 0.29 GiB at 2.5 GB), and then any it did not replace."""
+    if not (aside / SET_ASIDE).exists():
+        return export_model(run.module, job.original, job.attach_ops, job.bf16_as_cast, in_place=True)
+    tuned = {source.initializer for source in run.module.finetune_params.values()}
+    model = export_model(run.module, put_back(job.original, aside, skip=tuned), job.attach_ops, job.bf16_as_cast,
+                         in_place=True)
+    return put_back(model, aside)
 
 
 def _prepare(job: Job) -> _Run:

@@ -218,6 +218,11 @@ def test_ops_without_a_deterministic_cuda_kernel_are_found_before_any_work(tmp_p
     with caplog.at_level(logging.INFO, logger="finetune.recon.audit"):
         finetune_model(quantized, feeds, FastFinetune(iterations=2, unit="block"))
     assert "on CUDA with deterministic: true this run would stop: /block/block: linear Resize's gradient" in caplog.text
+    assert nondeterministic_on_cuda(module, units, cut(module, units), [torch.from_numpy(feeds[0]["x"])], backward=False) == {}
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="finetune.recon.audit"):  # GPTQ differentiates nothing: nothing to say
+        finetune_model(quantized, feeds, FastFinetune(algorithm="gptq", unit="block"))
+    assert "this run would stop" not in caplog.text
     cnn = lift_model(quantized_model(digits["cnn"], "XINT8", digits["feeds"]))
     cnn_units = find_units(cnn, ("Conv", "Gemm"), unit="block")
     assert nondeterministic_on_cuda(cnn, cnn_units, cut(cnn, cnn_units), [torch.from_numpy(digits["feeds"][0]["x"])]) == {}
@@ -231,9 +236,9 @@ def test_the_audit_holds_one_units_gradients_at_a_time(digits: dict, monkeypatch
     left: list[int] = []
     step = audit._step_ops
 
-    def recording(train: torch.nn.Module, inputs: list[torch.Tensor]) -> set[str]:
+    def recording(train: torch.nn.Module, inputs: list[torch.Tensor], backward: bool) -> set[str]:
         left.append(sum(p.grad is not None for p in cnn.parameters()))
-        return step(train, inputs)
+        return step(train, inputs, backward)
 
     monkeypatch.setattr(audit, "_step_ops", recording)
     nondeterministic_on_cuda(cnn, units, cut(cnn, units), [torch.from_numpy(digits["feeds"][0]["x"])])

@@ -59,18 +59,20 @@ class _OpNames(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def nondeterministic_on_cuda(module: LiftedModule, units: list[Unit], plan: Plan, sample: list[torch.Tensor]) -> dict[str, list[str]]:
+def nondeterministic_on_cuda(module: LiftedModule, units: list[Unit], plan: Plan, sample: list[torch.Tensor],
+                             backward: bool = True) -> dict[str, list[str]]:
     """For each unit whose step would call an op without a deterministic CUDA kernel, those ops (as
     users know them), by unit name. The quantized values of one sample are pushed through the plan's
-    segments as the streams push the calibration set, each unit's module runs forward and backward
-    on them, and the gradients it leaves are cleared before the next unit runs (one unit's at a time: all
-    of them were a copy of every weight, 2.3 GiB at 2.5 GB of weights)."""
+    segments as the streams push the calibration set, each unit's module runs forward and (`backward`:
+    where the run optimises; GPTQ never does) backward on them, and the gradients it leaves are cleared
+    before the next unit runs (one unit's at a time: all of them were a copy of every weight, 2.3 GiB at
+    2.5 GB of weights)."""
     placeholders = [n.name for n in module.graph.nodes if n.op == "placeholder"]
     values = dict(zip(placeholders, sample))
     found: dict[str, list[str]] = {}
     for k, unit in enumerate(units):
         _run(plan.gaps[k], values)
-        names = _step_ops(plan.train[k], [values[unit.input], *(values[side.name] for side in unit.side_inputs)])
+        names = _step_ops(plan.train[k], [values[unit.input], *(values[side.name] for side in unit.side_inputs)], backward)
         ops = sorted({NONDETERMINISTIC_ON_CUDA[name] for name in names if name in NONDETERMINISTIC_ON_CUDA})
         if ops:
             found[unit.name] = ops
@@ -87,9 +89,9 @@ def _run(segment: Segment, values: dict[str, Any]) -> None:
         values.update(zip(segment.outputs, segment.module(*(values[name] for name in segment.inputs))))
 
 
-def _step_ops(train: torch.nn.Module, inputs: list[Any]) -> set[str]:
-    """The aten ops one forward and backward of a unit's module call."""
-    with _OpNames() as seen:
+def _step_ops(train: torch.nn.Module, inputs: list[Any], backward: bool) -> set[str]:
+    """The aten ops one forward (and `backward`, one backward) of a unit's module call."""
+    with _OpNames() as seen, torch.set_grad_enabled(backward):
         outputs = train(*inputs)
         floats = [o for o in outputs if isinstance(o, torch.Tensor) and o.is_floating_point() and o.requires_grad]
         if floats:

@@ -227,7 +227,8 @@ def _check_before_any_work(run: _Run, job: Job, plan: Plan, sample: list[torch.T
     CUDA kernel where a CUDA run asks for determinism (see audit)."""
     check_lifted(job.original, run.module, sample)
     with compiled_kernels(False):
-        found = nondeterministic_on_cuda(run.module, run.units, plan, sample)
+        backward = run.methods[0].optimising()  # type: ignore[attr-defined]  (the first method is the algorithm)
+        found = nondeterministic_on_cuda(run.module, run.units, plan, sample, backward)
     refuse_nondeterministic(found, device, job.config.deterministic, run.warnings.add)
 
 

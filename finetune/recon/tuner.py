@@ -143,7 +143,7 @@ class Tuner:
             raise ValueError(f"unit {k + 1}/{len(self.units)} {unit.name}: its reconstruction loss before tuning is "
                              f"{before.training}, so its weights, its quantized inputs or its float targets hold NaN or Inf; "
                              "check the model's weights and the calibration data")
-        optimising = self.methods[0].optimises and self.config.iterations > 0
+        optimising = self.methods[0].optimising()  # type: ignore[attr-defined]  (the first is the algorithm)
         return UnitWork(k, unit, self.units, module, data, fabric, self.held_out, held, self.warnings, starts, measure, before,
                         optimising)
 

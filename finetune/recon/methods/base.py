@@ -150,6 +150,10 @@ class Algorithm(Method):
     trains_unquantized: ClassVar[bool] = True
     gptq_start: ClassVar[str] = "quantized"  # GPTQ's weights it starts from (gptq_init): quantized or compensated
 
+    def optimising(self) -> bool:
+        """Whether its units run the optimisation loop (so backward passes), with the run's iterations."""
+        return self.optimises and self.config.iterations > 0
+
     def default_lr(self, specs: list[FormatSpec | None]) -> float:
         """The lowest default rate (DEFAULT_LR) of the formats of the unit's weights it trains (None:
         a weight left float; a block's layers may differ)."""

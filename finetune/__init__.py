@@ -7,7 +7,7 @@ its own modules and those of lower layers, which tests/test_layout.py checks."""
 __version__ = "0.1.0"
 
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("files", "notices", "formats"),  # leaves: atomic writes, the notices of summaries, the numerics
+    ("files", "notices", "formats", "host_memory"),  # leaves: atomic writes, the notices of summaries, the numerics, freed heap
     ("onnx",),
     ("calibrate",),
     ("config",),

@@ -172,9 +172,7 @@ def _tune_units(run: _Run, job: Job, fabric: Fabric, cache: ActivationCache, sou
     _check_before_any_work(run, job, plan, sample, device)
     if threads is not None:
         threads.begin(module, units, sample, config.batch_size)
-    if goes_by_file(job.original):  # read again only to be written (see _tune_and_export)
-        job.original = set_aside(job.original, aside)
-    release_freed_host_memory()  # the checks' temporaries (onnxruntime's among them)
+    _hold_less(job, aside)
     samples = int(sum_across(fabric, [inputs[0].rows])[0])
     if samples < config.batch_size:
         run.warnings.add("fast_finetune.batch_size", f"{config.batch_size} is more than the {samples} calibration samples: "
@@ -219,6 +217,15 @@ def _tune_units(run: _Run, job: Job, fabric: Fabric, cache: ActivationCache, sou
         guard.release(cache)
     return tuner, {"float_pass_seconds": floats.seconds, "quantized_stream_seconds": stream.seconds, "samples": samples,
                    "held_out": checked, "weights_held_once": sharing.summary() if sharing is not None else None}
+
+
+def _hold_less(job: Job, aside: Path) -> None:
+    """Once the checks have read it, a QDQ model of BY_FILE_BYTES or more keeps its tensors' bytes in
+    `aside` (read again only to be written: see _export); the checks' freed temporaries (onnxruntime's
+    among them) go back to the system."""
+    if goes_by_file(job.original):
+        job.original = set_aside(job.original, aside)
+    release_freed_host_memory()
 
 
 def _check_before_any_work(run: _Run, job: Job, plan: Plan, sample: list[torch.Tensor], device: torch.device) -> None:

@@ -13,6 +13,11 @@ import platform
 # (0.8 GiB by the first units of a 2.5 GB model); a small model's never add up to this.
 HEAP_SLACK = 1 << 28
 
+# Weights from which a tuning run hands free heap back after each unit: there the heap's growth is a large
+# share of the machine (0.8 GiB at 2.5 GB); a smaller model's units keep glibc's reuse, their steps' pages
+# faulted in once (recon.device's mallopt).
+LARGE_RUN_BYTES = 1 << 30
+
 
 class _MallocInfo(ctypes.Structure):
     """glibc's struct mallinfo2 (2.33 and later)."""

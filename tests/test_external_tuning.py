@@ -21,6 +21,7 @@ import finetune.recon
 import finetune.recon.run
 from finetune.cli import main
 from finetune.config import FastFinetune
+from finetune.host_memory import HEAP_SLACK
 from finetune.lift import LiftError, check_liftable, lift_model, unliftable_ops
 from finetune.onnx.io import INLINE_TENSOR_BYTES, has_external_data, load_model, model_bytes, model_digest, save_model_atomic
 from finetune.onnx.session import inference_session
@@ -206,3 +207,17 @@ def test_the_quantized_models_bytes_lie_in_a_file_while_units_are_tuned(monkeypa
     assert aside >= 3 and largest < 2 * INLINE_TENSOR_BYTES  # the three weights' codes, at least, were in the file
     assert len(skipped) == 3 and left == 0  # the tuned codes were not read back: the export wrote them
     assert set_aside.SerializeToString() == in_memory.SerializeToString()
+
+
+@pytest.mark.parametrize("large", [False, True])
+def test_free_heap_goes_back_after_the_preparation_and_after_each_unit_of_a_large_run(monkeypatch: pytest.MonkeyPatch,
+                                                                                      large: bool) -> None:
+    """After the lifts and after the checks always; after each unit only from LARGE_RUN_BYTES of weights on
+    (a smaller model's units keep glibc's reuse), and then where the heap holds HEAP_SLACK free."""
+    qdq = quantize_model(stack(), "INT4_BLOCK32", None).model
+    asked: list[int] = []
+    monkeypatch.setattr(finetune.recon.run, "release_freed_host_memory", lambda at_least=0: asked.append(at_least))
+    if large:
+        monkeypatch.setattr(finetune.recon.run, "LARGE_RUN_BYTES", 1)
+    finetune_model(qdq, feeds(), SETTINGS["gptq"])
+    assert asked == [0, 0, *([HEAP_SLACK] * 3 if large else [])]

@@ -19,7 +19,7 @@ from finetune.calibrate import CalibrationData
 from finetune.config import FastFinetune, to_dict
 from finetune.export import export_model
 from finetune.formats.compiled import compiled_kernels, resolve_compile
-from finetune.host_memory import HEAP_SLACK, release_freed_host_memory
+from finetune.host_memory import HEAP_SLACK, LARGE_RUN_BYTES, release_freed_host_memory
 from finetune.lift import FakeQuantize, LiftedModule, check_lifted, lift_model
 from finetune.lift.params import fold_computed_weights
 from finetune.notices import Warnings
@@ -172,7 +172,7 @@ def _tune_units(run: _Run, job: Job, fabric: Fabric, cache: ActivationCache, sou
     _check_before_any_work(run, job, plan, sample, device)
     if threads is not None:
         threads.begin(module, units, sample, config.batch_size)
-    _hold_less(job, aside)
+    trims = _hold_less(job, aside, module)
     samples = int(sum_across(fabric, [inputs[0].rows])[0])
     if samples < config.batch_size:
         run.warnings.add("fast_finetune.batch_size", f"{config.batch_size} is more than the {samples} calibration samples: "
@@ -211,7 +211,8 @@ def _tune_units(run: _Run, job: Job, fabric: Fabric, cache: ActivationCache, sou
             if sharing is not None:
                 sharing.after_unit(k, starts)
             stream.after(k)
-            release_freed_host_memory(at_least=HEAP_SLACK)
+            if trims:
+                release_freed_host_memory(at_least=HEAP_SLACK)
     checked = guard.check(run.warnings) if guard is not None else None
     if guard is not None:
         guard.release(cache)
@@ -219,13 +220,14 @@ def _tune_units(run: _Run, job: Job, fabric: Fabric, cache: ActivationCache, sou
                    "held_out": checked, "weights_held_once": sharing.summary() if sharing is not None else None}
 
 
-def _hold_less(job: Job, aside: Path) -> None:
+def _hold_less(job: Job, aside: Path, module: LiftedModule) -> bool:
     """Once the checks have read it, a QDQ model of BY_FILE_BYTES or more keeps its tensors' bytes in
     `aside` (read again only to be written: see _export); the checks' freed temporaries (onnxruntime's
-    among them) go back to the system."""
+    among them) go back to the system. Whether free heap goes back after each unit too (LARGE_RUN_BYTES)."""
     if goes_by_file(job.original):
         job.original = set_aside(job.original, aside)
     release_freed_host_memory()
+    return sum(p.numel() * p.element_size() for p in module.parameters()) >= LARGE_RUN_BYTES
 
 
 def _check_before_any_work(run: _Run, job: Job, plan: Plan, sample: list[torch.Tensor], device: torch.device) -> None:

@@ -174,13 +174,7 @@ def _tune_units(run: _Run, job: Job, fabric: Fabric, cache: ActivationCache, sou
         threads.begin(module, units, sample, config.batch_size)
     trims = _hold_less(job, aside, module)
     samples = int(sum_across(fabric, [inputs[0].rows])[0])
-    if samples < config.batch_size:
-        run.warnings.add("fast_finetune.batch_size", f"{config.batch_size} is more than the {samples} calibration samples: "
-                         f"every training batch holds all {samples} (lower batch_size, or give more data)", "config")
-    if config.pieces % fabric.world_size:
-        run.warnings.add("fast_finetune.gradient_pieces", f"{config.pieces} is not a multiple of the {fabric.world_size} "
-                         f"processes: their steps are no one-process run's bit for bit (leave it auto, or set a multiple "
-                         f"of {fabric.world_size}, to compare with a one-process run of that many pieces)", "config")
+    _settings_warnings(run.warnings, config, fabric, samples)
     module.to(device)
     reference.to(device)
     held_out, guard = hold_out(module, reference, units, inputs, config, fabric, run.warnings)
@@ -218,6 +212,17 @@ def _tune_units(run: _Run, job: Job, fabric: Fabric, cache: ActivationCache, sou
         guard.release(cache)
     return tuner, {"float_pass_seconds": floats.seconds, "quantized_stream_seconds": stream.seconds, "samples": samples,
                    "held_out": checked, "weights_held_once": sharing.summary() if sharing is not None else None}
+
+
+def _settings_warnings(warnings: Warnings, config: FastFinetune, fabric: Fabric, samples: int) -> None:
+    """Warnings about settings that the data or the processes let the run honour only in part (it goes on)."""
+    if samples < config.batch_size:
+        warnings.add("fast_finetune.batch_size", f"{config.batch_size} is more than the {samples} calibration samples: "
+                     f"every training batch holds all {samples} (lower batch_size, or give more data)", "config")
+    if config.pieces % fabric.world_size:
+        warnings.add("fast_finetune.gradient_pieces", f"{config.pieces} is not a multiple of the {fabric.world_size} "
+                     f"processes: their steps are no one-process run's bit for bit (leave it auto, or set a multiple "
+                     f"of {fabric.world_size}, to compare with a one-process run of that many pieces)", "config")
 
 
 def _hold_less(job: Job, aside: Path, module: LiftedModule) -> bool:

@@ -231,15 +231,13 @@ def put_back(header: onnx.ModelProto, folder: Path, skip: Collection[str] = ()) 
     """set_aside's header with its tensors' bytes read back from `folder`, in place: the model as it was
     (a data_location of DEFAULT left unset, which means the same). Tensors named in `skip` stay references
     for now (the caller replaces them whole, or puts them back later)."""
-    with open(folder / SET_ASIDE, "rb") as data:
-        for tensor in header.graph.initializer:
-            place = {entry.key: entry.value for entry in tensor.external_data}
-            if tensor.data_location != onnx.TensorProto.EXTERNAL or place.get("location") != SET_ASIDE or tensor.name in skip:
-                continue
-            data.seek(int(place["offset"]))
-            tensor.raw_data = data.read(int(place["length"]))
-            tensor.ClearField("external_data")
-            tensor.ClearField("data_location")
+    for tensor in header.graph.initializer:
+        place = {entry.key: entry.value for entry in tensor.external_data}
+        if tensor.data_location != onnx.TensorProto.EXTERNAL or place.get("location") != SET_ASIDE or tensor.name in skip:
+            continue
+        external_data_helper.load_external_data_for_tensor(tensor, str(folder))
+        tensor.ClearField("external_data")
+        tensor.ClearField("data_location")
     return header
 
 

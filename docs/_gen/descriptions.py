@@ -157,6 +157,7 @@ QUARK_NOTES: dict[str, str] = {
     "optimize_model": "default of `FoldBatchNorm` (Quark's default: true); onnxruntime's other graph rewrites are not run, as finetune keeps the float graph op by op",
     "FoldBatchNorm": "`fold_batch_norm` (default: optimize_model, itself true by default)",
     "include_sq": "`smooth_quant: {alpha: SmoothAlpha}` (MatMul, Gemm and Conv inputs)",
+    "include_rotation": "`rotation: {}` (a randomised Hadamard rotation of a decoder's residual stream, folded into its weights)",
     "specific_tensor_precision": "turns `MixedPrecisionTensor` on",
     "enable_npu_cnn": "`npu_cnn: true`; needs a PowerOfTwoMethod",
     "enable_dpu": "former name of enable_npu_cnn",

@@ -16,6 +16,7 @@ Schema (YAML keys are the dataclass field names; `preset:` is the one extra key,
     dual_quant: false
     fold_batch_norm: true  # fold each BatchNormalization into the Conv/Gemm before it (onnx.batchnorm)
     cross_layer_equalization: false  # rescale Conv pairs to equal channel ranges before quantizing
+    rotation: null         # or {kind: hadamard, seed: 0}: QuaRot-style rotation of a decoder's residual stream (config.smooth)
     smooth_quant: null     # or {alpha: 0.5}: SmoothQuant of MatMul/Gemm/Conv inputs before quantizing (config.smooth)
     awq: null              # or {grid: 20}: AWQ-style activation-aware scaling of MatMul/Gemm inputs (config.smooth); not with smooth_quant
     weight_storage: float  # float | compact | matmul_nbits (compact, then 4-bit MatMul weights as MatMulNBits)
@@ -38,7 +39,7 @@ from .finetune import FastFinetune
 from .formats import ALL, DEFAULT_OP_TYPES, Bias, FormatChoice, NodeFormats, Override, resolve_bias
 from .npu import NPU_CNN_OP_TYPES, check_npu_cnn
 from .schema import ConfigError, Section, join_path
-from .smooth import AWQ, SmoothQuant
+from .smooth import AWQ, Rotation, SmoothQuant
 
 PER_LAUNCH_STRATEGIES = ("ddp_spawn", "ddp_fork", "ddp_notebook")  # Fabric starts their processes at each launch
 
@@ -61,6 +62,7 @@ class QuantConfig(Section):
     dual_quant: bool = False
     fold_batch_norm: bool = True
     cross_layer_equalization: bool = False
+    rotation: Rotation | None = None
     smooth_quant: SmoothQuant | None = None
     awq: AWQ | None = None
     weight_storage: Literal["float", "compact", "matmul_nbits"] = "float"

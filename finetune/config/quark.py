@@ -151,6 +151,7 @@ class _Translation:
             "dual_quant": self.attempt(self.dual_quant, False),
             "fold_batch_norm": self.attempt(self.fold_batch_norm, True),
             "cross_layer_equalization": self.attempt(self.cross_layer_equalization, False),
+            "rotation": self.attempt(self.rotation, None),
             "smooth_quant": self.attempt(self.smooth_quant, None),
             "weight_storage": self.attempt(self.weight_storage, "float") if nbits is None else "matmul_nbits",
             "bf16_as_cast": self.attempt(self.flag, False, "BF16QDQToCast", False),
@@ -349,6 +350,14 @@ class _Translation:
         self.origins["smooth_quant"] = "include_sq"
         self.origins["smooth_quant.alpha"] = "extra_options.SmoothAlpha"
         return {"alpha": self.extra.get("SmoothAlpha", DEFAULT_ALPHA)}
+
+    def rotation(self) -> dict[str, Any] | None:
+        """include_rotation runs finetune's rotation of the residual stream (a randomised Hadamard
+        matrix, seed 0)."""
+        if not self.flag("include_rotation", False):
+            return None
+        self.origins["rotation"] = "include_rotation"
+        return {}
 
     def switched_on(self, flag: str, path: str, given: bool) -> bool:
         """Whether the include_* `flag` is on; options given for it while it is off have no effect,

@@ -59,7 +59,7 @@ QUANT_FORMATS: dict[str, str | None] = {
 TOP_MAPPED = (
     "quant_format", "calibrate_method", "activation_type", "weight_type", "op_types_to_quantize",
     "extra_op_types_to_quantize", "nodes_to_exclude", "per_channel", "include_fast_ft", "include_auto_mp",
-    "include_cle", "include_sq", "specific_tensor_precision", "enable_npu_cnn", "enable_dpu", "extra_options",
+    "include_cle", "include_sq", "include_rotation", "specific_tensor_precision", "enable_npu_cnn", "enable_dpu", "extra_options",
     "optimize_model",
 )
 TOP_NO_EFFECT = (
@@ -77,7 +77,7 @@ TOP_ACCEPTED_ONLY: dict[str, tuple[Any, ...]] = {
     **dict.fromkeys(
         (
             "reduce_range", "use_dynamic_quant", "enable_npu_transformer", "convert_fp16_to_fp32", "convert_nchw_to_nhwc",
-            "include_rotation", "crypto_mode",
+            "crypto_mode",
         ),
         _OFF,
     ),

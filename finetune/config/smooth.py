@@ -1,11 +1,13 @@
-"""The smooth_quant and awq sections of a config: SmoothQuant (AMD Quark's include_sq with
-SmoothAlpha) and AWQ-style activation-aware scaling, both run by the quantizer before it plans
-(finetune.quantize.smooth, finetune.quantize.awq); a config takes one of them."""
+"""The sections that rewrite a float graph before it is quantized: rotation (QuaRot-style, AMD
+Quark's include_rotation; finetune.onnx.rotate), then SmoothQuant (AMD Quark's include_sq with
+SmoothAlpha) or AWQ-style activation-aware scaling (finetune.quantize.smooth, finetune.quantize.awq);
+a config takes one of the last two."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Literal
 
 from .schema import ConfigError, Section
 
@@ -56,3 +58,15 @@ class AWQ(Section):
 
     def _check(self) -> None:
         check_op_types(self.op_types, AWQ_OP_TYPES)
+
+
+@dataclass(frozen=True)
+class Rotation(Section):
+    """Rotate the residual stream of a decoder (from its token table to its LM head) by one
+    orthogonal matrix folded into the weights, so that outlier channels of the activations the
+    layers read are spread over all channels (QuaRot's R1): a randomised Hadamard matrix (`kind:
+    hadamard`, where one of the stream's width is built here) or a random orthogonal one
+    (`random`), drawn from `seed`. The float graph computes the same function."""
+
+    kind: Literal["hadamard", "random"] = "hadamard"
+    seed: int = 0

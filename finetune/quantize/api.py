@@ -27,6 +27,7 @@ from .checks import check_plan
 from .insert import insert_qdq
 from .npu import align_eltwise_formats, align_scales
 from .plan import plan, upgrade_opset
+from .rotate import rotate_model
 from .smooth import smooth_model
 from .summary import summarize
 
@@ -67,6 +68,8 @@ def quantize_model(
         normalized, equalized = equalize_model(normalized, notices)
         changes += equalized
     rescaling = {}
+    if config.rotation is not None:  # first: smoothing and AWQ then fold into the rotated layers' norms
+        rescaling["rotation"] = rotate_model(normalized, config.rotation)
     if config.smooth_quant is not None:
         normalized, rescaling["smooth_quant"] = smooth_model(normalized, config, data, providers, notices)
     if config.awq is not None:  # the config refuses both

@@ -50,7 +50,7 @@ def summarize(
     """Tensors per format and role, model sizes (`bytes_before`: the input's), what normalisation (and equalisation) changed,
     the warnings ({"tensor" | "node" | "model" | "config": name, "reason": ...} each), with
     npu_cnn the scales and formats its alignments changed (finetune.quantize.npu) and with
-    smooth_quant or awq (`rescaling`, by section) what it did to each layer (finetune.quantize.smooth, .awq)."""
+    rotation, smooth_quant or awq (`rescaling`, by section) what it did to each layer (finetune.quantize.smooth, .awq)."""
     distinct = {(u.tensor, u.spec): u for u in with_producer_formats(uses)}.values()
     per_format = Counter((use.role, display_name(use.spec), format_attributes(use.spec)) for use in distinct)
     summary = {
@@ -86,6 +86,11 @@ def format_summary(summary: dict[str, Any]) -> str:
                  f"({after / before:.2f}x); {summary['seconds']:.2f} s; peak memory {summary['peak_rss_kib'] / 2**20:.2f} GiB")
     if "npu_cnn_alignments" in summary:
         lines.append(f"npu_cnn: {len(summary['npu_cnn_alignments'])} scale or format alignment(s)")
+    if "rotation" in summary:
+        rotation = summary["rotation"]
+        lines.append(f"rotation ({rotation['kind']}, seed {rotation['seed']}): residual stream of width {rotation['width']}, "
+                     f"{rotation['layers_reading']} layer(s) reading it, {rotation['layers_writing']} writing into it, "
+                     f"{rotation['gains_folded']} norm gain(s) folded")
     if "smooth_quant" in summary:
         smooth = summary["smooth_quant"]
         lines.append(_rescaling_line(f"smooth_quant (alpha {smooth['alpha']:g})", "smoothed", smooth))

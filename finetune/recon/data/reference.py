@@ -121,8 +121,8 @@ def differs(module: LiftedModule, layer: Layer, value: torch.Tensor, warnings: W
     if away and coded:
         raise ValueError(f"the float model's weight of {layer.name} does not quantize to the codes the quantized model stores "
                          f"({away} of {total} differ away from rounding ties): pass the float model it was quantized from "
-                         "(for a model quantized with fold_batch_norm, cross_layer_equalization or smooth_quant, the "
-                         "folded, equalised or smoothed one: QuantizeResult.float_model, or the <output>.float.onnx that "
+                         "(for a model quantized with fold_batch_norm, cross_layer_equalization, rotation or smooth_quant, "
+                         "the folded, equalised, rotated or smoothed one: QuantizeResult.float_model, or the <output>.float.onnx that "
                          "finetune quantize writes beside codes), or, where the quantizer changed "
                          "the weights itself (AMD Quark equalises Conv pairs), tune without a float model")
     if count and not away and coded:

@@ -1,0 +1,321 @@
+"""QuaRot-style rotation (Ashkboos et al., "QuaRot", 2024; its R1) of a float graph's residual stream,
+folded into the weights: every value of the stream x becomes x Q for one orthogonal Q (a randomised
+Hadamard matrix, finetune.onnx.hadamard), so an outlier channel is spread over all channels before
+the layers reading the stream quantize their inputs, while the graph computes the same function.
+
+The stream starts at the largest token table read by a Gather (table := table Q) and is followed
+through the graph: residual Adds (both operands in the stream; a constant operand is rotated too),
+products by a scalar or by a per-row value (an RMS norm's 1 / sqrt(mean(x^2) + eps), found by
+walking up to a reduction over the last axis with keepdims), layers writing into it (W := W Q, the
+bias too) and layers reading it (W := Q^T W). A norm's gain g (a Mul by a constant vector) does not
+commute with Q: it is folded into the layers reading the norm (W := diag(g) W) and set to ones, so a
+SmoothQuant or AWQ rescaling after the rotation still folds into it. The squares of the stream may
+only be reduced over the last axis (the norm's mean, which Q leaves as it is). Anything else that
+reads the stream (a LayerNormalization's mean, a model output, a subgraph) stops the rewrite with a
+one-line error that names the value and the node, before any weight changes."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from .domains import DEFAULT_DOMAINS
+from .graphs import node_reads, unique_name
+from .hadamard import rotation_matrix
+
+RIGHT, LEFT = "right", "left"  # a constant times Q along its last axis; Q^T times it along its first
+ROWS, COLUMNS = "rows:", "columns:"  # + a gain's name: a weight's rows (or a transposed weight's columns) times the gain
+_SHAPE_ONLY = ("Shape", "Size")
+_REDUCTIONS = ("ReduceMean", "ReduceSum")  # of the stream's squares over the last axis: Q keeps them
+_NORMS = ("ReduceL2", "ReduceSumSquare")  # of the stream itself over the last axis: Q keeps them too
+_PER_ROW_STEPS = ("Sqrt", "Reciprocal", "Neg", "Cast", "Add", "Sub", "Mul", "Div", "Pow")
+_FLOATS = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16)
+
+
+class RotationError(ValueError):
+    """The graph's stream cannot be rotated exactly: one line naming the value and node."""
+
+
+@dataclass
+class Plan:
+    """What rotating one stream does: `steps` per (node name, input index) of a constant, in order
+    (RIGHT, LEFT, or ROWS / COLUMNS and a gain's name), the norms' gains set to ones."""
+
+    width: int
+    table: str  # the Gather that starts the stream
+    stream: set[str] = field(default_factory=set)
+    steps: dict[tuple[str, int], list[str]] = field(default_factory=lambda: defaultdict(list))
+    gains: dict[tuple[str, int], str] = field(default_factory=dict)  # a norm's Mul input -> its gain (set to ones)
+    reading: list[str] = field(default_factory=list)  # the layers reading the stream (their weights: Q^T W)
+    writing: list[str] = field(default_factory=list)  # the layers writing into it (W Q)
+
+
+class _Walk:
+    """Follows one stream from its table's Gather, filling a Plan or raising RotationError."""
+
+    def __init__(self, graph: onnx.GraphProto, table: onnx.NodeProto, width: int) -> None:
+        self.graph, self.plan = graph, Plan(width, table.name)
+        self.tensors = {t.name: t for t in graph.initializer}
+        self.producers = {output: node for node in graph.node for output in node.output}
+        self.readers: dict[str, list[tuple[onnx.NodeProto, int]]] = defaultdict(list)
+        for node in graph.node:
+            for index, name in enumerate(node.input):
+                if name and not (node.op_type in _SHAPE_ONLY and node.domain in DEFAULT_DOMAINS):
+                    self.readers[name].append((node, index))
+            for name in node_reads(node)[len(node.input):]:  # a subgraph's reads of the stream cannot be rotated
+                self.readers[name].append((node, -1))
+        self.outputs = {o.name for o in graph.output}
+        self.pending: list[str] = []
+
+    def run(self, start: str) -> Plan:
+        self.mark(start)
+        while self.pending:
+            value = self.pending.pop()
+            if value in self.outputs:
+                raise RotationError(f"rotation: {value} (the residual stream) is a model output, which would come out rotated")
+            self.produce(value)
+            for node, index in self.readers[value]:
+                self.consume(value, node, index)
+        return self.plan
+
+    def mark(self, value: str) -> None:
+        if value not in self.plan.stream:
+            self.plan.stream.add(value)
+            self.pending.append(value)
+
+    def fail(self, value: str, node: onnx.NodeProto, why: str) -> RotationError:
+        return RotationError(f"rotation: {value} (the residual stream) meets {node.name or '(unnamed)'} ({node.op_type}), "
+                             f"{why}; remove `rotation` from the config")
+
+    def constant(self, name: str) -> onnx.TensorProto | None:
+        tensor = self.tensors.get(name)
+        return tensor if tensor is not None and tensor.data_type in _FLOATS else None
+
+    def size(self, name: str) -> int | None:
+        tensor = self.constant(name)
+        return None if tensor is None else int(np.prod(tensor.dims, dtype=np.int64))
+
+    def last_is_width(self, name: str) -> bool:
+        tensor = self.constant(name)
+        return tensor is not None and len(tensor.dims) >= 1 and tensor.dims[-1] == self.plan.width and \
+            int(np.prod(tensor.dims)) == self.plan.width
+
+    def produce(self, value: str) -> None:
+        """Make `value`'s producer compute it rotated (or check that it does, from rotated inputs)."""
+        node = self.producers.get(value)
+        if node is None:
+            raise RotationError(f"rotation: {value} (the residual stream) is a model input, which comes in unrotated")
+        if node.domain not in DEFAULT_DOMAINS:
+            raise self.fail(value, node, "a custom op")
+        kind = node.op_type
+        if kind == "Gather" and self.is_table(node):
+            self.plan.steps[(node.name, 0)].append(RIGHT)
+        elif kind in ("MatMul", "Gemm"):
+            self.layer_writes(value, node)
+        elif kind in ("Add", "Sub"):
+            self.both_in_stream(value, node)
+        elif kind in ("Mul", "Div"):
+            self.scaled(value, node)
+        elif kind == "Cast" and next((a.i for a in node.attribute if a.name == "to"), 0) in _FLOATS:
+            self.mark(node.input[0])
+        else:
+            raise self.fail(value, node, "which cannot compute it rotated")
+
+    def is_table(self, node: onnx.NodeProto) -> bool:
+        """A Gather of rows (axis 0) of a constant float [vocabulary, width] table."""
+        table = self.constant(node.input[0])
+        return table is not None and len(table.dims) == 2 and table.dims[1] == self.plan.width and \
+            not any(a.name == "axis" and a.i for a in node.attribute)
+
+    def layer_writes(self, value: str, node: onnx.NodeProto) -> None:
+        """A MatMul / Gemm writing into the stream: its weight's output channels (and bias) times Q."""
+        attributes = {a.name: a.i for a in node.attribute}
+        weight = self.constant(node.input[1])
+        if weight is None or len(weight.dims) != 2 or attributes.get("transA", 0):
+            raise self.fail(value, node, "whose weight is not a constant 2-D float matrix")
+        transposed = node.op_type == "Gemm" and attributes.get("transB", 0)
+        if (weight.dims[0] if transposed else weight.dims[1]) != self.plan.width:
+            raise self.fail(value, node, f"whose output is not {self.plan.width} wide")
+        self.plan.steps[(node.name, 1)].append(LEFT if transposed else RIGHT)
+        self.plan.writing.append(node.name)
+        if len(node.input) > 2 and node.input[2]:
+            if not self.last_is_width(node.input[2]):
+                raise self.fail(value, node, "whose bias is not one constant per output channel")
+            self.plan.steps[(node.name, 2)].append(RIGHT)
+
+    def both_in_stream(self, value: str, node: onnx.NodeProto) -> None:
+        """x + y (or x - y) is rotated where both are: a computed operand joins the stream, a
+        constant one (a bias of the stream's width) is rotated."""
+        for index, name in enumerate(node.input):
+            if name in self.tensors:
+                if not self.last_is_width(name):
+                    raise self.fail(value, node, f"whose constant {name} is not one value per channel (a scalar "
+                                    "added to every channel does not commute with a rotation)")
+                self.plan.steps[(node.name, index)].append(RIGHT)
+            else:
+                self.mark(name)
+
+    def scaled(self, value: str, node: onnx.NodeProto) -> None:
+        """x * c, x * r, x / c, x / r (c a scalar constant, r a value per row) are rotated where x is;
+        x * g (g a constant per channel: a norm's gain) where g is folded into every reader."""
+        first, second = node.input[0], node.input[1]
+        if node.op_type == "Div" or first in self.plan.stream:
+            rotated, other = first, second
+        elif second in self.plan.stream or first in self.tensors or self.per_row(first):
+            rotated, other = second, first
+        else:
+            rotated, other = first, second
+        if other in self.plan.stream:
+            raise self.fail(value, node, "which multiplies or divides two values of the stream")
+        self.mark(rotated)
+        if self.size(other) == 1 or (other not in self.tensors and self.per_row(other)):
+            return
+        if node.op_type == "Mul" and self.last_is_width(other):
+            self.fold_gain(value, node, list(node.input).index(other))
+            return
+        raise self.fail(value, node, f"which scales its channels by {other}, neither a scalar, a value per row nor a "
+                        "norm's gain that layers alone read")
+
+    def fold_gain(self, value: str, node: onnx.NodeProto, index: int) -> None:
+        """The norm's gain g into every layer reading g * x (their weights' rows times g); g set to ones."""
+        readers = self.readers[value]
+        layers = [(reader, k) for reader, k in readers if reader.op_type in ("MatMul", "Gemm") and k == 0
+                  and reader.domain in DEFAULT_DOMAINS]
+        if not readers or len(layers) != len(readers):
+            raise self.fail(value, node, "a norm's gain read by something other than layers, which cannot absorb it")
+        self.plan.gains[(node.name, index)] = node.input[index]
+        for layer, _ in layers:
+            transposed = layer.op_type == "Gemm" and any(a.name == "transB" and a.i for a in layer.attribute)
+            self.plan.steps[(layer.name, 1)].append(f"{COLUMNS if transposed else ROWS}{node.input[index]}")
+
+    def consume(self, value: str, node: onnx.NodeProto, index: int) -> None:
+        """Check one reader of a stream value, planning its weight's rotation or following its output."""
+        if index < 0 or node.domain not in DEFAULT_DOMAINS:
+            raise self.fail(value, node, "a subgraph or custom op that reads it")
+        kind = node.op_type
+        if kind in ("MatMul", "Gemm") and index == 0:
+            self.layer_reads(value, node)
+        elif kind == "Mul" and node.input[0] == node.input[1]:
+            self.squares_reduced(value, node)
+        elif kind in ("Add", "Sub", "Mul", "Div", "Cast"):
+            self.mark(node.output[0])
+        elif kind == "Pow" and index == 0 and self.is_two(node.input[1]):
+            self.squares_reduced(value, node)
+        elif kind in _NORMS and self.over_last_axis(node):
+            return
+        else:
+            raise self.fail(value, node, "which does not commute with a rotation of its last axis")
+
+    def layer_reads(self, value: str, node: onnx.NodeProto) -> None:
+        """A MatMul / Gemm reading the stream: Q^T W (a Gemm's transposed weight: W Q)."""
+        attributes = {a.name: a.i for a in node.attribute}
+        weight = self.constant(node.input[1])
+        if weight is None or len(weight.dims) != 2 or attributes.get("transA", 0):
+            raise self.fail(value, node, "whose weight is not a constant 2-D float matrix")
+        transposed = node.op_type == "Gemm" and attributes.get("transB", 0)
+        if (weight.dims[1] if transposed else weight.dims[0]) != self.plan.width:
+            raise self.fail(value, node, f"whose input is not {self.plan.width} wide")
+        self.plan.steps[(node.name, 1)].append(RIGHT if transposed else LEFT)
+        self.plan.reading.append(node.name)
+
+    def is_two(self, name: str) -> bool:
+        tensor = self.tensors.get(name)
+        return tensor is not None and numpy_helper.to_array(tensor).size == 1 and float(numpy_helper.to_array(tensor).reshape(-1)[0]) == 2.0
+
+    def squares_reduced(self, value: str, node: onnx.NodeProto) -> None:
+        """x^2 only reduced over the last axis (an RMS norm's mean square), which a rotation keeps."""
+        for reader, _ in self.readers[node.output[0]]:
+            if reader.op_type not in _REDUCTIONS or not self.over_last_axis(reader):
+                raise self.fail(value, reader, "which reads the stream's squares other than as a sum over the last axis")
+
+    def over_last_axis(self, node: onnx.NodeProto) -> bool:
+        """A reduction over the last axis alone (axes [-1]), keeping its dimension."""
+        attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        axes = attributes.get("axes")
+        if axes is None and len(node.input) > 1 and node.input[1] in self.tensors:
+            axes = numpy_helper.to_array(self.tensors[node.input[1]]).reshape(-1).tolist()
+        return node.domain in DEFAULT_DOMAINS and attributes.get("keepdims", 1) == 1 and list(axes or []) == [-1]
+
+    def per_row(self, name: str) -> bool:
+        """Whether `name` is one value per row: elementwise steps with scalar constants from a
+        reduction over the last axis with keepdims (an RMS norm's 1 / sqrt(mean(x^2) + eps))."""
+        while True:
+            node = self.producers.get(name)
+            if node is None or node.domain not in DEFAULT_DOMAINS:
+                return False
+            if node.op_type in (*_REDUCTIONS, *_NORMS):
+                return self.over_last_axis(node)
+            computed = [i for i in node.input if i and i not in self.tensors]
+            constants = [i for i in node.input if i in self.tensors]
+            if node.op_type not in _PER_ROW_STEPS or len(computed) != 1 or any(self.size(c) != 1 for c in constants):
+                return False
+            name = computed[0]
+
+
+def plan_rotation(graph: onnx.GraphProto) -> Plan:
+    """The rotation of the stream that starts at the largest token table a Gather reads (a constant
+    float [vocabulary, width] table, axis 0); the first table whose stream can be rotated wins."""
+    tensors = {t.name: t for t in graph.initializer}
+    tables = [node for node in graph.node if node.op_type == "Gather" and node.domain in DEFAULT_DOMAINS
+              and node.input[0] in tensors and len(tensors[node.input[0]].dims) == 2
+              and tensors[node.input[0]].data_type in _FLOATS and not any(a.name == "axis" and a.i for a in node.attribute)]
+    if not tables:
+        raise RotationError("rotation: no token table (a Gather of a constant float [vocabulary, width] table) starts a "
+                            "residual stream in this graph; remove `rotation` from the config")
+    tables.sort(key=lambda node: -int(np.prod(tensors[node.input[0]].dims)))
+    first_error = None
+    for table in tables:
+        try:
+            return _Walk(graph, table, int(tensors[table.input[0]].dims[1])).run(table.output[0])
+        except RotationError as error:
+            first_error = first_error or error
+    raise first_error
+
+
+def apply_rotation(graph: onnx.GraphProto, plan: Plan, rotation: np.ndarray) -> None:
+    """Rewrite the planned constants in place (float64 products, stored in their own type); a
+    constant that other readers share is copied first, so only the planned reads change."""
+    nodes = {node.name: node for node in graph.node}
+    tensors = {t.name: t for t in graph.initializer}
+    reads: dict[str, int] = defaultdict(int)
+    for node in graph.node:
+        for name in node_reads(node):
+            reads[name] += 1
+    outputs = {o.name for o in graph.output}
+    for (name, index), steps in [*plan.steps.items(), *((key, ["ones"]) for key in plan.gains)]:
+        node = nodes[name]
+        tensor = tensors[node.input[index]]
+        array = numpy_helper.to_array(tensor)
+        result = array.astype(np.float64)
+        for step in steps:
+            result = _step(result, step, rotation, tensors)
+        if reads[tensor.name] > 1 or tensor.name in outputs:
+            copy = unique_name(f"{tensor.name}_rotated", set(tensors))
+            reads[tensor.name] -= 1
+            tensors[copy] = tensor = graph.initializer.add()
+            tensor.name = node.input[index] = copy
+        tensor.CopyFrom(numpy_helper.from_array(result.astype(array.dtype), tensor.name))
+
+
+def _step(array: np.ndarray, step: str, rotation: np.ndarray, tensors: dict[str, onnx.TensorProto]) -> np.ndarray:
+    """One planned step on a constant: times Q along its last axis, Q^T times it along its first,
+    its rows times a gain (read before any gain is set to ones), or ones."""
+    if step == RIGHT:
+        return (array.reshape(-1, array.shape[-1]) @ rotation).reshape(array.shape)
+    if step == LEFT:
+        return rotation.T @ array
+    if step == "ones":
+        return np.ones_like(array)
+    gain = numpy_helper.to_array(tensors[step.split(":", 1)[1]]).astype(np.float64).reshape(-1)
+    return gain[:, None] * array if step.startswith(ROWS) else array * gain[None, :]
+
+
+def rotate_graph(graph: onnx.GraphProto, kind: str, seed: int) -> Plan:
+    """Rotate the graph's residual stream (see the module's docstring) in place; the plan says what was done."""
+    plan = plan_rotation(graph)
+    apply_rotation(graph, plan, rotation_matrix(plan.width, kind, seed))
+    return plan

@@ -192,3 +192,17 @@ def test_the_summary_says_what_was_rotated_and_quark_include_rotation_maps_to_th
     assert load_config({"include_rotation": False}).rotation is None
     with pytest.raises(ConfigError, match=r"^rotation.kind: "):
         load_config({"preset": "A8W8", "rotation": {"kind": "givens"}})
+
+
+def test_constants_rotated_by_pieces_are_those_rotated_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pieces of a few rows or columns (as an LM head of 128 k x 4096 is rotated) give the whole
+    product's values, within the rounding of sums over the width (BLAS may order a piece's sums otherwise)."""
+    import finetune.onnx.rotate as rotate
+
+    whole, pieces = tied_decoder(), tied_decoder()
+    rotate_graph(whole.graph, "hadamard", 0)
+    monkeypatch.setattr(rotate, "PIECE_ELEMENTS", 20)
+    rotate_graph(pieces.graph, "hadamard", 0)
+    for ours, theirs in zip(pieces.graph.initializer, whole.graph.initializer):
+        assert ours.name == theirs.name
+        np.testing.assert_allclose(numpy_helper.to_array(ours), numpy_helper.to_array(theirs), rtol=1e-6, atol=1e-6)

@@ -34,6 +34,7 @@ _REDUCTIONS = ("ReduceMean", "ReduceSum")  # of the stream's squares over the la
 _NORMS = ("ReduceL2", "ReduceSumSquare")  # of the stream itself over the last axis: Q keeps them too
 _PER_ROW_STEPS = ("Sqrt", "Reciprocal", "Neg", "Cast", "Add", "Sub", "Mul", "Div", "Pow")
 _FLOATS = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16)
+PIECE_ELEMENTS = 1 << 22  # the most elements of a constant rotated at once in float64 (32 MiB)
 
 
 class RotationError(ValueError):
@@ -277,8 +278,10 @@ def plan_rotation(graph: onnx.GraphProto) -> Plan:
 
 
 def apply_rotation(graph: onnx.GraphProto, plan: Plan, rotation: np.ndarray) -> None:
-    """Rewrite the planned constants in place (float64 products, stored in their own type); a
-    constant that other readers share is copied first, so only the planned reads change."""
+    """Rewrite the planned constants in place (each step's products in float64, a piece of at most
+    PIECE_ELEMENTS at a time, stored in the constant's own type: an LM head of 128 k x 4096 never
+    stands whole in float64); a constant that other readers share is copied first, so only the
+    planned reads change."""
     nodes = {node.name: node for node in graph.node}
     tensors = {t.name: t for t in graph.initializer}
     reads: dict[str, int] = defaultdict(int)
@@ -290,28 +293,37 @@ def apply_rotation(graph: onnx.GraphProto, plan: Plan, rotation: np.ndarray) -> 
         node = nodes[name]
         tensor = tensors[node.input[index]]
         array = numpy_helper.to_array(tensor)
-        result = array.astype(np.float64)
         for step in steps:
-            result = _step(result, step, rotation, tensors)
+            array = _step(array, step, rotation, tensors)
         if reads[tensor.name] > 1 or tensor.name in outputs:
             copy = unique_name(f"{tensor.name}_rotated", set(tensors))
             reads[tensor.name] -= 1
             tensors[copy] = tensor = graph.initializer.add()
             tensor.name = node.input[index] = copy
-        tensor.CopyFrom(numpy_helper.from_array(result.astype(array.dtype), tensor.name))
+        tensor.CopyFrom(numpy_helper.from_array(array, tensor.name))
 
 
 def _step(array: np.ndarray, step: str, rotation: np.ndarray, tensors: dict[str, onnx.TensorProto]) -> np.ndarray:
-    """One planned step on a constant: times Q along its last axis, Q^T times it along its first,
-    its rows times a gain (read before any gain is set to ones), or ones."""
-    if step == RIGHT:
-        return (array.reshape(-1, array.shape[-1]) @ rotation).reshape(array.shape)
-    if step == LEFT:
-        return rotation.T @ array
+    """One planned step on a constant, a new array of its type: times Q along its last axis (by
+    pieces of rows), Q^T times it along its first (by pieces of columns), its rows (or columns)
+    times a gain (read before any gain is set to ones), or ones."""
     if step == "ones":
         return np.ones_like(array)
-    gain = numpy_helper.to_array(tensors[step.split(":", 1)[1]]).astype(np.float64).reshape(-1)
-    return gain[:, None] * array if step.startswith(ROWS) else array * gain[None, :]
+    result = np.empty_like(array)
+    if step == RIGHT:
+        rows, out = array.reshape(-1, array.shape[-1]), result.reshape(-1, array.shape[-1])
+        step_rows = max(1, PIECE_ELEMENTS // rows.shape[1])
+        for start in range(0, rows.shape[0], step_rows):
+            out[start:start + step_rows] = rows[start:start + step_rows].astype(np.float64) @ rotation
+        return result
+    if step == LEFT:
+        step_columns = max(1, PIECE_ELEMENTS // array.shape[0])
+        for start in range(0, array.shape[1], step_columns):
+            result[:, start:start + step_columns] = rotation.T @ array[:, start:start + step_columns].astype(np.float64)
+        return result
+    gain = numpy_helper.to_array(tensors[step.split(":", 1)[1]]).astype(array.dtype).reshape(-1)  # one product: rounded once
+    np.multiply(array, gain[:, None] if step.startswith(ROWS) else gain[None, :], out=result)
+    return result
 
 
 def rotate_graph(graph: onnx.GraphProto, kind: str, seed: int) -> Plan:

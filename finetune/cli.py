@@ -84,7 +84,7 @@ def quantize(args: argparse.Namespace) -> None:
 
 def _float_model_path(output: Path, source: Path) -> Path:
     """Where `quantize` writes, with weights stored as codes, the float graph they were made from
-    (normalised, batch norms folded, equalised, smoothed): what `tune --float-model` takes in a second
+    (normalised, batch norms folded, equalised, rotated, smoothed): what `tune --float-model` takes in a second
     step, as the codes alone lose the float values. Checked before any work, as the output is."""
     return check_output(output.with_name(output.name + ".float.onnx"), *model_files(source))
 

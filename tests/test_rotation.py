@@ -197,7 +197,7 @@ def test_the_summary_says_what_was_rotated_and_quark_include_rotation_maps_to_th
 def test_constants_rotated_by_pieces_are_those_rotated_whole(monkeypatch: pytest.MonkeyPatch) -> None:
     """Pieces of a few rows or columns (as an LM head of 128 k x 4096 is rotated) give the whole
     product's values, within the rounding of sums over the width (BLAS may order a piece's sums otherwise)."""
-    import finetune.onnx.rotate as rotate
+    from finetune.onnx import rotate
 
     whole, pieces = tied_decoder(), tied_decoder()
     rotate_graph(whole.graph, "hadamard", 0)

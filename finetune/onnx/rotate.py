@@ -116,7 +116,7 @@ class _Walk:
         if kind == "Gather" and self.is_table(node):
             self.plan.steps[(node.name, 0)].append(RIGHT)
         elif kind in ("MatMul", "Gemm"):
-            self.layer_writes(value, node)
+            self.layer(value, node, reads=False)
         elif kind in ("Add", "Sub"):
             self.both_in_stream(value, node)
         elif kind in ("Mul", "Div"):
@@ -132,18 +132,20 @@ class _Walk:
         return table is not None and len(table.dims) == 2 and table.dims[1] == self.plan.width and \
             not any(a.name == "axis" and a.i for a in node.attribute)
 
-    def layer_writes(self, value: str, node: onnx.NodeProto) -> None:
-        """A MatMul / Gemm writing into the stream: its weight's output channels (and bias) times Q."""
+    def layer(self, value: str, node: onnx.NodeProto, reads: bool) -> None:
+        """A MatMul / Gemm reading the stream (Q^T W) or writing into it (W Q, and its bias b Q); the
+        stream's axis of the weight decides the side (a Gemm's transposed weight swaps them)."""
         attributes = {a.name: a.i for a in node.attribute}
         weight = self.constant(node.input[1])
         if weight is None or len(weight.dims) != 2 or attributes.get("transA", 0):
             raise self.fail(value, node, "whose weight is not a constant 2-D float matrix")
-        transposed = node.op_type == "Gemm" and attributes.get("transB", 0)
-        if (weight.dims[0] if transposed else weight.dims[1]) != self.plan.width:
-            raise self.fail(value, node, f"whose output is not {self.plan.width} wide")
-        self.plan.steps[(node.name, 1)].append(LEFT if transposed else RIGHT)
-        self.plan.writing.append(node.name)
-        if len(node.input) > 2 and node.input[2]:
+        transposed = node.op_type == "Gemm" and bool(attributes.get("transB", 0))
+        axis = int(transposed) if reads else int(not transposed)  # the weight's axis of the stream's channels
+        if weight.dims[axis] != self.plan.width:
+            raise self.fail(value, node, f"whose {'input' if reads else 'output'} is not {self.plan.width} wide")
+        self.plan.steps[(node.name, 1)].append(LEFT if axis == 0 else RIGHT)
+        (self.plan.reading if reads else self.plan.writing).append(node.name)
+        if not reads and len(node.input) > 2 and node.input[2]:
             if not self.last_is_width(node.input[2]):
                 raise self.fail(value, node, "whose bias is not one constant per output channel")
             self.plan.steps[(node.name, 2)].append(RIGHT)
@@ -199,7 +201,7 @@ class _Walk:
             raise self.fail(value, node, "a subgraph or custom op that reads it")
         kind = node.op_type
         if kind in ("MatMul", "Gemm") and index == 0:
-            self.layer_reads(value, node)
+            self.layer(value, node, reads=True)
         elif kind == "Mul" and node.input[0] == node.input[1]:
             self.squares_reduced(value, node)
         elif kind in ("Add", "Sub", "Mul", "Div", "Cast"):
@@ -210,18 +212,6 @@ class _Walk:
             return
         else:
             raise self.fail(value, node, "which does not commute with a rotation of its last axis")
-
-    def layer_reads(self, value: str, node: onnx.NodeProto) -> None:
-        """A MatMul / Gemm reading the stream: Q^T W (a Gemm's transposed weight: W Q)."""
-        attributes = {a.name: a.i for a in node.attribute}
-        weight = self.constant(node.input[1])
-        if weight is None or len(weight.dims) != 2 or attributes.get("transA", 0):
-            raise self.fail(value, node, "whose weight is not a constant 2-D float matrix")
-        transposed = node.op_type == "Gemm" and attributes.get("transB", 0)
-        if (weight.dims[1] if transposed else weight.dims[0]) != self.plan.width:
-            raise self.fail(value, node, f"whose input is not {self.plan.width} wide")
-        self.plan.steps[(node.name, 1)].append(RIGHT if transposed else LEFT)
-        self.plan.reading.append(node.name)
 
     def is_two(self, name: str) -> bool:
         tensor = self.tensors.get(name)

@@ -22,8 +22,8 @@ from finetune.zoo_decoder import cache_names, export_module, greedy_tokens
 from finetune.zoo_gguf import BPETokenizer, gguf_decoder, smollm2_gguf_path, unpermute_rotary
 
 from .lift_helpers import run_torch
-from .test_decoders import gap_recording
 from .recon_helpers import one_thread  # noqa: F401  (autouse fixture)
+from .test_decoders import gap_recording
 
 BLOCKS, VOCABULARY = 2, 8192  # the prompt's tokens are among the first 8192
 GREEDY_STEPS = 8
@@ -127,3 +127,31 @@ def test_the_whole_model_answers_and_its_export_decodes_as_torch_does(tmp_path: 
     decoded = greedy_tokens(gap_recording(lambda f: session.run(None, dict(f)), gaps), prompt, 32, module.shape)
     assert min(gaps) > 2  # each step's top logit leads by over twice the rounding bound: equal tokens on any CPU
     assert np.array_equal(decoded, tokens)
+
+
+def test_the_rotated_truncated_model_computes_its_logits_and_greedy_tokens(exports: dict, tokenizer: BPETokenizer) -> None:
+    """Rotation on real weights (a Hadamard matrix of order 576 = 8 x 72, tied token table and LM
+    head): the rotated float graph's logits within 1e-4 of the logits' scale of the export's, and the same greedy tokens."""
+    from finetune.quantize import quantize_model
+
+    _, path = exports[False]
+    config = {"preset": "INT4_PER_CHANNEL", "op_types": ["Conv"]}  # nothing quantized: the float graphs alone
+    original, rotated = (quantize_model(path, {**config, **extra}, None).float_model for extra in ({}, {"rotation": {}}))
+    ids = np.array([tokenizer.encode("The capital of France is")])
+    sessions = [inference_session(model) for model in (original, rotated)]
+    runs = [lambda feed, s=s: s.run(None, dict(feed)) for s in sessions]
+    feed = {"input_ids": ids, "attention_mask": np.ones_like(ids), "position_ids": np.arange(ids.shape[1])[None]}
+    expected, got = (run(feed)[0] for run in runs)
+    atol = 1e-4 * float(np.abs(expected).max())
+    np.testing.assert_allclose(got, expected, rtol=0, atol=atol)
+    leads: list[float] = []
+
+    def recorded(feed: dict) -> list[np.ndarray]:
+        outputs = runs[0](feed)
+        top = np.sort(outputs[0][:, -1], axis=-1)
+        leads.append(float((top[:, -1] - top[:, -2]).min()))
+        return outputs
+
+    tokens = greedy_tokens(recorded, ids, GREEDY_STEPS)
+    assert min(leads) > 2 * atol  # each step's top logit leads by more than the rotation can move it: equal tokens on any CPU
+    assert np.array_equal(greedy_tokens(runs[1], ids, GREEDY_STEPS), tokens)

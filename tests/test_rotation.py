@@ -206,3 +206,21 @@ def test_constants_rotated_by_pieces_are_those_rotated_whole(monkeypatch: pytest
     for ours, theirs in zip(pieces.graph.initializer, whole.graph.initializer):
         assert ours.name == theirs.name
         np.testing.assert_allclose(numpy_helper.to_array(ours), numpy_helper.to_array(theirs), rtol=1e-6, atol=1e-6)
+
+
+def test_a_large_model_is_rotated_from_its_data_file_to_the_same_bytes(exports: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """From BY_FILE_BYTES on, the loaded weights are set aside in a data file and each rotated tensor is
+    read from it (protobuf would keep a replaced tensor's bytes beside its new ones until the model is
+    dropped): the rotated float graph is the in-memory one's, byte for byte."""
+    from finetune.onnx import io
+    from finetune.quantize import api
+
+    config = {"preset": "INT4_PER_CHANNEL", "rotation": {}}
+    in_memory = quantize_model(exports[(False, True)], config, None)
+    monkeypatch.setattr(io, "BY_FILE_BYTES", 1)
+    folders: list[Path] = []
+    monkeypatch.setattr(api, "set_aside", lambda model, folder: folders.append(folder) or io.set_aside(model, folder))
+    by_file = quantize_model(exports[(False, True)], config, None)
+    assert len(folders) == 1 and not folders[0].exists()  # the data file's folder is gone with the rotation
+    assert by_file.float_model.SerializeToString() == in_memory.float_model.SerializeToString()
+    assert by_file.model.SerializeToString() == in_memory.model.SerializeToString()

@@ -17,7 +17,9 @@ one-line error that names the value and the node, before any weight changes."""
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -26,6 +28,7 @@ from onnx import helper, numpy_helper
 from .domains import DEFAULT_DOMAINS
 from .graphs import node_reads, unique_name
 from .hadamard import rotation_matrix
+from .io import loaded_tensor
 
 RIGHT, LEFT = "right", "left"  # a constant times Q along its last axis; Q^T times it along its first
 ROWS, COLUMNS = "rows:", "columns:"  # + a gain's name: a weight's rows (or a transposed weight's columns) times the gain
@@ -267,11 +270,12 @@ def plan_rotation(graph: onnx.GraphProto) -> Plan:
     raise first_error
 
 
-def apply_rotation(graph: onnx.GraphProto, plan: Plan, rotation: np.ndarray) -> None:
+def apply_rotation(graph: onnx.GraphProto, plan: Plan, rotation: np.ndarray, folder: Path | None = None) -> None:
     """Rewrite the planned constants in place (each step's products in float64, a piece of at most
     PIECE_ELEMENTS at a time, stored in the constant's own type: an LM head of 128 k x 4096 never
     stands whole in float64); a constant that other readers share is copied first, so only the
-    planned reads change."""
+    planned reads change. Constants whose values are still in a data file in `folder` are read from
+    it, so a tensor's old bytes never stay in the graph's memory beside its new ones."""
     nodes = {node.name: node for node in graph.node}
     tensors = {t.name: t for t in graph.initializer}
     reads: dict[str, int] = defaultdict(int)
@@ -282,9 +286,9 @@ def apply_rotation(graph: onnx.GraphProto, plan: Plan, rotation: np.ndarray) -> 
     for (name, index), steps in [*plan.steps.items(), *((key, ["ones"]) for key in plan.gains)]:
         node = nodes[name]
         tensor = tensors[node.input[index]]
-        array = numpy_helper.to_array(tensor)
+        array = numpy_helper.to_array(loaded_tensor(tensor, folder))
         for step in steps:
-            array = _step(array, step, rotation, tensors)
+            array = _step(array, step, rotation, lambda gain: numpy_helper.to_array(loaded_tensor(tensors[gain], folder)))
         if reads[tensor.name] > 1 or tensor.name in outputs:
             copy = unique_name(f"{tensor.name}_rotated", set(tensors))
             reads[tensor.name] -= 1
@@ -293,7 +297,7 @@ def apply_rotation(graph: onnx.GraphProto, plan: Plan, rotation: np.ndarray) -> 
         tensor.CopyFrom(numpy_helper.from_array(array, tensor.name))
 
 
-def _step(array: np.ndarray, step: str, rotation: np.ndarray, tensors: dict[str, onnx.TensorProto]) -> np.ndarray:
+def _step(array: np.ndarray, step: str, rotation: np.ndarray, gain_of: Callable[[str], np.ndarray]) -> np.ndarray:
     """One planned step on a constant, a new array of its type: times Q along its last axis (by
     pieces of rows), Q^T times it along its first (by pieces of columns), its rows (or columns)
     times a gain (read before any gain is set to ones), or ones."""
@@ -311,13 +315,14 @@ def _step(array: np.ndarray, step: str, rotation: np.ndarray, tensors: dict[str,
         for start in range(0, array.shape[1], step_columns):
             result[:, start:start + step_columns] = rotation.T @ array[:, start:start + step_columns].astype(np.float64)
         return result
-    gain = numpy_helper.to_array(tensors[step.split(":", 1)[1]]).astype(array.dtype).reshape(-1)  # one product: rounded once
+    gain = gain_of(step.split(":", 1)[1]).astype(array.dtype).reshape(-1)  # one product: rounded once
     np.multiply(array, gain[:, None] if step.startswith(ROWS) else gain[None, :], out=result)
     return result
 
 
-def rotate_graph(graph: onnx.GraphProto, kind: str, seed: int) -> Plan:
-    """Rotate the graph's residual stream (see the module's docstring) in place; the plan says what was done."""
+def rotate_graph(graph: onnx.GraphProto, kind: str, seed: int, folder: Path | None = None) -> Plan:
+    """Rotate the graph's residual stream (see the module's docstring) in place, reading values still
+    in a data file from `folder` (see apply_rotation); the plan says what was done."""
     plan = plan_rotation(graph)
-    apply_rotation(graph, plan, rotation_matrix(plan.width, kind, seed))
+    apply_rotation(graph, plan, rotation_matrix(plan.width, kind, seed), folder)
     return plan

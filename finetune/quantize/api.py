@@ -4,8 +4,10 @@ insert the quantize-dequantize nodes, and report what was done."""
 from __future__ import annotations
 
 import logging
+import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import onnx
@@ -16,7 +18,7 @@ from finetune.onnx import attach_custom_ops
 from finetune.onnx.batchnorm import fold_batch_norms
 from finetune.onnx.equalize import equalize_model
 from finetune.onnx.fold import fold_constants
-from finetune.onnx.io import load_model, model_bytes
+from finetune.onnx.io import goes_by_file, load_model, model_bytes, put_back, set_aside
 from finetune.onnx.normalize import normalize_model
 from finetune.onnx.qdq import bf16_pairs_to_casts
 from finetune.onnx.session import require_loads
@@ -55,21 +57,7 @@ def quantize_model(
         raise ValueError("the config has a fast_finetune section, which quantize_model does not run: call "
                          "finetune.pipeline.quantize_and_finetune to quantize and tune, or drop the section")
     notices: list[Notice] = []
-    normalized = load_model(model)  # our own copy, normalised in place: one copy of the weights, not two
-    bytes_before = model_bytes(normalized)
-    normalized, changes = normalize_model(normalized, notices=notices, in_place=True)
-    for change in fold_constants(normalized, notices=notices):  # a weight computed from constants (Transpose(W)) becomes one to quantize and tune
-        logger.info(change)
-        changes.append(change)
-    if config.fold_batch_norm:
-        normalized, folded = fold_batch_norms(normalized, notices)
-        changes += folded
-    if config.cross_layer_equalization:
-        normalized, equalized = equalize_model(normalized, notices)
-        changes += equalized
-    rescaling = {}
-    if config.rotation is not None:  # first: smoothing and AWQ then fold into the rotated layers' norms
-        rescaling["rotation"] = rotate_model(normalized, config.rotation)
+    normalized, bytes_before, changes, rescaling = _prepared(model, config, notices)
     if config.smooth_quant is not None:
         normalized, rescaling["smooth_quant"] = smooth_model(normalized, config, data, providers, notices)
     if config.awq is not None:  # the config refuses both
@@ -96,6 +84,37 @@ def quantize_model(
     require_loads(quantized, model, "quantize")
     summary = summarize(bytes_before, quantized, uses, changes, notices, time.perf_counter() - start, alignments, rescaling)
     return QuantizeResult(quantized, summary, float_model)
+
+
+def _prepared(model: str | onnx.ModelProto, config: QuantConfig,
+              notices: list[Notice]) -> tuple[onnx.ModelProto, int, list[str], dict[str, dict[str, Any]]]:
+    """Our own copy of the float model (one copy of the weights: normalised, folded, equalised and
+    rotated in place), the input's size, what normalising changed and the rotation's summary entry.
+    protobuf keeps a rewritten tensor's old bytes until the whole proto is dropped, so a large model
+    is set aside in a data file after the rewrites (the loaded proto and its garbage dropped), rotated
+    from it and read back."""
+    normalized = load_model(model)
+    bytes_before = model_bytes(normalized)
+    normalized, changes = normalize_model(normalized, notices=notices, in_place=True)
+    for change in fold_constants(normalized, notices=notices):  # a weight computed from constants (Transpose(W)) becomes one to quantize and tune
+        logger.info(change)
+        changes.append(change)
+    if config.fold_batch_norm:
+        normalized, folded = fold_batch_norms(normalized, notices)
+        changes += folded
+    if config.cross_layer_equalization:
+        normalized, equalized = equalize_model(normalized, notices)
+        changes += equalized
+    rescaling = {}
+    if not goes_by_file(normalized):
+        if config.rotation is not None:  # first: smoothing and AWQ then fold into the rotated layers' norms
+            rescaling["rotation"] = rotate_model(normalized, config.rotation)
+        return normalized, bytes_before, changes, rescaling
+    with tempfile.TemporaryDirectory(prefix="finetune-") as name:
+        normalized = set_aside(normalized, Path(name))  # rebound: the loaded proto is dropped
+        if config.rotation is not None:
+            rescaling["rotation"] = rotate_model(normalized, config.rotation, Path(name))
+        return put_back(normalized, Path(name)), bytes_before, changes, rescaling
 
 
 def quantizer_presets() -> list[str]:

@@ -6,6 +6,7 @@ fine-tuning tunes towards, as a smoothed one is."""
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
 import onnx
@@ -16,12 +17,14 @@ from finetune.onnx.rotate import RotationError, rotate_graph
 logger = logging.getLogger(__name__)
 
 
-def rotate_model(model: onnx.ModelProto, section: Rotation) -> dict[str, Any]:
-    """Rotate the normalised float `model` (the quantizer's own copy) in place; its summary entry:
-    the matrix, the stream's width and table, and how many layers read, write and fold a norm's gain.
-    A stream that cannot be rotated exactly is a one-line ValueError before any weight changes."""
+def rotate_model(model: onnx.ModelProto, section: Rotation, folder: Path | None = None) -> dict[str, Any]:
+    """Rotate the normalised float `model` (the quantizer's own copy, or finetune.onnx.io.set_aside's
+    header of it with its data file in `folder`, whose rotated tensors are read from there) in place; its
+    summary entry: the matrix, the stream's width and table, and how many layers read, write and
+    fold a norm's gain. A stream that cannot be rotated exactly is a one-line ValueError before any
+    weight changes."""
     try:
-        plan = rotate_graph(model.graph, section.kind, section.seed)
+        plan = rotate_graph(model.graph, section.kind, section.seed, folder)
     except RotationError as error:
         raise ValueError(str(error)) from None
     summary = {"kind": section.kind, "seed": section.seed, "width": plan.width, "table": plan.table,

@@ -17,7 +17,7 @@ import torch
 from onnx import helper, numpy_helper
 
 from finetune.config import ConfigError, load_config
-from finetune.onnx.hadamard import hadamard_matrix, rotation_matrix
+from finetune.onnx.hadamard import hadamard_matrix, online_factors, rotation_matrix
 from finetune.onnx.normalize import normalize_model
 from finetune.onnx.rotate import rotate_graph
 from finetune.quantize import quantize_model
@@ -43,9 +43,19 @@ def test_hadamard_matrices_are_hadamard(order: int) -> None:
     np.testing.assert_array_equal(gram, order * np.eye(order))
 
 
+@pytest.mark.parametrize("order", [n for n in range(4, 132, 4) if n not in UNBUILT] + [576, 1536, 4096, 5120])
+def test_online_factors_are_a_hadamard_matrix_in_two_small_pieces(order: int) -> None:
+    """A (Sylvester's, a power of two at most sqrt(n)) x B has order n and is Hadamard: an online
+    rotation costs a + n / a products per element."""
+    left, right = online_factors(order)
+    assert left.shape[0] ** 2 <= order and left.shape[0] & (left.shape[0] - 1) == 0
+    matrix = np.kron(left, right).astype(np.float64)
+    np.testing.assert_array_equal(matrix @ matrix.T, order * np.eye(order))
+
+
 @pytest.mark.parametrize("order", [*UNBUILT, 3, 6, 10])
 def test_an_order_without_a_hadamard_matrix_says_to_take_a_random_rotation(order: int) -> None:
-    assert hadamard_matrix(order) is None
+    assert hadamard_matrix(order) is None and online_factors(order) is None
     with pytest.raises(ValueError, match=rf"no Hadamard matrix of order {order} .*: set rotation.kind to random$"):
         rotation_matrix(order, "hadamard", 0)
     q = rotation_matrix(order, "random", 0)
@@ -224,3 +234,45 @@ def test_a_large_model_is_rotated_from_its_data_file_to_the_same_bytes(exports: 
     assert len(folders) == 1 and not folders[0].exists()  # the data file's folder is gone with the rotation
     assert by_file.float_model.SerializeToString() == in_memory.float_model.SerializeToString()
     assert by_file.model.SerializeToString() == in_memory.model.SerializeToString()
+
+
+@pytest.mark.parametrize("dynamo", [False, True], ids=["torchscript", "dynamo"])
+def test_online_rotations_keep_the_function_and_stay_float(exports: dict, dynamo: bool) -> None:
+    """rotation.online: the inputs of o_proj and down_proj of each block are rotated by inserted
+    Hadamard products (two each: 64 = 8 x 8, 128 = 8 x 16), left float while every
+    layer is quantized; the float graph keeps the decoder's logits and the quantized model loads in onnxruntime."""
+    path = exports[(False, dynamo)]
+    original = onnx.load(path)
+    result = quantize_model(path, {"preset": "A8W8", "rotation": {"online": True}}, decoder_feeds(False, 2))
+    entry, blocks = result.summary["rotation"], DecoderShape().blocks
+    assert len(entry["online"]) == 2 * blocks and len(entry["inserted_nodes"]) == 4 * blocks
+    assert "4 layer input(s) rotated online" in format_summary(result.summary)
+    producers = {output: node for node in result.model.graph.node for output in node.output}
+    initializers = {t.name for t in result.model.graph.initializer}
+    for node in (n for n in result.model.graph.node if n.name in entry["inserted_nodes"]):  # no quantizer before them
+        assert all(name in initializers or producers[name].op_type in ("Reshape", "MatMul") for name in node.input)
+    names = [i.name for i in original.graph.input]
+    feed = decoder_feeds(False, 1)[0]
+    expected = run_ort(original, [feed[n] for n in names])[0]
+    np.testing.assert_allclose(run_ort(result.float_model, [feed[n] for n in names])[0], expected,
+                               rtol=1e-4, atol=1e-4 * float(np.abs(expected).max()))
+    assert np.isfinite(run_ort(result.model, [feed[n] for n in names])[0]).all()
+
+
+def test_an_online_width_without_a_hadamard_matrix_is_a_one_line_error() -> None:
+    """The tied decoder's layer writes the stream from the stream itself (no online rotation); a
+    layer of input width 52 writing into it from outside has none built here."""
+    model = tied_decoder()
+    rng = np.random.default_rng(1)
+    model.graph.initializer.extend([numpy_helper.from_array(rng.standard_normal((8, 52)).astype(np.float32), "up"),
+                                    numpy_helper.from_array(rng.standard_normal((52, 8)).astype(np.float32), "down")])
+    nodes = list(model.graph.node)
+    nodes[1:3] = [helper.make_node("MatMul", ["x", "up"], ["u"], name="up_proj"),
+                  helper.make_node("MatMul", ["u", "down"], ["h"], name="down_proj"),
+                  helper.make_node("Add", ["x", "h"], ["s"], name="residual")]
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    with pytest.raises(ValueError, match=r"^rotation: no Hadamard matrix of order 52 is built here for the online rotation "
+                                         r"of u, the input of down_proj; set rotation.online to false$"):
+        quantize_model(model, {"preset": "INT4_PER_CHANNEL", "rotation": {"online": True}}, None)
+    assert quantize_model(model, {"preset": "INT4_PER_CHANNEL", "rotation": {}}, None).summary["rotation"]["online"] == []

@@ -66,7 +66,11 @@ class Rotation(Section):
     orthogonal matrix folded into the weights, so that outlier channels of the activations the
     layers read are spread over all channels (QuaRot's R1): a randomised Hadamard matrix (`kind:
     hadamard`, where one of the stream's width is built here) or a random orthogonal one
-    (`random`), drawn from `seed`. The float graph computes the same function."""
+    (`random`), drawn from `seed`. With `online`, the inputs of the layers writing into the stream
+    from outside it (attention's output and the MLP's down projections) are rotated too, by Hadamard
+    products inserted before them (float nodes: QuaRot's online Hadamard). The float graph computes
+    the same function."""
 
     kind: Literal["hadamard", "random"] = "hadamard"
     seed: int = 0
+    online: bool = False

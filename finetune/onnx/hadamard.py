@@ -49,22 +49,47 @@ def _core(m: int) -> np.ndarray | None:
     return None
 
 
-def hadamard_matrix(n: int) -> np.ndarray | None:
-    """A Hadamard matrix of order n (entries ±1, H H^T = n I) as int8, or None where none is built here."""
-    doublings = 0
-    while n % 2 == 0 and n > 2:
-        core = _core(n)
+def hadamard_factors(n: int, smallest_core: bool = False) -> tuple[np.ndarray, np.ndarray] | None:
+    """Sylvester's matrix of order 2^k and a core of order n / 2^k (Paley I or II, or 1 or 2) whose
+    Kronecker product is a Hadamard matrix of order n (int8), or None: the largest core (what
+    hadamard_matrix builds), or with `smallest_core` the smallest, for a rotation online
+    (finetune.onnx.rotate_online), which applies the two factors one after the other."""
+    orders = [n >> k for k in range((n & -n).bit_length()) if n >> k >= 1]  # n / 2^k for every 2^k dividing n
+    for order in sorted(orders, reverse=not smallest_core):
+        core = _core(order)
         if core is not None:
             break
-        n //= 2
-        doublings += 1
     else:
-        core = _core(n)
-    if core is None:
         return None
-    for _ in range(doublings):
-        core = np.kron(_SIGN_FLIP, core)
-    return core
+    return _sylvester(n // core.shape[0]), core
+
+
+def online_factors(n: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """Hadamard matrices A (Sylvester's, of a power of two near sqrt(n)) and B with A x B (Kronecker)
+    of order n, or None: a rotation online applies x (A x B) as A^T X B on x as a matrix X, about
+    2 sqrt(n) products per element instead of n."""
+    factors = hadamard_factors(n, smallest_core=True)
+    if factors is None:
+        return None
+    sylvester, core = factors
+    left = 1
+    while 2 * left <= sylvester.shape[0] and (2 * left) ** 2 <= n:
+        left *= 2
+    return _sylvester(left), np.kron(_sylvester(sylvester.shape[0] // left), core)
+
+
+def _sylvester(order: int) -> np.ndarray:
+    """Sylvester's Hadamard matrix of a power-of-two order (symmetric)."""
+    matrix = np.ones((1, 1), np.int8)
+    while matrix.shape[0] < order:
+        matrix = np.kron(_SIGN_FLIP, matrix)
+    return matrix
+
+
+def hadamard_matrix(n: int) -> np.ndarray | None:
+    """A Hadamard matrix of order n (entries ±1, H H^T = n I) as int8, or None where none is built here."""
+    factors = hadamard_factors(n)
+    return None if factors is None else np.kron(*factors)
 
 
 def rotation_matrix(n: int, kind: str, seed: int) -> np.ndarray:

@@ -16,6 +16,7 @@ one-line error that names the value and the node, before any weight changes."""
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,10 +28,12 @@ from onnx import helper, numpy_helper
 
 from .domains import DEFAULT_DOMAINS
 from .graphs import node_reads, unique_name
-from .hadamard import rotation_matrix
+from .hadamard import online_factors, rotation_matrix
 from .io import loaded_tensor
+from .rotate_online import insert_online
 
 RIGHT, LEFT = "right", "left"  # a constant times Q along its last axis; Q^T times it along its first
+ONLINE = "online:"  # + a width: a weight whose input is rotated online by a Hadamard matrix of that order
 ROWS, COLUMNS = "rows:", "columns:"  # + a gain's name: a weight's rows (or a transposed weight's columns) times the gain
 _SHAPE_ONLY = ("Shape", "Size")
 _REDUCTIONS = ("ReduceMean", "ReduceSum")  # of the stream's squares over the last axis: Q keeps them
@@ -56,6 +59,8 @@ class Plan:
     gains: dict[tuple[str, int], str] = field(default_factory=dict)  # a norm's Mul input -> its gain (set to ones)
     reading: list[str] = field(default_factory=list)  # the layers reading the stream (their weights: Q^T W)
     writing: list[str] = field(default_factory=list)  # the layers writing into it (W Q)
+    online: dict[str, int] = field(default_factory=dict)  # a layer whose input is rotated online -> its input width
+    inserted: list[str] = field(default_factory=list)  # the MatMuls of the online rotations (float: never quantized)
 
 
 class _Walk:
@@ -303,6 +308,8 @@ def _step(array: np.ndarray, step: str, rotation: np.ndarray, gain_of: Callable[
     times a gain (read before any gain is set to ones), or ones."""
     if step == "ones":
         return np.ones_like(array)
+    if step.startswith(ONLINE):  # the input rotated online by H (unnormalised): W := H^T W / n
+        return _left(array, _online_left(int(step[len(ONLINE):])))
     result = np.empty_like(array)
     if step == RIGHT:
         rows, out = array.reshape(-1, array.shape[-1]), result.reshape(-1, array.shape[-1])
@@ -311,18 +318,54 @@ def _step(array: np.ndarray, step: str, rotation: np.ndarray, gain_of: Callable[
             out[start:start + step_rows] = rows[start:start + step_rows].astype(np.float64) @ rotation
         return result
     if step == LEFT:
-        step_columns = max(1, PIECE_ELEMENTS // array.shape[0])
-        for start in range(0, array.shape[1], step_columns):
-            result[:, start:start + step_columns] = rotation.T @ array[:, start:start + step_columns].astype(np.float64)
-        return result
+        return _left(array, rotation.T)
     gain = gain_of(step.split(":", 1)[1]).astype(array.dtype).reshape(-1)  # one product: rounded once
     np.multiply(array, gain[:, None] if step.startswith(ROWS) else gain[None, :], out=result)
     return result
 
 
-def rotate_graph(graph: onnx.GraphProto, kind: str, seed: int, folder: Path | None = None) -> Plan:
+def _left(array: np.ndarray, matrix: np.ndarray) -> np.ndarray:
+    """matrix @ array (float64 products by pieces of columns), in the array's type."""
+    result = np.empty_like(array)
+    step_columns = max(1, PIECE_ELEMENTS // array.shape[0])
+    for start in range(0, array.shape[1], step_columns):
+        result[:, start:start + step_columns] = matrix @ array[:, start:start + step_columns].astype(np.float64)
+    return result
+
+
+@functools.lru_cache(maxsize=4)
+def _online_left(n: int) -> np.ndarray:
+    """H^T / n for the Hadamard matrix H of order n that an online rotation applies."""
+    return np.kron(*online_factors(n)).T.astype(np.float64) / n
+
+
+def plan_online(graph: onnx.GraphProto, plan: Plan) -> None:
+    """Add an online rotation of the input of every MatMul writing into the stream from outside it
+    (attention's output projection, the MLP's down projection: QuaRot's online Hadamard): the input x
+    becomes x H (nodes inserted by finetune.onnx.rotate_online) and the weight H^T W / n. A width
+    without a Hadamard matrix here is a RotationError."""
+    nodes = {node.name: node for node in graph.node}
+    tensors = {t.name: t for t in graph.initializer}
+    for name in plan.writing:
+        node = nodes[name]
+        if node.op_type != "MatMul" or node.input[0] in plan.stream:
+            continue
+        width = int(tensors[node.input[1]].dims[0])
+        if online_factors(width) is None:
+            raise RotationError(f"rotation: no Hadamard matrix of order {width} is built here for the online rotation of "
+                                f"{node.input[0]}, the input of {name}; set rotation.online to false")
+        plan.steps[(name, 1)].append(f"{ONLINE}{width}")
+        plan.online[name] = width
+
+
+def rotate_graph(graph: onnx.GraphProto, kind: str, seed: int, folder: Path | None = None, online: bool = False) -> Plan:
     """Rotate the graph's residual stream (see the module's docstring) in place, reading values still
-    in a data file from `folder` (see apply_rotation); the plan says what was done."""
+    in a data file from `folder` (see apply_rotation), and with `online` the inputs of the layers
+    writing into it from outside (plan_online); the plan says what was done."""
     plan = plan_rotation(graph)
+    if online:
+        plan_online(graph, plan)
     apply_rotation(graph, plan, rotation_matrix(plan.width, kind, seed), folder)
+    if online:
+        plan.inserted = insert_online(graph, plan.online)
     return plan

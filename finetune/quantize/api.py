@@ -3,7 +3,9 @@ insert the quantize-dequantize nodes, and report what was done."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import re
 import tempfile
 import time
 from dataclasses import dataclass
@@ -58,6 +60,9 @@ def quantize_model(
                          "finetune.pipeline.quantize_and_finetune to quantize and tune, or drop the section")
     notices: list[Notice] = []
     normalized, bytes_before, changes, rescaling = _prepared(model, config, notices)
+    if rescaling.get("rotation", {}).get("inserted_nodes"):  # the online rotations' products stay float
+        names = tuple(re.escape(name) for name in rescaling["rotation"]["inserted_nodes"])
+        config = dataclasses.replace(config, exclude_nodes=(*config.exclude_nodes, *names))
     if config.smooth_quant is not None:
         normalized, rescaling["smooth_quant"] = smooth_model(normalized, config, data, providers, notices)
     if config.awq is not None:  # the config refuses both

@@ -54,7 +54,7 @@ def hadamard_factors(n: int, smallest_core: bool = False) -> tuple[np.ndarray, n
     Kronecker product is a Hadamard matrix of order n (int8), or None: the largest core (what
     hadamard_matrix builds), or with `smallest_core` the smallest, for a rotation online
     (finetune.onnx.rotate_online), which applies the two factors one after the other."""
-    orders = [n >> k for k in range((n & -n).bit_length()) if n >> k >= 1]  # n / 2^k for every 2^k dividing n
+    orders = [n >> k for k in range((n & -n).bit_length())]  # n / 2^k for every 2^k dividing n
     for order in sorted(orders, reverse=not smallest_core):
         core = _core(order)
         if core is not None:

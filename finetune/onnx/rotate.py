@@ -31,6 +31,7 @@ from .graphs import node_reads, unique_name
 from .hadamard import online_factors, rotation_matrix
 from .io import loaded_tensor
 from .rotate_online import insert_online
+from .smooth import input_axis
 
 RIGHT, LEFT = "right", "left"  # a constant times Q along its last axis; Q^T times it along its first
 ONLINE = "online:"  # + a width: a weight whose input is rotated online by a Hadamard matrix of that order
@@ -143,12 +144,10 @@ class _Walk:
     def layer(self, value: str, node: onnx.NodeProto, reads: bool) -> None:
         """A MatMul / Gemm reading the stream (Q^T W) or writing into it (W Q, and its bias b Q); the
         stream's axis of the weight decides the side (a Gemm's transposed weight swaps them)."""
-        attributes = {a.name: a.i for a in node.attribute}
         weight = self.constant(node.input[1])
-        if weight is None or len(weight.dims) != 2 or attributes.get("transA", 0):
+        if weight is None or len(weight.dims) != 2 or any(a.name == "transA" and a.i for a in node.attribute):
             raise self.fail(value, node, "whose weight is not a constant 2-D float matrix")
-        transposed = node.op_type == "Gemm" and bool(attributes.get("transB", 0))
-        axis = int(transposed) if reads else int(not transposed)  # the weight's axis of the stream's channels
+        axis = input_axis(node) if reads else 1 - input_axis(node)  # the weight's axis of the stream's channels
         if weight.dims[axis] != self.plan.width:
             raise self.fail(value, node, f"whose {'input' if reads else 'output'} is not {self.plan.width} wide")
         self.plan.steps[(node.name, 1)].append(LEFT if axis == 0 else RIGHT)
@@ -200,8 +199,7 @@ class _Walk:
             raise self.fail(value, node, "a norm's gain read by something other than layers, which cannot absorb it")
         self.plan.gains[(node.name, index)] = node.input[index]
         for layer, _ in layers:
-            transposed = layer.op_type == "Gemm" and any(a.name == "transB" and a.i for a in layer.attribute)
-            self.plan.steps[(layer.name, 1)].append(f"{COLUMNS if transposed else ROWS}{node.input[index]}")
+            self.plan.steps[(layer.name, 1)].append(f"{ROWS if input_axis(layer) == 0 else COLUMNS}{node.input[index]}")
 
     def consume(self, value: str, node: onnx.NodeProto, index: int) -> None:
         """Check one reader of a stream value, planning its weight's rotation or following its output."""
@@ -222,8 +220,9 @@ class _Walk:
             raise self.fail(value, node, "which does not commute with a rotation of its last axis")
 
     def is_two(self, name: str) -> bool:
-        tensor = self.tensors.get(name)
-        return tensor is not None and numpy_helper.to_array(tensor).size == 1 and float(numpy_helper.to_array(tensor).reshape(-1)[0]) == 2.0
+        """Whether `name` is a constant holding the one value 2 (x ** 2)."""
+        values = numpy_helper.to_array(self.tensors[name]).reshape(-1) if name in self.tensors else None
+        return values is not None and values.size == 1 and float(values[0]) == 2.0
 
     def squares_reduced(self, value: str, node: onnx.NodeProto) -> None:
         """x^2 only reduced over the last axis (an RMS norm's mean square), which a rotation keeps."""

@@ -181,7 +181,8 @@ def test_a_run_killed_outright_resumes_to_the_bytes_of_an_uninterrupted_run(digi
     out, whole = tmp_path / "killed" / "q.onnx", tmp_path / "whole.onnx"
     checkpoint = out.with_name("q.onnx.finetune.ckpt")
     process = subprocess.Popen([sys.executable, "-m", "finetune.cli", *args, "-o", str(out)],
-                               env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                               env={**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)},  # SIGKILL leaves its temporaries
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 300
     while finished_units(checkpoint) < 2 and process.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)

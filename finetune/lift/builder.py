@@ -28,6 +28,7 @@ from onnx2torch.onnx_node import OnnxNode
 from torch import fx, nn
 
 from finetune.host_memory import HEAP_SLACK, release_freed_host_memory
+from finetune.onnx.contrib import split_skip_norms
 from finetune.onnx.domains import DEFAULT_DOMAINS
 from finetune.onnx.dtypes import to_torch
 from finetune.onnx.graphs import node_reads
@@ -77,11 +78,19 @@ def lift_model(model: str | Path | onnx.ModelProto, owned: bool = False,
     the codes' values (tuning lifts the QDQ model into its float reference's weights). A proto
     loaded without its external data reads each tensor's values from `folder` as it is made, so
     its weights are never held twice (onnx.io.loaded_tensor)."""
-    normalized, _ = normalize_model(model if owned else load_model(model), in_place=True)
+    normalized = normalized_for_lift(model if owned else load_model(model))
     module = _Builder(normalized.graph, _Shared.of(normalized, reuse or {}, folder)).build()
     module.finetune_params = _merged_sources(module)
     _freeze_unmapped_parameters(module)
     return module
+
+
+def normalized_for_lift(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The model normalised in place, its fused skip norms split into the Adds and norm they fuse (so
+    residual blocks are found in a decoder onnxruntime-genai built)."""
+    normalized, _ = normalize_model(model, in_place=True)
+    split_skip_norms(normalized)
+    return normalized
 
 
 @dataclass

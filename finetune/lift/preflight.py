@@ -12,9 +12,8 @@ import onnx
 from finetune.onnx.domains import DEFAULT_DOMAINS
 from finetune.onnx.graphs import all_nodes
 from finetune.onnx.io import external_header, load_model
-from finetune.onnx.normalize import normalize_model
 
-from .builder import LiftError
+from .builder import LiftError, normalized_for_lift
 from .ops.control import is_control
 from .qdq import QOPERATOR_OPS
 from .registry import find_converter
@@ -25,7 +24,7 @@ SHOWN_NAMES = 5  # node names listed per op before "and N more"
 def unliftable_ops(model: str | Path | onnx.ModelProto) -> dict[tuple[str, str, int | None], list[str]]:
     """The ops of the (normalised) model that cannot be lifted, as (domain, op type, opset) → the
     names of its nodes, in graph order; empty when every node can be."""
-    normalized, _ = normalize_model(_graph_only(model), in_place=True)
+    normalized = normalized_for_lift(_graph_only(model))
     opsets = {("" if o.domain in DEFAULT_DOMAINS else o.domain): o.version for o in normalized.opset_import}
     found: dict[tuple[str, str, int | None], list[str]] = defaultdict(list)
     for node in all_nodes(normalized.graph):

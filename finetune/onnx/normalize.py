@@ -48,6 +48,7 @@ def normalize_model(
         _constants_to_initializers,
         _bypass_initializer_identities,
         _drop_initializer_inputs,
+        _drop_initializer_value_info,
         _name_nodes,
         lambda m: infer_shapes(m, notices),
     ]
@@ -157,6 +158,15 @@ def _drop_initializer_inputs(model: onnx.ModelProto) -> list[str]:
     initializers = {t.name for t in graph.initializer}
     dropped = keep_only(graph.input, lambda value: value.name not in initializers)
     return [f"removed {dropped} initializer(s) from the graph inputs"] if dropped else []
+
+
+def _drop_initializer_value_info(model: onnx.ModelProto) -> list[str]:
+    """Remove the value_info entries of initializers: the tensor itself gives their type and shape,
+    and a stale entry fails shape inference (onnxruntime-genai's builder types a [1] constant as a scalar)."""
+    graph = model.graph
+    initializers = {t.name for t in graph.initializer}
+    dropped = keep_only(graph.value_info, lambda value: value.name not in initializers)
+    return [f"removed the value_info of {dropped} initializer(s)"] if dropped else []
 
 
 def keep_only(items: Any, keep: Callable[[Any], bool]) -> int:

@@ -17,7 +17,7 @@ from finetune.lift import FakeQuantize, LiftedModule
 from finetune.lift.kinds import is_add
 
 from .blocks import MAX_BLOCK_LAYERS, shape_values
-from .sides import SideInput
+from .sides import SideInput, batch_axis_by_readers
 from .unit import Unit
 
 
@@ -204,5 +204,5 @@ def _block(module: LiftedModule, spans: list[_Span], constant: set[fx.Node]) -> 
         name=scope if scope.strip("/") else f"{layers[0].name}..{layers[-1].name}", op_type="block", layers=layers,
         input=entry.name, source=source, source_argument=argument, nodes=tuple(n.name for n in nodes), outputs=(exit_.name,),
         target_module=exit_.target,
-        side_inputs=tuple(SideInput(side.name) for side in sides),
+        side_inputs=tuple(SideInput(side.name, batch_axis_by_readers(module, side, side.users)) for side in sides),
     )

@@ -6,9 +6,11 @@ and final states), each measured (see recon.data.rows for how both are trained o
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Iterable
 from dataclasses import dataclass
 
-from torch import fx
+from torch import fx, nn
 
 # The inputs of an LSTM or GRU after its bias (torch argument names of the lifted module), and the
 # axis of each holding the batch in layout 0 and in layout 1; None: it has no batch (peepholes).
@@ -37,6 +39,23 @@ def recurrent_sides(node: fx.Node, first_side: int, layout: int, constant: set[f
             else:
                 sides.append(SideInput(value.name, axis))
     return sides, unbatched
+
+
+def batch_axis_by_readers(module: nn.Module, value: fx.Node, readers: Iterable[fx.Node]) -> int | None:
+    """The axis of `value` holding the batch as a lifted op reading it defines it (a module's
+    `batch_axes`, argument name -> axis: an attention's key/value cache and row lengths), or None."""
+    for node in readers:
+        if node.op != "call_module":
+            continue
+        reader = module.get_submodule(node.target)
+        axes = getattr(reader, "batch_axes", None)
+        if not axes:
+            continue
+        named = {**dict(zip(inspect.signature(reader.forward).parameters, node.args)), **node.kwargs}
+        found = {axes[name] for name, arg in named.items() if arg is value and name in axes}
+        if len(found) == 1:
+            return found.pop()
+    return None
 
 
 def measured_outputs(node: fx.Node) -> tuple[list[fx.Node], list[fx.Node], tuple[int, ...]]:

@@ -15,6 +15,8 @@ import numpy as np
 import onnx
 import torch
 
+from .decoder_inputs import IDS, fillable_inputs, filled
+
 logger = logging.getLogger(__name__)
 
 Feed = dict[str, np.ndarray]
@@ -78,12 +80,14 @@ class CalibrationData:
 
     def __init__(self, source: Any, model: ModelLike, limit: int | None = None) -> None:
         self.inputs = _inputs_of(model)
+        self._fillable = _fillable_of(model)
         if limit is not None and limit < 1:
             raise ValueError(f"limit must be a positive number of samples, got {limit}")
         self.limit = limit
         self.source = source
         self._items = _open_source(source)
         self._warned_extra = False
+        self._said_filled = False
 
     def __iter__(self) -> Iterator[Feed]:
         """A pass that starts at the first feed asked for, not at `iter()`: a progress bar that calls
@@ -95,6 +99,10 @@ class CalibrationData:
         """One raw item as a checked feed."""
         named = self._named(raw, label)
         by_name = {info.name: info for info in self.inputs}
+        left_out = [name for name in by_name if name not in named]
+        if left_out and IDS in named and all(name in self._fillable for name in left_out):
+            named.update(filled(named, left_out, self._fillable, {name: by_name[name].dtype for name in left_out}))
+            self._say_filled(left_out)
         problems = []
         if unknown := sorted(set(named) - set(by_name)):
             problems.append(f"unknown input names {unknown}")
@@ -104,12 +112,22 @@ class CalibrationData:
             raise ValueError(f"{label}: {'; '.join(problems)} (the model's inputs are {list(by_name)})")
         return {name: _as_array(named[name], by_name[name], label) for name in by_name}
 
+    def _say_filled(self, names: list[str]) -> None:
+        """Log once which inputs the data left out and how they are fed."""
+        if not self._said_filled:
+            logger.info("the data gives no %s: fed as for no past tokens (a mask of ones, positions from 0, empty "
+                        "caches)", ", ".join(names))
+            self._said_filled = True
+
     def _named(self, raw: Any, label: str) -> dict[str, Any]:
-        """Map a raw item (dict, tuple/list in graph order, or one array) to input names."""
+        """Map a raw item (dict, tuple/list in graph order, or one array: a decoder's input_ids where
+        every other input can be filled) to input names."""
         if isinstance(raw, Mapping):
             return dict(raw)
         values = list(raw) if isinstance(raw, (tuple, list)) else [raw]
         names = [info.name for info in self.inputs]
+        if len(values) == 1 and names[:1] == [IDS] and all(name in self._fillable for name in names[1:]):
+            return {IDS: values[0]}
         if len(values) < len(names):
             kind = "one array" if not isinstance(raw, (tuple, list)) else f"{len(values)} items"
             raise ValueError(
@@ -182,6 +200,13 @@ def _random_array(info: InputInfo, batch: int, rng: np.random.Generator) -> np.n
     if info.dtype.kind == "b":
         return rng.random(shape) < 0.5
     raise ValueError(f"cannot make random data for input {info.name!r} of type {info.dtype}")
+
+
+def _fillable_of(model: ModelLike) -> dict[str, tuple[int | None, ...]]:
+    """The decoder inputs a feed of input_ids may leave out (decoder_inputs), where the model's graph is at hand."""
+    if isinstance(model, (str, os.PathLike)):
+        model = onnx.load(str(model), load_external_data=False)
+    return fillable_inputs(model) if isinstance(model, onnx.ModelProto) else {}
 
 
 def _inputs_of(model: ModelLike) -> tuple[InputInfo, ...]:

@@ -7,12 +7,14 @@ packed; every other quantized weight stays QDQ, each logged at WARNING and liste
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from finetune.onnx.contrib import NBITS_SUFFIX
 from finetune.onnx.graphs import node_reads
 
 logger = logging.getLogger(__name__)
@@ -55,9 +57,11 @@ def pack_blocks(codes: np.ndarray, scales: np.ndarray, zero_points: np.ndarray, 
     return PackedWeight(np.ascontiguousarray(packed), np.ascontiguousarray(scales.T).reshape(-1), packed_zero, k, n, block_size)
 
 
-def to_matmul_nbits(model: onnx.ModelProto, accuracy_level: int = 0) -> tuple[onnx.ModelProto, list[str]]:
+def to_matmul_nbits(model: onnx.ModelProto, accuracy_level: int | Mapping[str, int] = 0) -> tuple[onnx.ModelProto, list[str]]:
     """A copy of `model` whose packable DequantizeLinear -> MatMul weights are MatMulNBits nodes,
-    and the reasons, one per quantized weight, that the others stay QDQ."""
+    and the reasons, one per quantized weight, that the others stay QDQ. With a mapping of MatMul
+    names to accuracy levels, only those MatMuls are packed, each at its level (a model that came
+    as MatMulNBits goes back to its own form: onnx.contrib.matmul_nbits_to_qdq)."""
     result = onnx.ModelProto()
     result.CopyFrom(model)
     graph = result.graph
@@ -70,13 +74,17 @@ def to_matmul_nbits(model: onnx.ModelProto, accuracy_level: int = 0) -> tuple[on
         if node.op_type != "DequantizeLinear" or node.domain not in ("", "ai.onnx"):
             continue
         reason = _unpackable(node, initializers, consumers)
+        named = isinstance(accuracy_level, Mapping)
+        if named and (reason or consumers[node.output[0]].name not in accuracy_level):
+            continue
         if reason:
             if node.input[0] in initializers and initializers[node.input[0]].data_type in CODE_OFFSET:
                 kept.append(f"{node.input[0]}: {reason}")
             continue
         matmul = consumers[node.output[0]]
         weight = _packed(node, initializers)
-        replaced[matmul.output[0]] = _matmul_nbits(matmul, weight, accuracy_level, graph)
+        level = accuracy_level[matmul.name] if isinstance(accuracy_level, Mapping) else accuracy_level
+        replaced[matmul.output[0]] = _matmul_nbits(matmul, weight, level, graph)
         dropped_nodes.add(node.output[0])
         dropped_tensors.update(node.input)
     for reason in kept:
@@ -138,7 +146,7 @@ def _packed(node: onnx.NodeProto, initializers: dict) -> PackedWeight:
 
 def _matmul_nbits(matmul: onnx.NodeProto, weight: PackedWeight, accuracy_level: int, graph: onnx.GraphProto) -> onnx.NodeProto:
     """The MatMulNBits node computing `matmul` from the packed weight (its tensors added to the graph)."""
-    stem = f"{matmul.name or matmul.output[0]}_nbits"
+    stem = f"{matmul.name or matmul.output[0]}{NBITS_SUFFIX}"  # onnxruntime's own quantizer names it so
     tensors = [(f"{stem}_B", weight.packed), (f"{stem}_scales", weight.scales)]
     if weight.zero_points is not None:
         tensors.append((f"{stem}_zero_points", weight.zero_points))

@@ -1,13 +1,17 @@
-"""onnxruntime's fused decoder ops rewritten, exactly, into the ops they fuse, for the torch lift:
-SkipSimplifiedLayerNormalization into the residual Add(s) and a SimplifiedLayerNormalization, so a
-decoder whose residual joins are fused into its norms (onnxruntime-genai's model builder writes them
-so) shows the Adds that residual block finding follows. onnxruntime adds input + skip, then the bias,
-in float: the same sums in the same order."""
+"""onnxruntime's contrib ops that onnxruntime-genai's model builder writes, rewritten exactly into
+standard ops: SkipSimplifiedLayerNormalization into the residual Add(s) and a
+SimplifiedLayerNormalization, for the torch lift, so the residual joins fused into a decoder's norms
+show as the Adds that block finding follows (onnxruntime adds input + skip, then the bias, in float:
+the same sums in the same order); and 4-bit MatMulNBits into the DequantizeLinear(block_size) ->
+MatMul it computes, so a model quantized that way is tuned as a QDQ model (export.matmul_nbits
+packs it back)."""
 
 from __future__ import annotations
 
+import ml_dtypes
+import numpy as np
 import onnx
-from onnx import helper
+from onnx import helper, numpy_helper
 
 from .domains import ONNXRUNTIME_DOMAIN
 from .graphs import all_graphs, unique_name
@@ -53,3 +57,86 @@ def _split(node: onnx.NodeProto, taken: set[str]) -> list[onnx.NodeProto]:
     norm = helper.make_node("SimplifiedLayerNormalization", [summed, gamma], outputs, name=node.name, axis=-1,
                             epsilon=epsilon, stash_type=1)
     return [*adds, norm]
+
+
+MATMUL_NBITS = "MatMulNBits"
+NBITS_BITS = 4  # the width read here (and written by export.matmul_nbits)
+NBITS_DEFAULT_ZERO = 1 << (NBITS_BITS - 1)  # the op's zero point where it is given none
+QDQ_BLOCK_OPSET = 21  # DequantizeLinear's block_size and 4-bit codes
+NBITS_SUFFIX = "_Q4"  # what onnxruntime's matmul_nbits_quantizer and onnxruntime-genai's builder add to a MatMul's name
+
+
+def matmul_nbits_to_qdq(model: onnx.ModelProto) -> dict[str, int]:
+    """Replace, in place, every 4-bit MatMulNBits of the main graph (onnxruntime's packed weights:
+    B [N, blocks, block / 2] low nibble first along K, scales [N * blocks], zero points packed two a
+    byte per row or the default 8) by the DequantizeLinear(block_size) -> MatMul (-> Add of its bias)
+    it computes: uint4 codes [K, N], scales and zero points [blocks, N]; the MatMul keeps the node's
+    output, and its name less NBITS_SUFFIX (so a float model's MatMul of that name is its reference).
+    Returns each MatMul's accuracy_level by its name. A node this cannot read
+    (other widths, g_idx, float zero points) is a one-line error naming it."""
+    nodes = [n for n in model.graph.node if n.op_type == MATMUL_NBITS and n.domain == ONNXRUNTIME_DOMAIN]
+    if not nodes:
+        return {}
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+    if opset < QDQ_BLOCK_OPSET:
+        raise ValueError(f"MatMulNBits node {nodes[0].name!r}: its weights are read as DequantizeLinear(block_size), which "
+                         f"needs opset {QDQ_BLOCK_OPSET}; the model imports opset {opset} (convert it to {QDQ_BLOCK_OPSET} first)")
+    initializers = {t.name: t for t in model.graph.initializer}
+    taken = {name for node in model.graph.node for name in (*node.input, *node.output, node.name)} | set(initializers)
+    levels, rewritten = {}, []
+    for node in model.graph.node:
+        if node not in nodes:
+            rewritten.append(node)
+            continue
+        rewritten.extend(_dequantized_matmul(node, initializers, model.graph, taken))
+        levels[node.name.removesuffix(NBITS_SUFFIX)] = next((a.i for a in node.attribute if a.name == "accuracy_level"), 0)
+    del model.graph.node[:]
+    model.graph.node.extend(rewritten)
+    return levels
+
+
+def _dequantized_matmul(node: onnx.NodeProto, initializers: dict[str, onnx.TensorProto], graph: onnx.GraphProto,
+                        taken: set[str]) -> list[onnx.NodeProto]:
+    """The nodes one MatMulNBits computes, its weight's tensors replaced in the graph by the QDQ ones."""
+    attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    inputs = [*node.input, "", "", "", ""][:6]
+    a, packed_name, scales_name, zero_name, g_idx, bias = inputs
+    problem = (f"bits {attributes.get('bits', 4)}" if attributes.get("bits", 4) != NBITS_BITS else
+               "a g_idx input" if g_idx else
+               "a weight that is not a constant" if packed_name not in initializers or scales_name not in initializers else
+               "float zero points" if zero_name and initializers.get(zero_name, onnx.TensorProto()).data_type != onnx.TensorProto.UINT8
+               else None)
+    if problem:
+        raise ValueError(f"MatMulNBits node {node.name!r} has {problem}, which is not read (4-bit weights with uint8-packed "
+                         "zero points or none); re-export it with plain MatMul weights")
+    k, n, block = int(attributes["K"]), int(attributes["N"]), int(attributes["block_size"])
+    blocks = -(-k // block)
+    packed = numpy_helper.to_array(initializers[packed_name]).reshape(n, blocks, block // 2)
+    codes = np.stack((packed & 0xF, packed >> 4), axis=-1).reshape(n, blocks * block)[:, :k].T
+    scales = numpy_helper.to_array(initializers[scales_name]).reshape(n, blocks).T
+    if zero_name:
+        zero_bytes = numpy_helper.to_array(initializers[zero_name]).reshape(n, -1)
+        zero = np.stack((zero_bytes & 0xF, zero_bytes >> 4), axis=-1).reshape(n, -1)[:, :blocks].T
+    else:
+        zero = np.full((blocks, n), NBITS_DEFAULT_ZERO, np.uint8)
+    zero_name = zero_name or unique_name(f"{packed_name}_zero_point", taken)
+    for name, array in ((packed_name, codes.astype(ml_dtypes.uint4)), (scales_name, np.ascontiguousarray(scales)),
+                        (zero_name, zero.astype(ml_dtypes.uint4))):
+        _replace_initializer(graph, initializers, numpy_helper.from_array(np.ascontiguousarray(array), name))
+    weight = unique_name(f"{packed_name}_dequantized", taken)
+    product = unique_name(f"{node.output[0]}_product", taken) if bias else node.output[0]
+    made = [helper.make_node("DequantizeLinear", [packed_name, scales_name, zero_name], [weight],
+                             name=unique_name(f"{node.name}/DequantizeLinear", taken), axis=0, block_size=block),
+            helper.make_node("MatMul", [a, weight], [product], name=node.name.removesuffix(NBITS_SUFFIX))]
+    if bias:
+        made.append(helper.make_node("Add", [product, bias], [node.output[0]], name=unique_name(f"{node.name}/bias_add", taken)))
+    return made
+
+
+def _replace_initializer(graph: onnx.GraphProto, initializers: dict[str, onnx.TensorProto], tensor: onnx.TensorProto) -> None:
+    """Put `tensor` in the graph in place of the initializer of its name, or add it."""
+    if tensor.name in initializers:
+        initializers[tensor.name].CopyFrom(tensor)
+    else:
+        graph.initializer.append(tensor)
+        initializers[tensor.name] = graph.initializer[-1]

@@ -14,9 +14,11 @@ import onnx
 import torch
 
 from finetune.config import FastFinetune
+from finetune.export.matmul_nbits import to_matmul_nbits
 from finetune.formats.compiled import resolve_compile
 from finetune.lift import check_liftable
 from finetune.onnx import attach_custom_ops
+from finetune.onnx.contrib import matmul_nbits_to_qdq
 from finetune.onnx.io import has_external_data, load_model, save_model_atomic
 from finetune.onnx.session import require_loads
 from finetune.quantize.summary import peak_rss_kib
@@ -63,6 +65,7 @@ def finetune_model(
     begin = time.perf_counter()
     checkpoint = _checkpoint_path(output_dir, name, resume, config.processes)
     original = load_model(qdq_model)
+    nbits = matmul_nbits_to_qdq(original)  # onnxruntime's 4-bit MatMuls are tuned as QDQ, and written back as they came
     keep_external = has_external_data(qdq_model) if external_data is None else external_data
     device = preflight(original, config)
     if attach_ops:
@@ -81,6 +84,8 @@ def finetune_model(
     tuned, report = launch(fabric, tune_process, job)[0] if config.processes > 1 else tune_process(fabric, job)
     if tuned is None:
         return None, report  # a process other than the first of a data-parallel run: the first one writes
+    if nbits:
+        tuned = to_matmul_nbits(tuned, nbits)[0]
     report["total_seconds"] = time.perf_counter() - begin
     require_loads(tuned, qdq_model, "fine-tuning")  # the input as given: `original` became the tuned model
     if model_path is not None:

@@ -158,6 +158,9 @@ def main() -> None:
     settings = args.settings.split(",")
     if unknown := sorted(set(settings) - set(SETTINGS)):
         parser.error(f"--settings: unknown {unknown}; choose from {', '.join(SETTINGS)}")
+    if not Path(args.genai_python).exists():
+        parser.error(f"--genai-python {args.genai_python} is absent: make a venv with onnxruntime-genai onnx-ir transformers "
+                     "torch gguf accelerate")
     if args.sequences <= 0 or args.sequences % BATCH:
         parser.error(f"--sequences {args.sequences}: give a positive multiple of {BATCH}")
     with tempfile.TemporaryDirectory(prefix="bench-genai-") as scratch:

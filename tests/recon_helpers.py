@@ -60,7 +60,7 @@ def assert_stream_equals_full_model(module: LiftedModule, units: list[Unit], fee
     whole quantized model computes there (seen by hooks on each unit's source); nothing stays
     cached at the end."""
     seen: dict[str, list[torch.Tensor]] = {u.name: [] for u in units}
-    hooks = [record_unit_input(module.get_submodule(u.source), u, seen[u.name].append) for u in units]
+    hooks = [record_unit_input(module.get_submodule(u.source), u.source_argument, seen[u.name].append) for u in units]
     with torch.no_grad():
         for feed in feeds:
             module(torch.from_numpy(feed["x"]))

@@ -123,20 +123,29 @@ def test_matmul_nbits_reads_as_the_qdq_weights_it_packs_and_packs_back_to_the_sa
             np.testing.assert_array_equal(back.reshape(array.shape), array)
 
 
-def test_an_int4_genai_model_tunes_against_its_fp32_model_and_stays_matmul_nbits(tokens: dict[str, Path]) -> None:
+@pytest.mark.parametrize("tied", [False, True])
+def test_an_int4_genai_model_tunes_against_its_fp32_model_and_stays_matmul_nbits(tokens: dict[str, Path], tied: bool) -> None:
     """GPTQ over decoder blocks from the builder's int4 model, with its fp32 model as the reference: the
     tuned model has the input's nodes and ops (MatMulNBits at accuracy level 4), and its logits lie
-    nearer the fp32 model's than the untuned int4 model's on tokens it did not see."""
+    nearer the fp32 model's than the untuned int4 model's on tokens it did not see. Tied (SmolLM2's
+    way: the token table a GatherBlockQuantized of the LM head's packed weights), the table keeps
+    its bytes and the LM head gets tuned weights of its own."""
+    int4, fp32 = (GENAI / f"{precision}{'_tied' if tied else ''}" / "model.onnx" for precision in ("int4", "fp32"))
     config = FastFinetune(algorithm="gptq", unit="block")
-    tuned, report = finetune_model(str(INT4), str(tokens["calibration"]), config, float_model=str(FP32))
-    original = onnx.load(INT4)
+    tuned, report = finetune_model(str(int4), str(tokens["calibration"]), config, float_model=str(fp32))
+    original = onnx.load(int4)
     assert [(n.op_type, n.name, n.domain) for n in tuned.graph.node] == [(n.op_type, n.name, n.domain) for n in original.graph.node]
     assert [attributes for _, attributes, _ in nbits_nodes(tuned)] == [attributes for _, attributes, _ in nbits_nodes(original)]
     assert report["kept"] == 3
     feeds = list(CalibrationData(tokens["check"], original))
-    reference = run(FP32, feeds)
+    reference = run(fp32, feeds)
     error_tuned, error_untuned = (float(np.abs(run(m, feeds) - reference).mean()) for m in (tuned, original))
     assert error_tuned < error_untuned
+    if tied:
+        gather = next(n for n in tuned.graph.node if n.op_type == "Reshape")  # the table's view of the packed weights
+        head = next(n for n in tuned.graph.node if n.name == "/lm_head/MatMul_Q4")
+        tensors, before = ({t.name: t for t in m.graph.initializer} for m in (tuned, original))
+        assert tensors[gather.input[0]] == before[gather.input[0]] and head.input[1] != gather.input[0]
 
 
 def test_bench_genai_makes_and_scores_every_setting(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -163,3 +172,23 @@ def test_bench_genai_makes_and_scores_every_setting(monkeypatch: pytest.MonkeyPa
     done = subprocess.run([sys.executable, str(SCRIPTS / "bench_genai.py"), "--genai-python", str(tmp_path / "absent")],
                           capture_output=True, text=True, check=False)
     assert done.returncode == 2 and "is absent: make a venv with onnxruntime-genai" in done.stderr
+
+
+def test_smoothquant_folds_into_the_builders_rms_norm_gains_and_keeps_the_function(tokens: dict[str, Path]) -> None:
+    """SmoothQuant on the builder's fp32 decoder folds 1/s into the gains of its RMS norms (the plain
+    one and the normed output of the skip form, whose sum it leaves as it is) for the nine layers they
+    feed; only the two o_proj layers, which read GroupQueryAttention's output, get an inserted Mul; the
+    logits stay the float model's."""
+    from finetune.config import load_config
+    from finetune.quantize.smooth import smooth_model
+
+    from .test_smooth_quant import assert_same_function
+
+    model = onnx.load(FP32)
+    data = list(CalibrationData(tokens["calibration"], model))
+    result, summary = smooth_model(model, load_config({"preset": "A8W8", "smooth_quant": {}}), data, None, [])
+    assert (summary["smoothed"], summary["folded"], summary["mul_inserted"], summary["skipped"]) == (11, 9, 2, 0)
+    inserted = {layer["node"] for layer in summary["layers"] if layer["action"] != "folded"}
+    assert inserted == {"/model/layers.0/attn/o_proj/MatMul", "/model/layers.1/attn/o_proj/MatMul"}, summary["layers"]
+    check = list(CalibrationData(tokens["check"], model))
+    assert_same_function(run(result, check), run(FP32, check))

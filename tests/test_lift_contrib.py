@@ -191,3 +191,34 @@ def test_an_onnxruntime_genai_decoder_lifts_and_decodes_the_same_tokens(precisio
         return run_ort(model, [inputs[n] for n in names])
 
     np.testing.assert_array_equal(greedy(lifted_run, model, prompt, 32), greedy(ort_run, model, prompt, 32))
+
+
+@pytest.mark.parametrize("table", ["uint8", "uint4", "int4"])
+@pytest.mark.parametrize("zero_points", [False, True])
+def test_gather_block_quantized_lifts_as_onnxruntime_computes_it(table: str, zero_points: bool) -> None:
+    """com.microsoft GatherBlockQuantized of a [rows, K] table in blocks of 32 along K (K = 80: a partial
+    last block): 4-bit codes packed two a byte in uint8 or typed uint4/int4, with zero points or the
+    type's default; indices of any shape, negative ones from the end. Element-wise: equal bits."""
+    rng = np.random.default_rng(4)
+    rows, width, block = 12, 80, 32
+    blocks = -(-width // block)
+    low, high = (-8, 8) if table == "int4" else (0, 16)
+    codes = rng.integers(low, high, (rows, width))
+    scales = rng.uniform(0.01, 0.1, (rows, blocks)).astype(np.float32)
+    zero = rng.integers(low, high, (rows, blocks))
+    element = {"uint8": TensorProto.UINT8, "uint4": TensorProto.UINT4, "int4": TensorProto.INT4}[table]
+    if table == "uint8":
+        data = helper.make_tensor("data", element, [rows, width // 2], (codes[:, 0::2] | (codes[:, 1::2] << 4)).ravel().tolist())
+        zero_bytes = np.pad(zero, ((0, 0), (0, blocks % 2)))
+        zp = helper.make_tensor("zp", element, [rows, -(-blocks // 2)], (zero_bytes[:, 0::2] | (zero_bytes[:, 1::2] << 4)).ravel().tolist())
+    else:
+        data = helper.make_tensor("data", element, [rows, width], codes.ravel().tolist())
+        zp = helper.make_tensor("zp", element, [rows, blocks], zero.ravel().tolist())
+    indices = np.array([[0, 5, -1], [11, 3, 3]], np.int64)
+    node = helper.make_node("GatherBlockQuantized", ["data", "indices", "scales", *(["zp"] if zero_points else [])], ["y"],
+                            domain=MS, block_size=block, bits=4, gather_axis=0, quantize_axis=1)
+    model = onnx_model([node], [tensor("indices", list(indices.shape), TensorProto.INT64)], [tensor("y", None)],
+                       [data, helper.make_tensor("scales", TensorProto.FLOAT, [rows, blocks], scales.ravel().tolist()),
+                        *([zp] if zero_points else [])], opset=21, domains=[MS])
+    expected, actual = run_ort(model, [indices]), run_torch(lift_model(model), [indices])
+    np.testing.assert_array_equal(actual[0], expected[0])

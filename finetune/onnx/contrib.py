@@ -8,13 +8,18 @@ packs it back)."""
 
 from __future__ import annotations
 
+import logging
+from collections import Counter
+
 import ml_dtypes
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
 from .domains import ONNXRUNTIME_DOMAIN
-from .graphs import all_graphs, unique_name
+from .graphs import all_graphs, node_reads, unique_name
+
+logger = logging.getLogger(__name__)
 
 SKIP_NORM = "SkipSimplifiedLayerNormalization"
 
@@ -83,12 +88,13 @@ def matmul_nbits_to_qdq(model: onnx.ModelProto) -> dict[str, int]:
                          f"needs opset {QDQ_BLOCK_OPSET}; the model imports opset {opset} (convert it to {QDQ_BLOCK_OPSET} first)")
     initializers = {t.name: t for t in model.graph.initializer}
     taken = {name for node in model.graph.node for name in (*node.input, *node.output, node.name)} | set(initializers)
+    reads = Counter(name for node in model.graph.node for name in node_reads(node))
     levels, rewritten = {}, []
     for node in model.graph.node:
         if node not in nodes:
             rewritten.append(node)
             continue
-        rewritten.extend(_dequantized_matmul(node, initializers, model.graph, taken))
+        rewritten.extend(_dequantized_matmul(node, initializers, model.graph, taken, reads))
         levels[node.name.removesuffix(NBITS_SUFFIX)] = next((a.i for a in node.attribute if a.name == "accuracy_level"), 0)
     del model.graph.node[:]
     model.graph.node.extend(rewritten)
@@ -96,8 +102,9 @@ def matmul_nbits_to_qdq(model: onnx.ModelProto) -> dict[str, int]:
 
 
 def _dequantized_matmul(node: onnx.NodeProto, initializers: dict[str, onnx.TensorProto], graph: onnx.GraphProto,
-                        taken: set[str]) -> list[onnx.NodeProto]:
-    """The nodes one MatMulNBits computes, its weight's tensors replaced in the graph by the QDQ ones."""
+                        taken: set[str], reads: Counter[str]) -> list[onnx.NodeProto]:
+    """The nodes one MatMulNBits computes, its weight's tensors replaced in the graph by the QDQ ones
+    (added beside them where other nodes read them too: `reads` counts each tensor's readers)."""
     attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
     inputs = [*node.input, "", "", "", ""][:6]
     a, packed_name, scales_name, zero_name, g_idx, bias = inputs
@@ -120,9 +127,15 @@ def _dequantized_matmul(node: onnx.NodeProto, initializers: dict[str, onnx.Tenso
     else:
         zero = np.full((blocks, n), NBITS_DEFAULT_ZERO, np.uint8)
     zero_name = zero_name or unique_name(f"{packed_name}_zero_point", taken)
+    if shared := [name for name in (packed_name, scales_name, zero_name) if reads[name] > 1]:
+        logger.warning("MatMulNBits node %r shares %s with other nodes (a token table tied to the LM head): it is tuned as "
+                       "a copy of its own, which the written model holds beside the shared tensors", node.name, shared)
+    named = []  # a tensor other nodes read too stays as it is; the QDQ form gets its own
     for name, array in ((packed_name, codes.astype(ml_dtypes.uint4)), (scales_name, np.ascontiguousarray(scales)),
                         (zero_name, zero.astype(ml_dtypes.uint4))):
-        _replace_initializer(graph, initializers, numpy_helper.from_array(np.ascontiguousarray(array), name))
+        named.append(unique_name(f"{name}_qdq", taken) if name in shared else name)
+        _replace_initializer(graph, initializers, numpy_helper.from_array(np.ascontiguousarray(array), named[-1]))
+    packed_name, scales_name, zero_name = named
     weight = unique_name(f"{packed_name}_dequantized", taken)
     product = unique_name(f"{node.output[0]}_product", taken) if bias else node.output[0]
     made = [helper.make_node("DequantizeLinear", [packed_name, scales_name, zero_name], [weight],

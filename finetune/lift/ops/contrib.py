@@ -7,8 +7,9 @@ key/value cache and rotary, each computing what onnxruntime's CPU kernels comput
 from __future__ import annotations
 
 import math
-from typing import ClassVar
+from typing import Any, ClassVar
 
+import onnx
 import torch
 from onnx2torch.onnx_graph import OnnxGraph
 from onnx2torch.onnx_node import OnnxNode
@@ -209,3 +210,61 @@ def _group_query_attention(node: OnnxNode, graph: OnnxGraph) -> OperationConvert
                                  float(a.get("softcap", 0.0)), bool(a.get("do_rotary", 0)),
                                  bool(a.get("rotary_interleaved", 0)), bool(a.get("smooth_softmax", 0)))
     return converted(module, OnnxMapping(inputs=tuple(node.input_values[:12]), outputs=tuple(node.output_values[:3])))
+
+
+class GatherBlockQuantized(nn.Module):
+    """com.microsoft GatherBlockQuantized along axis 0 of a [rows, K] table quantized in blocks along K:
+    the rows gathered first, then dequantized, (code - zero point) x scale; 4-bit codes packed two a
+    byte (low nibble first) in a uint8 table; without zero points, `default_zero` (onnxruntime's: the
+    middle code of a uint8 table, 0 for uint4 and int4)."""
+
+    def __init__(self, block: int, default_zero: int, packed: bool):
+        super().__init__()
+        self.block, self.default_zero, self.packed = block, default_zero, packed
+
+    def forward(self, data: torch.Tensor, indices: torch.Tensor, scales: torch.Tensor,
+                zero_points: torch.Tensor | None = None) -> torch.Tensor:
+        rows = indices.reshape(-1).long() % data.shape[0]
+        codes = self._codes(data.index_select(0, rows))
+        row_scales = scales.index_select(0, rows)
+        if zero_points is None:
+            zero = torch.full_like(row_scales, self.default_zero)
+        else:
+            zero = self._codes(zero_points.index_select(0, rows))[:, : row_scales.shape[-1]].to(row_scales.dtype)
+        width = codes.shape[-1]
+        scale, zero = (t.repeat_interleave(self.block, dim=-1)[:, :width] for t in (row_scales, zero))
+        return ((codes.to(scale.dtype) - zero) * scale).reshape(*indices.shape, width)
+
+    def _codes(self, packed: torch.Tensor) -> torch.Tensor:
+        """Codes from a uint8 tensor packing two 4-bit codes a byte (other tables hold one code an element)."""
+        if not self.packed:
+            return packed
+        return torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2)
+
+
+@register("GatherBlockQuantized", (1,), ONNXRUNTIME_DOMAIN)
+def _gather_block_quantized(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
+    """onnxruntime's gather of a block-quantized table (a 4-bit token table, tied to the LM head by the genai builder)."""
+    a = node.attributes
+    table = _table_tensor(graph, node.input_values[0])
+    if table is None:
+        raise NotImplementedError("a table that is not a constant (or a reshaped one)")
+    if int(a.get("gather_axis", 0)) != 0 or int(a.get("quantize_axis", 1)) not in (1, -1):
+        raise NotImplementedError("a gather along other than axis 0 of a [rows, K] table quantized along K")
+    require_unused_outputs(node, graph)
+    bits, element = int(a.get("bits", 4)), table.proto.data_type
+    uint8 = element == onnx.TensorProto.UINT8  # onnxruntime's default zero point: the middle code for uint8, else 0
+    module = GatherBlockQuantized(int(a.get("block_size", 128)), 1 << (bits - 1) if uint8 else 0, packed=uint8 and bits == 4)
+    return converted(module, node_mapping(node))
+
+
+def _table_tensor(graph: OnnxGraph, name: str) -> Any:
+    """The initializer a table is, or is a Reshape of (how the genai builder shares the LM head's packed
+    weights with the token table), else None."""
+    if name in graph.initializers:
+        return graph.initializers[name]
+    try:
+        producer, _ = graph.value_as_node_output(name)
+    except KeyError:
+        return None
+    return graph.initializers.get(producer.input_values[0]) if producer.operation_type == "Reshape" else None

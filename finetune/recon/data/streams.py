@@ -32,12 +32,31 @@ def float_target_keys(unit: Unit) -> list[str]:
     return [f"float_target:{unit.name}", *(f"float_target:{unit.name}#{item}" for item in unit.target_outputs[1:])]
 
 
-def record_unit_input(source: nn.Module, unit: Unit, record: Callable[[Any], None]) -> RemovableHandle:
-    """Hook `source` (the module `unit.source` names) so each call hands `record` the unit's input:
-    the module's argument `unit.source_argument`, or its output when that is None."""
-    if unit.source_argument is None:
+def record_unit_input(source: nn.Module, argument: int | None, record: Callable[[Any], None]) -> RemovableHandle:
+    """Hook `source` so each call hands `record` the unit's input: the module's positional argument
+    `argument`, or its output when that is None."""
+    if argument is None:
         return source.register_forward_hook(lambda _m, _args, out: record(out))
-    return source.register_forward_pre_hook(lambda _m, args, i=unit.source_argument: record(args[i]))
+    return source.register_forward_pre_hook(lambda _m, args, i=argument: record(args[i]))
+
+
+def float_source(reference: nn.Module, unit: Unit) -> tuple[str, int | None] | None:
+    """Where the float reference hands over a unit's input: (module, argument) of `unit.source`, or of
+    its `source_reader` where the reference has no module of the source's name; None for a model input."""
+    if not unit.source:
+        return None
+    if unit.source_reader is not None and not _has_module(reference, unit.source) and _has_module(reference, unit.source_reader[0]):
+        return unit.source_reader
+    return unit.source, unit.source_argument
+
+
+def _has_module(module: nn.Module, name: str) -> bool:
+    """Whether `module` has a submodule of that name."""
+    try:
+        module.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
 
 
 def _submodule(module: nn.Module, name: str) -> nn.Module:
@@ -119,6 +138,7 @@ class FloatStream(_Stream):
         self.segments, last_use = cut_before(reference, [_float_nodes(reference, unit) for unit in units])
         super().__init__(placeholders, inputs, cache, device, last_use, "float")
         self.reference, self.units, self.inputs, self.quantizers_off = reference, units, inputs, quantizers_off
+        self.sources = {unit.name: (float_source(reference, unit) or ("", None))[0] for unit in units}  # where each input is taken
 
     def advance(self, k: int) -> tuple[CachedValue, list[CachedValue]]:
         """Unit k's float inputs and targets (one per output), computing what they need. Hooks record the values of
@@ -130,7 +150,8 @@ class FloatStream(_Stream):
             for chunk in range(self.chunks):
                 float_inputs.append(self.inputs[unit.source_argument or 0].tensor(chunk, self.device))
         called = {n.target for n in self.segments[k].module.graph.nodes if n.op == "call_module"}
-        hooks = [hook for later in self.units[k:] if {later.source, later.target_module} & called for hook in self._hooks(later)]
+        hooks = [hook for later in self.units[k:] if {self.sources[later.name], later.target_module} & called
+                 for hook in self._hooks(later)]
         try:
             with quantizers_disabled(self.reference) if self.quantizers_off else contextlib.nullcontext():
                 self._run(self.segments[k], k)
@@ -156,14 +177,17 @@ class FloatStream(_Stream):
                 value.append(out[item])
 
         hooks = [_submodule(self.reference, unit.target_module).register_forward_hook(record_target)]
-        if unit.source:
-            hooks.append(record_unit_input(_submodule(self.reference, unit.source), unit, self.cache.value(float_input_key(unit)).append))
+        source = float_source(self.reference, unit)
+        if source is not None:
+            hooks.append(record_unit_input(_submodule(self.reference, source[0]), source[1],
+                                           self.cache.value(float_input_key(unit)).append))
         return hooks
 
 
 def _float_nodes(reference: LiftedModule, unit: Unit) -> list[fx.Node]:
     """The reference's nodes calling the modules that unit's float input and target come from."""
-    names = [name for name in (unit.source, unit.target_module) if name]
+    source = float_source(reference, unit)
+    names = [name for name in (source[0] if source else "", unit.target_module) if name]
     for name in names:
         _submodule(reference, name)
     return [n for n in reference.graph.nodes if n.op == "call_module" and n.target in names]

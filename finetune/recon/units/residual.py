@@ -205,4 +205,5 @@ def _block(module: LiftedModule, spans: list[_Span], constant: set[fx.Node]) -> 
         input=entry.name, source=source, source_argument=argument, nodes=tuple(n.name for n in nodes), outputs=(exit_.name,),
         target_module=exit_.target,
         side_inputs=tuple(SideInput(side.name, batch_axis_by_readers(module, side, side.users)) for side in sides),
+        source_reader=next(((n.target, n.args.index(entry)) for n in nodes if n.op == "call_module" and entry in n.args), None),
     )

@@ -51,6 +51,9 @@ class Unit:
     input_axis: int = 0  # the axis of the input holding a training row (a recurrent layer's batch)
     output_axes: tuple[int | None, ...] = (0,)  # the same for each output; None: found from the values when tuning
     scales: tuple[str, ...] = ()  # quantizer buffers (scale, zero point) learned with the weights (see recon.methods.scales)
+    # a module of the unit reading its input as positional argument k: where the float model names the input's
+    # producer otherwise (a token table gathered by another op), its input is taken there (recon.data.streams)
+    source_reader: tuple[str, int] | None = None
 
 
 def parameters_of(unit: Unit) -> list[str]:

@@ -6,7 +6,7 @@ dequantized into a Hugging Face folder. Then, each in a process of its own (its 
 the builder's fp32 model (float), its int4 model as built (round to nearest) and at accuracy level 0,
 ours tuning that int4 model with GPTQ against the fp32 model (`finetune tune`: written back as
 MatMulNBits at level 4), and ours quantizing the fp32 model to INT4 in blocks of 32 with GPTQ and to
-A8W8, with and without SmoothQuant. Every model is scored in our onnxruntime (1 thread, optimisations off) on windows of CPython's
+A8W8 (with SmoothQuant, and after rotating the residual stream too) and MXFP4 (with and without rotation). Every model is scored in our onnxruntime (1 thread, optimisations off) on windows of CPython's
 `pydoc_data.topics` after the calibration windows (bench_smollm2's), fed from token folders of
 input_ids alone (the mask and empty caches filled). JSON on stdout, progress on stderr.
 
@@ -30,9 +30,10 @@ from typing import Any
 import numpy as np
 from bench_smollm2 import GPTQ, evaluate, token_windows  # a sibling script: python puts scripts/ on the path
 
-SETTINGS = ("float", "genai_int4", "genai_int4_level0", "ours_tune_gptq", "ours_int4_g32_gptq", "ours_a8w8", "ours_a8w8_sq")
 OURS = {"ours_int4_g32_gptq": {"preset": "INT4_BLOCK32", "fast_finetune": GPTQ}, "ours_a8w8": {"preset": "A8W8"},
-        "ours_a8w8_sq": {"preset": "A8W8", "smooth_quant": {}}}  # setting -> our config on the fp32 model
+        "ours_a8w8_sq": {"preset": "A8W8", "smooth_quant": {}}, "ours_a8w8_rot_sq": {"preset": "A8W8", "rotation": {}, "smooth_quant": {}},
+        "ours_mxfp4": {"preset": "MXFP4"}, "ours_mxfp4_rot": {"preset": "MXFP4", "rotation": {"online": True}}}  # -> our config
+SETTINGS = ("float", "genai_int4", "genai_int4_level0", "ours_tune_gptq", *OURS)
 BATCH = 4  # sequences a token file
 MAKE_CHECKPOINT = """
 import sys

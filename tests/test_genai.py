@@ -192,3 +192,22 @@ def test_smoothquant_folds_into_the_builders_rms_norm_gains_and_keeps_the_functi
     assert inserted == {"/model/layers.0/attn/o_proj/MatMul", "/model/layers.1/attn/o_proj/MatMul"}, summary["layers"]
     check = list(CalibrationData(tokens["check"], model))
     assert_same_function(run(result, check), run(FP32, check))
+
+
+@pytest.mark.parametrize(("tied", "online"), [(False, False), (True, False), (False, True)])
+def test_rotation_follows_the_builders_fused_rms_norms_and_keeps_the_function(tokens: dict[str, Path], tied: bool,
+                                                                              online: bool) -> None:
+    """QuaRot's rotation of the residual stream through SkipSimplifiedLayerNormalization (its sum rotated,
+    its normed output through the gain folded into the layers reading it) and SimplifiedLayerNormalization:
+    every layer reading the stream (the packed QKV, gate, up, the LM head) or writing it (o_proj,
+    down_proj) rotated, the five gains folded; the rotated float graph gives the fp32 model's logits
+    within 1e-4 of their scale, tied (the head a copy of the table) and with online rotations too."""
+    from finetune.quantize import quantize_model
+
+    path = GENAI / ("fp32_tied" if tied else "fp32") / "model.onnx"
+    result = quantize_model(str(path), {"preset": "MXFP4", "rotation": {"online": online}}, None)
+    entry = result.summary["rotation"]
+    assert (entry["layers_reading"], entry["layers_writing"], entry["gains_folded"]) == (7, 4, 5)
+    check = list(CalibrationData(tokens["check"], onnx.load(path, load_external_data=False)))
+    expected, rotated = run(path, check), run(result.float_model, check)
+    np.testing.assert_allclose(rotated, expected, rtol=0, atol=1e-4 * float(np.abs(expected).max()))

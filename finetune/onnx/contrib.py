@@ -22,6 +22,9 @@ from .graphs import all_graphs, node_reads, unique_name
 logger = logging.getLogger(__name__)
 
 SKIP_NORM = "SkipSimplifiedLayerNormalization"
+SKIP_SUM = 3  # its output of input + skip (+ bias), the residual stream
+# RMS norms over the last axis and the input index of their gain, which scales their first output only
+_RMS_GAINS = {("", "RMSNormalization"): 1, ("", "SimplifiedLayerNormalization"): 1, (ONNXRUNTIME_DOMAIN, SKIP_NORM): 2}
 
 
 def split_skip_norms(model: onnx.ModelProto) -> int:
@@ -42,6 +45,14 @@ def split_skip_norms(model: onnx.ModelProto) -> int:
     return replaced
 
 
+def rms_gain_input(node: onnx.NodeProto) -> int | None:
+    """The gain's input index of an RMS norm over the last axis (the ONNX op, onnxruntime's
+    SimplifiedLayerNormalization and its skip form), else None."""
+    domain = "" if node.domain == "ai.onnx" else node.domain
+    axis = next((a.i for a in node.attribute if a.name == "axis"), -1)
+    return _RMS_GAINS.get((domain, node.op_type)) if axis == -1 else None
+
+
 def _output(node: onnx.NodeProto, index: int) -> str:
     """The node's output at `index`, "" when absent."""
     return node.output[index] if index < len(node.output) else ""
@@ -52,7 +63,7 @@ def _split(node: onnx.NodeProto, taken: set[str]) -> list[onnx.NodeProto]:
     its outputs keeping their names (the sum gets a new one where the node left it unnamed)."""
     x, skip, gamma, *rest = node.input
     bias = rest[0] if rest else ""
-    summed = _output(node, 3) or unique_name(f"{node.name}/input_skip_bias_sum", taken)
+    summed = _output(node, SKIP_SUM) or unique_name(f"{node.name}/input_skip_bias_sum", taken)
     first = unique_name(f"{node.name}/input_skip", taken) if bias else summed
     adds = [helper.make_node("Add", [x, skip], [first], name=unique_name(f"{node.name}/skip_add", taken))]
     if bias:

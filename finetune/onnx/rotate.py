@@ -12,7 +12,9 @@ commute with Q: it is folded into the layers reading the norm (W := diag(g) W) a
 SmoothQuant or AWQ rescaling after the rotation still folds into it. The squares of the stream may
 only be reduced over the last axis (the norm's mean, which Q leaves as it is). Anything else that
 reads the stream (a LayerNormalization's mean, a model output, a subgraph) stops the rewrite with a
-one-line error that names the value and the node, before any weight changes."""
+one-line error that names the value and the node, before any weight changes. RMS norm ops
+(RMSNormalization, onnxruntime's SimplifiedLayerNormalization and SkipSimplifiedLayerNormalization, as
+onnxruntime-genai's builder writes them) are followed as the norm and gain they compute."""
 
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from .contrib import SKIP_SUM, rms_gain_input
 from .domains import DEFAULT_DOMAINS
 from .graphs import node_reads, unique_name
 from .hadamard import online_factors, rotation_matrix
@@ -119,6 +122,9 @@ class _Walk:
         node = self.producers.get(value)
         if node is None:
             raise RotationError(f"rotation: {value} (the residual stream) is a model input, which comes in unrotated")
+        if rms_gain_input(node) is not None:
+            self.rms_norm(value, node)
+            return
         if node.domain not in DEFAULT_DOMAINS:
             raise self.fail(value, node, "a custom op")
         kind = node.op_type
@@ -134,6 +140,23 @@ class _Walk:
             self.mark(node.input[0])
         else:
             raise self.fail(value, node, "which cannot compute it rotated")
+
+    def rms_norm(self, value: str, node: onnx.NodeProto) -> None:
+        """An RMS norm op (RMSNormalization, onnxruntime's SimplifiedLayerNormalization and its skip form,
+        which adds the stream's two operands and a bias first): rotated inputs give its residual sum
+        rotated (a bias of the stream's width rotated too) and its normed output rotated once its gain
+        is folded into the layers reading it; its other outputs (inverse roots) may not be read."""
+        gain = rms_gain_input(node)
+        if any(self.readers[name] or name in self.outputs for k, name in enumerate(node.output) if name and k not in (0, SKIP_SUM)):
+            raise self.fail(value, node, "whose inverse root is read (a rotation keeps it, but it is not followed)")
+        if value == node.output[0]:
+            self.fold_gain(value, node, gain)
+        for name in node.input[:gain]:  # the stream: input (and skip)
+            self.mark(name)
+        if gain == 2 and len(node.input) > 3 and node.input[3]:  # the skip form's bias, added to the stream
+            if not self.last_is_width(node.input[3]):
+                raise self.fail(value, node, "whose bias is not one constant per channel")
+            self.plan.steps[(node.name, 3)].append(RIGHT)
 
     def is_table(self, node: onnx.NodeProto) -> bool:
         """A Gather of rows (axis 0) of a constant float [vocabulary, width] table."""
@@ -203,6 +226,12 @@ class _Walk:
 
     def consume(self, value: str, node: onnx.NodeProto, index: int) -> None:
         """Check one reader of a stream value, planning its weight's rotation or following its output."""
+        gain = rms_gain_input(node) if index >= 0 else None
+        if gain is not None and index < gain:  # the stream into an RMS norm op: its outputs follow (rms_norm)
+            self.mark(node.output[0])
+            if len(node.output) > SKIP_SUM and node.output[SKIP_SUM]:
+                self.mark(node.output[SKIP_SUM])
+            return
         if index < 0 or node.domain not in DEFAULT_DOMAINS:
             raise self.fail(value, node, "a subgraph or custom op that reads it")
         kind = node.op_type

@@ -23,7 +23,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from .domains import DEFAULT_DOMAINS, ONNXRUNTIME_DOMAIN
+from .contrib import rms_gain_input
+from .domains import DEFAULT_DOMAINS
 from .graphs import node_reads, unique_name
 from .layers import LAYER_OPS, weight_axes
 
@@ -31,10 +32,6 @@ SCALE_RANGE = (1e-4, 1e4)  # s is clamped here: a near-empty channel must not bl
 LAST, CHANNEL = LAYER_OPS["MatMul"].channel_axis, LAYER_OPS["Conv"].channel_axis  # where MatMul / Gemm and Conv inputs hold channels
 NO_WEIGHT = "its second operand is computed: no constant weight takes the scale"
 _COMMUTING = {"Relu": (LAST, CHANNEL), "MaxPool": (CHANNEL,)}  # ops that pass a positive per-channel scale through
-# RMS norms over the last axis and their gain's input: 1/s folds into the gain (of the normed output only:
-# the skip form's sum, its output 3, stays as it is)
-_RMS_GAINS = {("", "RMSNormalization"): 1, ("", "SimplifiedLayerNormalization"): 1,
-              (ONNXRUNTIME_DOMAIN, "SkipSimplifiedLayerNormalization"): 2}
 _SHAPE_ONLY = ("Shape", "Size")  # readers of a value's shape, which a scale leaves as it is
 
 
@@ -245,9 +242,9 @@ def _chain_from(current: str, group: Group, constants: _Constants,
         if current != group.value and len(constants.value_readers(current)) != 1:
             return None, f"{current} is read by other nodes too"
         producer = producers.get(current)
-        if producer is None or (producer.domain not in DEFAULT_DOMAINS and _rms_gain(producer) is None):
+        if producer is None or (producer.domain not in DEFAULT_DOMAINS and rms_gain_input(producer) is None):
             return None, f"{current} is a graph input" if producer is None else f"{producer.name} is a custom op"
-        if _rms_gain(producer) is not None and current != producer.output[0]:
+        if rms_gain_input(producer) is not None and current != producer.output[0]:
             return None, f"its producer {producer.name} ({producer.op_type}) writes it unnormalised"
         if group.axis in _COMMUTING.get(producer.op_type, ()):
             current = producer.input[0]
@@ -271,7 +268,7 @@ def _through_product(product: onnx.NodeProto, group: Group, constants: _Constant
     for operand in reversed(product.input) if len(set(product.input)) == 2 else ():  # silu(gate) * up: the second first
         chain, _ = _chain_from(operand, group, constants, producers)
         if chain is not None and (chain[-1][0].op_type in ("MatMul", "Gemm", "Conv", "LayerNormalization")
-                                  or _rms_gain(chain[-1][0]) is not None):
+                                  or rms_gain_input(chain[-1][0]) is not None):
             return steps + chain, ""
     return None, f"its producer {product.name} (Mul) has no operand that can absorb the scale"
 
@@ -286,7 +283,7 @@ def _absorbing_inputs(node: onnx.NodeProto, group: Group, tensors: dict[str, onn
         if group.axis != LAST or any(list(tensors[node.input[k]].dims) != [group.channels] for k in floats):
             return None
         return floats if 1 in floats and floats == [k for k in (1, 2) if k < len(node.input) and node.input[k]] else None
-    gain = _rms_gain(node)
+    gain = rms_gain_input(node)
     if gain is not None:
         return [gain] if group.axis == LAST and gain in floats and list(tensors[node.input[gain]].dims) == [group.channels] else None
     layout = _layout(node, tensors) if node.op_type in ("MatMul", "Gemm", "Conv") else "not a layer"
@@ -298,13 +295,6 @@ def _absorbing_inputs(node: onnx.NodeProto, group: Group, tensors: dict[str, onn
     if out != group.channels or any(k not in floats for k in bias):
         return None
     return [1, *bias]
-
-
-def _rms_gain(node: onnx.NodeProto) -> int | None:
-    """The gain's input index of an RMS norm over the last axis, else None."""
-    domain = "" if node.domain in DEFAULT_DOMAINS else node.domain
-    axis = next((a.i for a in node.attribute if a.name == "axis"), -1)
-    return _RMS_GAINS.get((domain, node.op_type)) if axis == -1 else None
 
 
 def _output_factor(node: onnx.NodeProto, index: int, group: Group, inverse: np.ndarray) -> np.ndarray:

@@ -211,3 +211,25 @@ def test_rotation_follows_the_builders_fused_rms_norms_and_keeps_the_function(to
     check = list(CalibrationData(tokens["check"], onnx.load(path, load_external_data=False)))
     expected, rotated = run(path, check), run(result.float_model, check)
     np.testing.assert_allclose(rotated, expected, rtol=0, atol=1e-4 * float(np.abs(expected).max()))
+
+
+@pytest.mark.parametrize("case", ["fp32 at A8W8", "int4_tied"])
+def test_the_lifted_genai_decoder_runs_forward_on_the_meta_device(tokens: dict[str, Path], case: str) -> None:
+    """The GPU path on the CPU: the lifted decoder (GroupQueryAttention with its cache and row lengths,
+    rotary, RMS norms, the int4 tied table's GatherBlockQuantized) runs forward on the meta device,
+    reading no device value (a host read there raises)."""
+    import torch
+
+    from finetune.lift import lift_model
+    from finetune.quantize import quantize_model
+
+    if case == "int4_tied":
+        model = onnx.load(GENAI / "int4_tied" / "model.onnx")
+        matmul_nbits_to_qdq(model)
+    else:
+        model = quantize_model(str(FP32), "A8W8", str(tokens["calibration"])).model
+    feed = next(iter(CalibrationData(tokens["check"], model)))
+    meta = torch.device("meta")
+    module = lift_model(model).to(meta)
+    outputs = module(*(torch.empty(v.shape, dtype=torch.from_numpy(v).dtype, device=meta) for v in feed.values()))
+    assert len(outputs) == 5 and all(o.device == meta for o in outputs) and outputs[0].shape == (4, 16, VOCABULARY)

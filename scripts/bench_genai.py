@@ -6,7 +6,9 @@ dequantized into a Hugging Face folder. Then, each in a process of its own (its 
 the builder's fp32 model (float), its int4 model as built (round to nearest) and at accuracy level 0,
 ours tuning that int4 model with GPTQ against the fp32 model (`finetune tune`: written back as
 MatMulNBits at level 4), and ours quantizing the fp32 model to INT4 in blocks of 32 with GPTQ and to
-A8W8 (with SmoothQuant, and after rotating the residual stream too) and MXFP4 (with and without rotation). Every model is scored in our onnxruntime (1 thread, optimisations off) on windows of CPython's
+A8W8 (with SmoothQuant, and after rotating the residual stream too) and MXFP4 (with and without rotation).
+`lift` checks the fp32 model lifted to torch: logits within float rounding of onnxruntime's, 32 greedy
+tokens through the cache equal. Every model is scored in our onnxruntime (1 thread, optimisations off) on windows of CPython's
 `pydoc_data.topics` after the calibration windows (bench_smollm2's), fed from token folders of
 input_ids alone (the mask and empty caches filled). JSON on stdout, progress on stderr.
 
@@ -28,12 +30,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from bench_smollm2 import GPTQ, evaluate, token_windows  # a sibling script: python puts scripts/ on the path
+from bench_smollm2 import GPTQ, evaluate, one_thread_session, token_windows  # a sibling script: python puts scripts/ on the path
 
 OURS = {"ours_int4_g32_gptq": {"preset": "INT4_BLOCK32", "fast_finetune": GPTQ}, "ours_a8w8": {"preset": "A8W8"},
         "ours_a8w8_sq": {"preset": "A8W8", "smooth_quant": {}}, "ours_a8w8_rot_sq": {"preset": "A8W8", "rotation": {}, "smooth_quant": {}},
         "ours_mxfp4": {"preset": "MXFP4"}, "ours_mxfp4_rot": {"preset": "MXFP4", "rotation": {"online": True}}}  # -> our config
-SETTINGS = ("float", "genai_int4", "genai_int4_level0", "ours_tune_gptq", *OURS)
+SETTINGS = ("float", "lift", "genai_int4", "genai_int4_level0", "ours_tune_gptq", *OURS)
 BATCH = 4  # sequences a token file
 MAKE_CHECKPOINT = """
 import sys
@@ -112,6 +114,51 @@ def produce(setting: str, folder: Path) -> tuple[Any, dict[str, Any]]:
     return made, ({"make_seconds": seconds} if setting.startswith("ours_") else {})
 
 
+def greedy(run: Any, model: Any, prompt: np.ndarray, steps: int) -> np.ndarray:
+    """The tokens greedy decoding picks through the key/value cache: the prompt (its other inputs
+    filled as for no past), then one token a step, each present fed back as the past of its name."""
+    from finetune.calibrate.decoder_inputs import fillable_inputs, filled
+
+    inputs, outputs = [i.name for i in model.graph.input], [o.name for o in model.graph.output]
+    dtypes = {i.name: np.dtype(np.int64 if i.type.tensor_type.elem_type == 7 else np.float32) for i in model.graph.input}
+    feed = {"input_ids": prompt, **filled({"input_ids": prompt}, inputs[1:], fillable_inputs(model), dtypes)}
+    picked = []
+    for _ in range(steps):
+        values = dict(zip(outputs, run([feed[name] for name in inputs])))
+        token = values["logits"][:, -1].argmax(-1)[:, None].astype(np.int64)
+        picked.append(token)
+        past = {name.replace("present", "past_key_values"): value for name, value in values.items() if name != "logits"}
+        feed = {"input_ids": token, "attention_mask": np.ones((len(token), feed["attention_mask"].shape[1] + 1), np.int64), **past}
+    return np.concatenate(picked, axis=1)
+
+
+def check_lift(folder: Path) -> dict[str, Any]:
+    """The fp32 model lifted to torch against onnxruntime: the logits on the first evaluation file
+    within the float rounding bound, and 32 greedy tokens after its first 16 tokens equal."""
+    import onnx
+    import torch
+
+    from finetune.calibrate.data import CalibrationData
+    from finetune.lift import lift_model
+    from finetune.lift.agreement import bound, largest_difference
+
+    path = folder / "fp32" / "model.onnx"
+    model, lifted = onnx.load(path, load_external_data=False), lift_model(path)
+    session = one_thread_session(str(path))
+    names = [i.name for i in model.graph.input]
+
+    def lifted_run(values: list[np.ndarray]) -> list[np.ndarray]:
+        with torch.no_grad():
+            return [t.numpy() for t in lifted(*(torch.from_numpy(np.ascontiguousarray(v)) for v in values))]
+
+    feed = next(iter(CalibrationData(folder / "evaluation", model)))
+    expected, actual = session.run(["logits"], feed)[0], lifted_run([feed[n] for n in names])[0]
+    prompt = feed["input_ids"][:, :16]
+    tokens = [greedy(run, model, prompt, 32) for run in (lifted_run, lambda values: session.run(None, dict(zip(names, values))))]
+    return {"logits_difference": largest_difference(actual, expected), "logits_bound": bound(expected),
+            "logits_scale": float(np.abs(expected).max()), "greedy_equal": bool(np.array_equal(*tokens))}
+
+
 def run_setting(setting: str, folder: Path) -> dict[str, Any]:
     """Make and score one setting (float's argmax tokens saved for the others' agreement)."""
     import onnx
@@ -120,6 +167,8 @@ def run_setting(setting: str, folder: Path) -> dict[str, Any]:
     from finetune.calibrate.data import CalibrationData
 
     torch.set_num_threads(1)
+    if setting == "lift":
+        return check_lift(folder)
     model, result = produce(setting, folder)
     feeds = list(CalibrationData(folder / "evaluation", onnx.load(folder / "fp32" / "model.onnx", load_external_data=False)))
     float_path = folder / "float_tokens.npy"

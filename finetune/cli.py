@@ -186,7 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_finetune_flags(q)
     q.set_defaults(run=quantize)
     t = commands.add_parser("tune", help="recover the accuracy of an already quantized QDQ model (AdaRound / AdaQuant)")
-    t.add_argument("model", type=Path, help="QDQ ONNX model (ours, onnxruntime quantize_static, com.amd.quark BFP/MX)")
+    t.add_argument("model", type=Path, help="QDQ ONNX model (ours, onnxruntime quantize_static, com.amd.quark BFP/MX), "
+                   "or one with 4-bit MatMulNBits (onnxruntime-genai's int4: written back as MatMulNBits)")
     t.add_argument("--float-model", type=Path,
                    help="the float model it was made from (default: the QDQ model with its quantizers disabled)")
     t.add_argument("--data", type=Path, required=True, help="calibration folder: .npy or .npz files")

@@ -64,8 +64,7 @@ def finetune_model(
     recon.hooks; each is checked here)."""
     begin = time.perf_counter()
     checkpoint = _checkpoint_path(output_dir, name, resume, config.processes)
-    original = load_model(qdq_model)
-    nbits = matmul_nbits_to_qdq(original)  # onnxruntime's 4-bit MatMuls are tuned as QDQ, and written back as they came
+    original, nbits = _as_qdq(qdq_model)
     keep_external = has_external_data(qdq_model) if external_data is None else external_data
     device = preflight(original, config)
     if attach_ops:
@@ -84,8 +83,7 @@ def finetune_model(
     tuned, report = launch(fabric, tune_process, job)[0] if config.processes > 1 else tune_process(fabric, job)
     if tuned is None:
         return None, report  # a process other than the first of a data-parallel run: the first one writes
-    if nbits:
-        tuned = to_matmul_nbits(tuned, nbits)[0]
+    tuned = to_matmul_nbits(tuned, nbits)[0] if nbits else tuned  # back to the form it came in
     report["total_seconds"] = time.perf_counter() - begin
     require_loads(tuned, qdq_model, "fine-tuning")  # the input as given: `original` became the tuned model
     if model_path is not None:
@@ -96,6 +94,13 @@ def finetune_model(
     if saver is not None:
         saver.remove()  # the run is complete: nothing is left to resume
     return tuned, report
+
+
+def _as_qdq(model: str | Path | onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str, int]]:
+    """The model loaded, its 4-bit MatMulNBits (onnxruntime's) read as the QDQ they pack, and their
+    accuracy levels by MatMul name (onnx.contrib.matmul_nbits_to_qdq) to pack them back with."""
+    loaded = load_model(model)
+    return loaded, matmul_nbits_to_qdq(loaded)
 
 
 def preflight(model: str | Path | onnx.ModelProto, config: FastFinetune) -> torch.device:

@@ -1,8 +1,9 @@
 """onnxruntime's contrib ops that decoder exports are written with (onnxruntime-genai's model builder
 among them): the RMS norm SimplifiedLayerNormalization (SkipSimplifiedLayerNormalization reaches the
-lift split into its Adds and one: onnx.contrib), RotaryEmbedding and GroupQueryAttention with its
-key/value cache and rotary, each computing what onnxruntime's CPU kernels compute
-(tests/test_lift_contrib.py holds them to onnxruntime within float rounding)."""
+lift split into its Adds and one: onnx.contrib), RotaryEmbedding, GroupQueryAttention with its
+key/value cache and rotary, and GatherBlockQuantized (a block-quantized token table), each computing
+what onnxruntime's CPU kernels compute (tests/test_lift_contrib.py holds them to onnxruntime: within
+float rounding where they sum, bit for bit where they do not)."""
 
 from __future__ import annotations
 

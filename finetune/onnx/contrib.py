@@ -16,7 +16,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from .domains import ONNXRUNTIME_DOMAIN
+from .domains import DEFAULT_DOMAINS, ONNXRUNTIME_DOMAIN
 from .graphs import all_graphs, node_reads, unique_name
 
 logger = logging.getLogger(__name__)
@@ -48,7 +48,7 @@ def split_skip_norms(model: onnx.ModelProto) -> int:
 def rms_gain_input(node: onnx.NodeProto) -> int | None:
     """The gain's input index of an RMS norm over the last axis (the ONNX op, onnxruntime's
     SimplifiedLayerNormalization and its skip form), else None."""
-    domain = "" if node.domain == "ai.onnx" else node.domain
+    domain = "" if node.domain in DEFAULT_DOMAINS else node.domain
     axis = next((a.i for a in node.attribute if a.name == "axis"), -1)
     return _RMS_GAINS.get((domain, node.op_type)) if axis == -1 else None
 
@@ -129,12 +129,10 @@ def _dequantized_matmul(node: onnx.NodeProto, initializers: dict[str, onnx.Tenso
                          "zero points or none); re-export it with plain MatMul weights")
     k, n, block = int(attributes["K"]), int(attributes["N"]), int(attributes["block_size"])
     blocks = -(-k // block)
-    packed = numpy_helper.to_array(initializers[packed_name]).reshape(n, blocks, block // 2)
-    codes = np.stack((packed & 0xF, packed >> 4), axis=-1).reshape(n, blocks * block)[:, :k].T
+    codes = _nibbles(numpy_helper.to_array(initializers[packed_name]), n)[:, :k].T
     scales = numpy_helper.to_array(initializers[scales_name]).reshape(n, blocks).T
     if zero_name:
-        zero_bytes = numpy_helper.to_array(initializers[zero_name]).reshape(n, -1)
-        zero = np.stack((zero_bytes & 0xF, zero_bytes >> 4), axis=-1).reshape(n, -1)[:, :blocks].T
+        zero = _nibbles(numpy_helper.to_array(initializers[zero_name]), n)[:, :blocks].T
     else:
         zero = np.full((blocks, n), NBITS_DEFAULT_ZERO, np.uint8)
     zero_name = zero_name or unique_name(f"{packed_name}_zero_point", taken)
@@ -155,6 +153,12 @@ def _dequantized_matmul(node: onnx.NodeProto, initializers: dict[str, onnx.Tenso
     if bias:
         made.append(helper.make_node("Add", [product, bias], [node.output[0]], name=unique_name(f"{node.name}/bias_add", taken)))
     return made
+
+
+def _nibbles(packed: np.ndarray, rows: int) -> np.ndarray:
+    """[rows, 2 x bytes a row] 4-bit codes from bytes packing two each, low nibble first (MatMulNBits' layout)."""
+    by_row = packed.reshape(rows, -1)
+    return np.stack((by_row & 0xF, by_row >> 4), axis=-1).reshape(rows, -1)
 
 
 def _replace_initializer(graph: onnx.GraphProto, initializers: dict[str, onnx.TensorProto], tensor: onnx.TensorProto) -> None:

@@ -1,5 +1,6 @@
 """What every converter of this package needs: the node's ONNX mapping and result, its optional
-constant inputs, and the refusal of nodes whose optional outputs something reads."""
+constant inputs, which of its outputs something reads, and the refusal of nodes whose optional
+outputs something reads."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from onnx2torch.onnx_graph import OnnxGraph
 from onnx2torch.onnx_node import OnnxNode
 from onnx2torch.utils.common import OnnxMapping, OperationConverterResult
 from torch import nn
+
+from finetune.onnx.graphs import all_nodes
 
 
 def node_mapping(node: OnnxNode, inputs: Sequence[str] | None = None, outputs: int = 1) -> OnnxMapping:
@@ -43,3 +46,12 @@ def is_constant_or_absent(node: OnnxNode, graph: OnnxGraph, index: int) -> bool:
     """Whether an optional input is missing or an initializer."""
     name = node.input_values[index] if index < len(node.input_values) else ""
     return not name or name in graph.initializers
+
+
+def used_outputs(node: OnnxNode, graph: OnnxGraph) -> tuple[int, ...]:
+    """Indices of the outputs something reads (a node, a subgraph's node or a graph output); the
+    first alone when none is read. A module returning these only returns one tensor where its first
+    output alone is read (as a reconstruction unit's target must be: an LSTM's Y)."""
+    read = {name for n in all_nodes(graph.proto) for name in n.input} | {o.name for o in graph.proto.output}
+    used = tuple(i for i, name in enumerate(node.output_values) if name and name in read)
+    return used or (0,)

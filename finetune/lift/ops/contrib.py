@@ -20,7 +20,7 @@ from torch import nn
 from finetune.onnx.domains import ONNXRUNTIME_DOMAIN
 
 from ..registry import register
-from .common import converted, node_mapping, require_unused_outputs
+from .common import converted, node_mapping, require_unused_outputs, used_outputs
 
 
 def rms_normalized(x: torch.Tensor, gamma: torch.Tensor, axis: int, epsilon: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,19 +44,13 @@ class SimplifiedLayerNorm(nn.Module):
         return (y, inverse) if self.with_inverse else y
 
 
-def _read_outputs(node: OnnxNode, graph: OnnxGraph) -> tuple[int, ...]:
-    """Indices of the node's outputs that something reads (the first always)."""
-    read = {name for n in graph.proto.node for name in n.input} | {o.name for o in graph.proto.output}
-    return (0, *(i for i, name in enumerate(node.output_values) if i and name and name in read))
-
-
 @register("SimplifiedLayerNormalization", (1,))
 def _simplified_layer_norm(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
     """onnxruntime's RMS norm (registered in the default domain)."""
     a = node.attributes
     if a.get("stash_type", 1) != 1:
         raise NotImplementedError("stash_type other than float32")
-    returns = _read_outputs(node, graph)
+    returns = (0, *(i for i in used_outputs(node, graph) if i))  # the output always, the inverse root where read
     module = SimplifiedLayerNorm(int(a.get("axis", -1)), float(a.get("epsilon", 1e-5)), returns == (0, 1))
     if returns not in ((0,), (0, 1)):
         raise NotImplementedError(f"outputs {returns} are read; the output and the inverse root are lifted")

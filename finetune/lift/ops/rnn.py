@@ -17,10 +17,8 @@ from onnx2torch.onnx_node import OnnxNode
 from onnx2torch.utils.common import OnnxMapping, OperationConverterResult
 from torch import nn
 
-from finetune.onnx.graphs import all_nodes
-
 from ..registry import register
-from .common import converted
+from .common import converted, used_outputs
 
 Activation = Callable[[torch.Tensor], torch.Tensor]
 States = tuple[torch.Tensor, ...]
@@ -233,7 +231,7 @@ def _settings(node: OnnxNode, graph: OnnxGraph, activation_count: int, defaults:
                                   f"{', '.join(sorted(ACTIVATIONS))} (case-insensitive)")
     clip = a.get("clip")
     return {"direction": direction, "layout": int(a.get("layout", 0)), "activations": names,
-            "clip": None if clip is None else float(clip), "returns": _used_outputs(node, graph)}
+            "clip": None if clip is None else float(clip), "returns": used_outputs(node, graph)}
 
 
 def _zero_initial_states(node: OnnxNode, graph: OnnxGraph, indices: Sequence[int]) -> tuple[str, ...]:
@@ -262,15 +260,6 @@ def _is_zeros(value: str, graph: OnnxGraph) -> bool:
     if producer.operation_type == "Concat":
         return all(_is_zeros(name, graph) for name in producer.input_values)
     return producer.operation_type in ZERO_PRESERVING and _is_zeros(producer.input_values[0], graph)
-
-
-def _used_outputs(node: OnnxNode, graph: OnnxGraph) -> tuple[int, ...]:
-    """Indices of the outputs something reads (a node, a subgraph's node or a graph output); Y
-    alone when none is read. The module returns these only, so a layer whose Y alone is read
-    returns one tensor, as a reconstruction unit's target must be."""
-    read = {name for n in all_nodes(graph.proto) for name in n.input} | {o.name for o in graph.proto.output}
-    used = tuple(i for i, name in enumerate(node.output_values) if name and name in read)
-    return used or (0,)
 
 
 def _mapping(inputs: tuple[str, ...], node: OnnxNode, returns: tuple[int, ...]) -> OnnxMapping:

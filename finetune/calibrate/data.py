@@ -79,8 +79,10 @@ class CalibrationData:
     Data are never cached: memory stays at one batch."""
 
     def __init__(self, source: Any, model: ModelLike, limit: int | None = None) -> None:
+        if isinstance(model, (str, os.PathLike)):  # read once, for the inputs and the decoder inputs that may be filled
+            model = onnx.load(str(model), load_external_data=False)
         self.inputs = _inputs_of(model)
-        self._fillable = _fillable_of(model)
+        self._fillable = fillable_inputs(model) if isinstance(model, onnx.ModelProto) else {}
         if limit is not None and limit < 1:
             raise ValueError(f"limit must be a positive number of samples, got {limit}")
         self.limit = limit
@@ -200,13 +202,6 @@ def _random_array(info: InputInfo, batch: int, rng: np.random.Generator) -> np.n
     if info.dtype.kind == "b":
         return rng.random(shape) < 0.5
     raise ValueError(f"cannot make random data for input {info.name!r} of type {info.dtype}")
-
-
-def _fillable_of(model: ModelLike) -> dict[str, tuple[int | None, ...]]:
-    """The decoder inputs a feed of input_ids may leave out (decoder_inputs), where the model's graph is at hand."""
-    if isinstance(model, (str, os.PathLike)):
-        model = onnx.load(str(model), load_external_data=False)
-    return fillable_inputs(model) if isinstance(model, onnx.ModelProto) else {}
 
 
 def _inputs_of(model: ModelLike) -> tuple[InputInfo, ...]:

@@ -17,7 +17,7 @@ from finetune.notices import Warnings
 from finetune.quantize import quantize_model
 from finetune.recon import ActivationCache, find_units, finetune_model
 from finetune.recon.data.heldout import ModelGuard, held_out_batches, local_chunks
-from finetune.recon.data.losses import BestPoint, evaluation_interval
+from finetune.recon.data.losses import SUM_SLICE, BestPoint, error_sums, evaluation_interval
 from finetune.recon.data.shards import Rows
 from finetune.recon.data.streams import cache_inputs
 from finetune.recon.units import parameters_of
@@ -197,3 +197,22 @@ def test_early_stopping_counts_held_out_evaluations_without_improvement() -> Non
                 break
         assert unit["iterations"] == min(400, stop + 20)
     assert any(unit["iterations"] < 400 for unit in report["units"])
+
+
+def test_error_sums_bound_their_float64_copies_and_add_the_same_squares() -> None:
+    """A unit's error sums come a slice at a time (an LM head's logits would need four float64 copies of
+    themselves at once): up to one slice bit for bit the one-pass float64 sums, above it the same
+    squares added in slices, so within float64 rounding; a half-precision output's difference is taken
+    in float32, not rounded to half (2048 - 0.5 is 2048 in half)."""
+    generator = torch.Generator().manual_seed(0)
+    for size in (SUM_SLICE, 3 * SUM_SLICE + 17):
+        output, target = (torch.randn(size, generator=generator) for _ in range(2))
+        sums = error_sums(output.view(-1, 1), target.view(1, -1))
+        direct = torch.stack([(output - target).double().square().sum(), target.double().square().sum()])
+        assert sums[2] == size
+        if size == SUM_SLICE:
+            assert torch.equal(sums[:2], direct)
+        else:
+            assert torch.allclose(sums[:2], direct, rtol=size * 2.0**-53, atol=0)  # any order of n positive float64 terms
+    half = torch.tensor([2048.0, 0.5], dtype=torch.float16)
+    assert error_sums(half[:1], half[1:])[0] == 2047.5**2

@@ -23,6 +23,7 @@ from finetune.notices import Warnings
 
 from ..units import Unit, parameters_of, tuned_tensor
 from .cache import ActivationCache, CachedValue
+from .losses import error_sums
 from .shards import sum_across, sum_over_batches
 
 
@@ -92,8 +93,7 @@ class ModelGuard:
         in calibration batch order (shards.sum_over_batches), so any number of processes decides alike."""
         rows = {}
         for chunk, targets in zip(self.chunks, self.targets):
-            rows[chunk] = torch.cat([torch.stack([(output.double() - target.double()).square().sum(), target.double().square().sum()])
-                                     for output, target in zip(self._outputs(self.module, chunk), targets)])
+            rows[chunk] = torch.cat([error_sums(output, target)[:2] for output, target in zip(self._outputs(self.module, chunk), targets)])
         totals = np.array(sum_over_batches(self.fabric, rows, self.chunk_count, 2 * self.outputs)).reshape(-1, 2)
         return float(np.mean([error / power if power > 0 else error for error, power in totals])) if len(totals) else 0.0
 

@@ -10,7 +10,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from finetune.onnx.normalize import default_opset, normalize_model
+from finetune.onnx.normalize import default_opset, keep_only, normalize_model
 
 from .lift_helpers import onnx_model, random_input, run_ort, tensor
 
@@ -73,3 +73,31 @@ def test_unconvertible_opset_is_kept_and_reported() -> None:
     model = onnx_model([node], [tensor("x", [2])], [tensor("y", None)], opset=11)
     normalized, changes = normalize_model(model)
     assert default_opset(normalized) == 11 and changes[0].startswith("kept opset 11")
+
+
+def test_keep_only_removes_entries_in_place_without_copying_the_kept_ones() -> None:
+    """Dropping unused initializers kept the others by re-adding them, which copies every message: a
+    2.5 GB decoder's weights twice over (+2.4 GB resident after folding its exported constants). The
+    kept entries are the very messages held before, in their order."""
+    graph = helper.make_graph([], "g", [], [], [numpy_helper.from_array(np.full(4, i, np.float32), f"w{i}") for i in range(6)])
+    held = list(graph.initializer)
+    assert keep_only(graph.initializer, lambda t: t.name not in {"w1", "w4"}) == 2
+    assert [t.name for t in graph.initializer] == ["w0", "w2", "w3", "w5"]
+    assert all(now is before for now, before in zip(graph.initializer, [held[0], held[2], held[3], held[5]]))
+    assert keep_only(graph.initializer, lambda t: True) == 0 and len(graph.initializer) == 4
+
+
+def test_the_opset_is_raised_for_int4_blocks_in_the_callers_own_model() -> None:
+    """quantize_model raises the opset of its own copy of the float model in place (a copy held a 2.5 GB
+    decoder's weights a second time): the model it gets back is the one it gave, at opset 21."""
+    from finetune.config import load_config
+    from finetune.quantize.plan import plan, upgrade_opset
+
+    weight = numpy_helper.from_array(np.ones((256, 8), np.float32), "w")
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 256])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8])], [weight])
+    model, _ = normalize_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]))
+    changes: list[str] = []
+    upgraded = upgrade_opset(model, plan(model, load_config("INT4_BLOCK32"), []), changes, [])
+    assert upgraded is model and default_opset(model) == 21 and changes == ["upgraded the default opset from 13 to 21"]

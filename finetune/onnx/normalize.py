@@ -172,12 +172,11 @@ def _drop_initializer_value_info(model: onnx.ModelProto) -> list[str]:
 def keep_only(items: Any, keep: Callable[[Any], bool]) -> int:
     """Keep the entries of a protobuf repeated field that `keep` accepts, in order and in place;
     returns how many were removed."""
-    kept = [item for item in items if keep(item)]
-    removed = len(items) - len(kept)
-    if removed:
-        del items[:]
-        items.extend(kept)
-    return removed
+    dropped = sum(not keep(item) for item in items)
+    if dropped:  # a stable sort moves no message and keeps the order; re-adding the kept ones would copy them (all the weights)
+        items.sort(key=lambda item: not keep(item))
+        del items[len(items) - dropped:]
+    return dropped
 
 
 def _sort_topologically(model: onnx.ModelProto) -> list[str]:

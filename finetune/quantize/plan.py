@@ -193,12 +193,13 @@ def with_producer_formats(uses: list[Use]) -> list[Use]:
 
 
 def upgrade_opset(model: onnx.ModelProto, uses: list[Use], changes: list[str], notices: list[Notice]) -> onnx.ModelProto:
-    """Raise the opset to what the planned quantize-dequantize nodes need (`opset_for`); whether
-    the version converter managed it is for the caller to check (checks.check_opset)."""
+    """Raise the opset to what the planned quantize-dequantize nodes need (`opset_for`), in place (the
+    caller's own copy: a copy would hold the weights twice); whether the version converter managed it is
+    for the caller to check (checks.check_opset)."""
     needed = max((opset_for(u.spec) for u in with_producer_formats(uses)), default=PER_CHANNEL_OPSET)
     if (default_opset(model) or 0) >= needed:
         return model
-    upgraded, more = normalize_model(model, min_opset=needed, notices=notices)
+    upgraded, more = normalize_model(model, min_opset=needed, notices=notices, in_place=True)
     changes.extend(more)
     return upgraded
 

@@ -40,8 +40,9 @@ from finetune.recon import finetune_model
 from finetune.recon.data.cache import ActivationCache
 from finetune.recon.data.rows import UnitInputs
 from finetune.recon.methods import gptq as gptq_method
-from finetune.recon.methods.gptq_layouts import _gemm_layout, _matmul_layout, input_hessian
-from finetune.recon.methods.gptq_solver import gptq
+from finetune.recon.methods.gptq_layouts import _conv_layout, _gemm_layout, _matmul_layout, input_hessian
+from finetune.recon.methods import gptq_solver
+from finetune.recon.methods.gptq_solver import gptq, gptq_into
 from finetune.zoo import digits_split
 
 from .recon_helpers import one_thread, run  # noqa: F401  (one_thread: autouse fixture)
@@ -121,10 +122,16 @@ def mxfp4_reference_rounding(w: torch.Tensor, block: int) -> Callable[[torch.Ten
 
 @pytest.mark.parametrize("act_order", [False, True])
 @pytest.mark.parametrize("kind", ["int4 channel", "mxfp4 along columns"])
-def test_gptq_equals_an_independent_obs_reimplementation(kind: str, act_order: bool) -> None:
+@pytest.mark.parametrize("slice_rows", [None, 3])
+def test_gptq_equals_an_independent_obs_reimplementation(kind: str, act_order: bool, slice_rows: int | None,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """8x32 weights, 64 correlated samples, lazy batches of 16 columns (so the MXFP4 blocks of 8 and
     the batches cut the columns differently): the same quantized weights as the float64 OBS update,
-    wherever no rounding in the reference lies within 1e-4 of a decision boundary (asserted too)."""
+    wherever no rounding in the reference lies within 1e-4 of a decision boundary (asserted too); also
+    solved 3 rows at a time (rows are independent under one factor: an LM head is solved in slices), and
+    written through a view of the weight (gptq_into) as gptq returns them."""
+    if slice_rows is not None:
+        monkeypatch.setattr(gptq_solver, "ROW_SLICE_ELEMENTS", slice_rows * 32)
     g = torch.Generator().manual_seed(3)
     w = torch.randn(8, 32, generator=g, dtype=torch.float64)
     x = correlated_inputs(64, 32, seed=4)
@@ -145,6 +152,12 @@ def test_gptq_equals_an_independent_obs_reimplementation(kind: str, act_order: b
     consumed = gptq(w.float()[None], held, grid.laid_out(lambda t: t[None]), 0.01, 16, act_order)
     assert held == [] and torch.equal(consumed[0], quantized) and torch.equal(consumed[1], compensated)
     assert torch.equal(grid.laid_out(lambda t: t[None]).round(compensated), quantized)
+    weight = w.float().T.contiguous()  # the layer's weight as x @ W holds it: the matrix is its transposed view
+    returned = gptq(weight.T[None], [h[None].clone()], grid.laid_out(lambda t: t[None]), 0.01, 16, act_order)
+    for keep, wanted in zip((False, True), returned):
+        written = weight.clone()
+        gptq_into(written.T[None], [h[None].clone()], grid.laid_out(lambda t: t[None]), keep, 0.01, 16, act_order)
+        assert torch.equal(written.T, wanted[0])
     rtn = torch.stack([round_column(w[:, j], j) for j in range(32)], dim=1)
     assert not torch.equal(expected, rtn)  # the error propagation changed some roundings
 
@@ -232,8 +245,6 @@ def test_a_grid_holds_a_value_shared_by_every_element_once() -> None:
 
 def conv_output_from_rows(conv: Conv, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """The Conv's output computed as GPTQ sees the layer: its weight matrix times its input rows."""
-    from finetune.recon.methods.gptq_layouts import _conv_layout
-
     layout = _conv_layout(conv, w.shape)
     rows = torch.cat(list(layout.rows((x, w))), dim=1)  # [groups, n * positions, columns]
     return layout.to_matrix(w) @ rows.transpose(1, 2)  # [groups, O/g, n * positions]
@@ -256,6 +267,14 @@ def test_conv_rows_reproduce_the_conv(rank: int, groups: int, strides: list[int]
     y = conv(x, w)
     expected = y.reshape(5, groups, 12 // groups, -1).permute(1, 2, 0, 3).reshape(groups, 12 // groups, -1)
     assert torch.allclose(conv_output_from_rows(conv, x, w), expected, atol=1e-4)
+    assert_writes_through(_conv_layout(conv, w.shape), w)
+
+
+def assert_writes_through(layout, weight: torch.Tensor) -> None:
+    """GPTQ writes its weights through the layout's matrix: it is a view of the weight."""
+    before = weight.clone()
+    layout.to_matrix(weight).mul_(2)
+    assert torch.equal(weight, 2 * before)
 
 
 @pytest.mark.parametrize("trans_a,trans_b", [(False, False), (False, True), (True, True)])
@@ -266,7 +285,7 @@ def test_gemm_layout(trans_a: bool, trans_b: bool) -> None:
     weight = b.T if trans_b else b
     rows = next(layout.rows((a.T if trans_a else a, weight)))
     assert torch.allclose((layout.to_matrix(weight) @ rows.transpose(1, 2))[0].T, a @ b, atol=1e-5)
-    assert torch.equal(layout.from_matrix(layout.to_matrix(weight)), weight)
+    assert_writes_through(layout, weight.clone())
 
 
 @pytest.mark.parametrize("weight_index", [0, 1])
@@ -284,7 +303,7 @@ def test_matmul_layout(weight_index: int) -> None:
     layout = _matmul_layout(weight_index, w.shape)
     product = (layout.to_matrix(w) @ next(layout.rows(args)).transpose(1, 2))[0]
     assert torch.allclose(product, expected, atol=1e-5)
-    assert torch.equal(layout.from_matrix(layout.to_matrix(w)), w)
+    assert_writes_through(layout, w)
 
 
 # --- config and end to end -----------------------------------------------------------------------------

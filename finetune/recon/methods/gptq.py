@@ -19,7 +19,7 @@ from finetune.lift.fake_quant import quantizers_disabled
 from ..units import Layer
 from .base import Algorithm, Method, UnitWork
 from .gptq_layouts import input_hessian, layout_of
-from .gptq_solver import gptq
+from .gptq_solver import gptq_into
 
 logger = logging.getLogger(__name__)
 
@@ -81,11 +81,8 @@ def _quantize_layer(layer: Layer, work: UnitWork, settings: GPTQSettings, weight
     with quantizers_disabled(quantizer, keep_ranges=False) if _feeds_only(module, layer) else contextlib.nullcontext():
         held = [input_hessian(op, layout, work.data.train, work.data.inputs, work.fabric, work.held)]
     groups, columns = held[0].shape[0], held[0].shape[-1]
-    quantized, compensated = gptq(layout.to_matrix(weight.detach().float()), held, grid, settings.perc_damp,
-                                  settings.block_size, settings.act_order)  # consumes the Hessian
-    start = compensated if weights == "compensated" else quantized
-    with torch.no_grad():
-        weight.copy_(layout.from_matrix(start).to(weight.dtype))
+    gptq_into(layout.to_matrix(weight), held, grid, weights == "compensated", settings.perc_damp,  # consumes the Hessian
+              settings.block_size, settings.act_order)
     logger.debug("GPTQ: %s, %d column(s) in %d group(s)", layer.name, columns, groups)
     return None
 

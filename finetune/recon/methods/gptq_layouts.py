@@ -27,11 +27,11 @@ PATCH_ELEMENTS = 1 << 22
 
 @dataclass(frozen=True)
 class Layout:
-    """How GPTQ sees a layer: its weight as [groups, outputs, columns] and back, and its inputs (the
-    positional arguments of one call of its module) as rows [groups, n, columns], in pieces."""
+    """How GPTQ sees a layer: its weight as [groups, outputs, columns] (a view: GPTQ writes its weights
+    through it), and its inputs (the positional arguments of one call of its module) as rows
+    [groups, n, columns], in pieces."""
 
     to_matrix: Callable[[torch.Tensor], torch.Tensor]
-    from_matrix: Callable[[torch.Tensor], torch.Tensor]
     rows: Callable[[tuple[torch.Tensor, ...]], Iterator[torch.Tensor]]
 
 
@@ -62,7 +62,7 @@ def _conv_layout(op: nn.Module, shape: torch.Size) -> Layout:
         for piece in x.split(step):
             yield _patches(piece, kernel, strides, dilations, groups)
 
-    return Layout(lambda t: t.reshape(groups, shape[0] // groups, -1), lambda m: m.reshape(shape), rows)
+    return Layout(lambda t: t.reshape(groups, shape[0] // groups, -1), rows)
 
 
 def _patches(x: torch.Tensor, kernel: list[int], strides: list[int], dilations: list[int], groups: int) -> torch.Tensor:
@@ -102,8 +102,8 @@ def _outputs_first(axes: tuple[int, int], rows: Callable[[tuple[torch.Tensor, ..
     """The layout of a 2-D weight whose (output, input) channel axes are `axes`: outputs first, as
     [1, outputs, inputs]."""
     if axes[0] % 2 == 0:
-        return Layout(lambda t: t[None], lambda m: m[0], rows)
-    return Layout(lambda t: t.T[None], lambda m: m[0].T, rows)
+        return Layout(lambda t: t[None], rows)
+    return Layout(lambda t: t.T[None], rows)
 
 
 class _Collected(Exception):

@@ -18,11 +18,16 @@ dead in calibration keeps its weights where it is alive)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
 from finetune.formats.grids import FixedGrid
+
+
+# Rows solved at once, in elements (64 MiB of float32): rows are independent problems under one factor,
+# so the working copies are a slice's, not the weight's (an LM head of 32,000 x 2,048 is 256 MiB a copy).
+ROW_SLICE_ELEMENTS = 1 << 24
 
 
 def gptq(weight: torch.Tensor, hessian: torch.Tensor | list[torch.Tensor], grid: FixedGrid | Callable[[], FixedGrid],
@@ -36,18 +41,39 @@ def gptq(weight: torch.Tensor, hessian: torch.Tensor | list[torch.Tensor], grid:
     `act_order` rounds the columns of largest curvature first (then in that order within each group).
     `grid` may be a function making it, called once the Hessian is factored (a grid holds tensors shaped
     like the weight, which then never sit beside the float64 matrices)."""
+    quantized, compensated = torch.empty_like(weight, dtype=torch.float32), torch.empty_like(weight, dtype=torch.float32)
+    for rows, q, c in _solved_rows(weight, hessian, grid, perc_damp, block_size, act_order):
+        quantized[:, rows], compensated[:, rows] = q, c
+    return quantized, compensated
+
+
+def gptq_into(target: torch.Tensor, hessian: torch.Tensor | list[torch.Tensor], grid: FixedGrid | Callable[[], FixedGrid],
+              compensated: bool, perc_damp: float = 0.01, block_size: int = 128, act_order: bool = False) -> None:
+    """gptq's quantized (or, with `compensated`, compensated) weights written over `target` [groups, rows,
+    columns] (a view of a layer's weight, any float dtype), a slice of rows at a time: no full-size copy."""
+    with torch.no_grad():
+        for rows, q, c in _solved_rows(target.detach(), hessian, grid, perc_damp, block_size, act_order):
+            target[:, rows] = (c if compensated else q).to(target.dtype)
+
+
+def _solved_rows(weight: torch.Tensor, hessian: torch.Tensor | list[torch.Tensor], grid: FixedGrid | Callable[[], FixedGrid],
+                 perc_damp: float, block_size: int, act_order: bool) -> Iterator[tuple[slice, torch.Tensor, torch.Tensor]]:
+    """gptq's (rows, quantized, compensated) for slices of about ROW_SLICE_ELEMENTS, in order; each slice
+    is read (copied) before it is yielded, so a caller may overwrite those rows of `weight`."""
     upper, order = _factor(hessian, perc_damp, act_order)
     grid = grid() if callable(grid) else grid
+    inverse = None if order is None else torch.argsort(order, dim=1)
 
-    def permuted(t: torch.Tensor) -> torch.Tensor:
-        return t if order is None else t.gather(2, order[:, None, :].expand_as(t))
+    def permuted(t: torch.Tensor, by: torch.Tensor | None) -> torch.Tensor:
+        return t if by is None else t.gather(2, by[:, None, :].expand_as(t))
 
-    quantized, compensated = _columns(permuted(weight.detach().float()), upper, grid.laid_out(permuted), block_size)
-    if order is None:
-        return quantized, compensated
-    inverse = torch.argsort(order, dim=1)
-    return quantized.gather(2, inverse[:, None, :].expand_as(quantized)), \
-        compensated.gather(2, inverse[:, None, :].expand_as(compensated))
+    groups, rows, columns = weight.shape
+    step = max(1, ROW_SLICE_ELEMENTS // max(1, groups * columns))
+    for start in range(0, rows, step):
+        part = slice(start, min(start + step, rows))
+        sliced = FixedGrid(grid.round_fn, tuple(p[:, part] for p in grid.params)).laid_out(lambda t: permuted(t, order))
+        quantized, compensated = _columns(permuted(weight[:, part].float(), order), upper, sliced, block_size)
+        yield part, permuted(quantized, inverse), permuted(compensated, inverse)
 
 
 def _factor(hessian: torch.Tensor | list[torch.Tensor], perc_damp: float,

@@ -122,7 +122,9 @@ def _fold(
     if not inputs or not all(name in constants for name in inputs):
         return None
     feeds = {name: numpy_helper.to_array(constants[name]) for name in inputs}
-    return ReferenceEvaluator(node, opsets={"": opset}).run(None, feeds)
+    detached = onnx.NodeProto()  # the evaluator lives in reference cycles: given the model's own node, it kept the
+    detached.CopyFrom(node)      # whole model (all its weights) alive until Python's cycle collector ran
+    return ReferenceEvaluator(detached, opsets={"": opset}).run(None, feeds)
 
 
 def _static_shape_of(node: onnx.NodeProto, shapes: dict[str, tuple[int, ...]]) -> list[np.ndarray] | None:

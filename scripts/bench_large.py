@@ -1,23 +1,29 @@
 """Peak memory of a model over 2 GB (JSON on stdout, progress on stderr): a stack of seeded-weight
-MatMul layers (fp32, external data) is loaded, quantized to INT4 weight-only in groups of 128 along
+MatMul layers (fp32, external data), or with `--model decoder` a Llama-style decoder LLM of seeded
+weights (finetune.zoo_decoder: RMS norms, grouped-query rotary attention, SwiGLU; width `--width`,
+blocks enough for the size; exported by torch.onnx), is loaded, quantized to INT4 weight-only in groups of 128 along
 the reduction axis (codes stored: INT4_BLOCK32 with block_size 128, weight_storage compact, or float with --storage float) and
 written by the pipeline; then the output is loaded and run in onnxruntime beside the float model.
 With `--finetune gptq` (or adaquant) the quantizing step tunes too, on a few seeded calibration
-batches (one thread; AdaQuant with `--cache-budget` bytes of activations in memory, the rest spilled).
+batches (one thread; AdaQuant with `--cache-budget` bytes of activations in memory, the rest spilled;
+on the decoder, one decoder block per unit).
 Each step runs in a process of its own, so each peak RSS (ru_maxrss) is that step's alone; the
 target for quantizing (and tuning) is the weights' size + 2 GB.
 
     python scripts/bench_large.py                                   # 2.5 GB of weights
     python scripts/bench_large.py --finetune gptq                   # + GPTQ
+    python scripts/bench_large.py --model decoder --width 2048 --finetune adaquant   # a 2.5 GB decoder, block by block
     python scripts/bench_large.py --gigabytes 0.3 --threshold 100000000   # develop: external path below 2 GB
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -29,6 +35,7 @@ import numpy as np
 
 CONFIG = {"preset": "INT4_BLOCK32", "weight": {"block_size": 128}}  # weight_storage: --storage
 SEED = 0
+VOCABULARY = 32000  # the decoder's, as Llama-2's
 
 
 def build(path: Path, gigabytes: float, width: int) -> dict[str, Any]:
@@ -53,15 +60,61 @@ def build(path: Path, gigabytes: float, width: int) -> dict[str, Any]:
     return {"layers": layers, "width": width, "weight_bytes": layers * width * width * 4}
 
 
+def decoder_shape(gigabytes: float, width: int) -> Any:
+    """A Llama-like DecoderShape of `width` (heads of 128 wide, a quarter as many key/value heads, an
+    MLP 2.75x as wide, a 32,000-token vocabulary, untied head) with as many blocks as make about
+    `gigabytes` of fp32 weights."""
+    from finetune.zoo_decoder import DecoderShape
+
+    heads = max(1, width // 128)
+    shape = DecoderShape(vocabulary=VOCABULARY, width=width, blocks=1, heads=heads, kv_heads=max(1, heads // 4),
+                         mlp=64 * round(width * 2.75 / 64))
+    block_bytes = 4 * width * (2 * width + 2 * shape.kv_heads * shape.head_size + 3 * shape.mlp)
+    blocks = round((gigabytes * 1e9 - 4 * 2 * VOCABULARY * width) / block_bytes)
+    return dataclasses.replace(shape, blocks=max(1, blocks))
+
+
+def build_decoder(path: Path, gigabytes: float, width: int) -> dict[str, Any]:
+    """Export a decoder of decoder_shape with seeded weights (torch's default initialisation) by
+    torch.onnx's TorchScript exporter, then write it as one model file and one data file."""
+    import onnx
+    import torch
+
+    from finetune.onnx.io import save_model_atomic
+    from finetune.zoo_decoder import TinyDecoder, export_module
+
+    shape = decoder_shape(gigabytes, width)
+    torch.manual_seed(SEED)
+    module = TinyDecoder(shape, cache=False).eval()
+    weight_bytes = 4 * sum(p.numel() for p in module.parameters())
+    exported = path.parent / "export" / path.name  # over 2 GB, the exporter writes a file per tensor
+    exported.parent.mkdir()
+    with torch.no_grad():
+        export_module(module, exported, dynamo=False)
+    del module
+    save_model_atomic(onnx.load(exported), path, external_data=True)
+    shutil.rmtree(exported.parent)
+    return {"shape": dataclasses.asdict(shape), "weight_bytes": weight_bytes}
+
+
+def feeds(args: argparse.Namespace, count: int, rows: int, seed: int) -> list[dict[str, np.ndarray]]:
+    """`count` seeded feeds of `rows` rows: normal inputs for the stack, `args.length` uniform
+    tokens a row (mask of ones, positions from 0) for the decoder."""
+    rng = np.random.default_rng(seed)
+    if args.model == "stack":
+        return [{"x": rng.standard_normal((rows, args.width), dtype=np.float32)} for _ in range(count)]
+    positions = np.broadcast_to(np.arange(args.length, dtype=np.int64), (rows, args.length)).copy()
+    return [{"input_ids": rng.integers(0, VOCABULARY, (rows, args.length), dtype=np.int64),
+             "attention_mask": np.ones((rows, args.length), np.int64), "position_ids": positions} for _ in range(count)]
+
+
 def quantize(path: Path, output: Path, args: argparse.Namespace) -> dict[str, Any]:
     """Load, quantize (and tune, with `args.finetune`) and write through the pipeline, as
     `finetune quantize [--finetune ...]` does."""
     from finetune.pipeline import quantize_and_finetune
 
-    config, data = settings(args), None
-    if args.finetune:
-        rng = np.random.default_rng(SEED + 2)
-        data = [{"x": rng.standard_normal((args.batch, args.width), dtype=np.float32)} for _ in range(args.batches)]
+    config = settings(args)
+    data = feeds(args, args.batches, args.batch, SEED + 2) if args.finetune else None
     result = quantize_and_finetune(path, config, data, model_path=output, output_dir=output.parent)
     tuned = {}
     if result.report is not None:
@@ -83,17 +136,18 @@ def tuning(args: argparse.Namespace) -> dict[str, Any]:
     benchmark measures memory and time)."""
     section = {"algorithm": args.finetune, "threads": 1, "batch_size": args.batch, "validation_share": 0.0}
     if args.finetune == "adaquant":
-        section.update(iterations=args.iterations, cache_budget_bytes=args.cache_budget)
+        section.update(iterations=args.iterations, cache_budget_bytes=args.cache_budget,
+                       **({"unit": "block"} if args.model == "decoder" else {}))
     return section
 
 
-def check(path: Path, output: Path, width: int) -> dict[str, Any]:
+def check(path: Path, output: Path, args: argparse.Namespace) -> dict[str, Any]:
     """Load the output in onnxruntime and run it beside the float model on one seeded input."""
     from finetune.onnx.session import inference_session
 
-    x = np.random.default_rng(SEED + 1).standard_normal((4, width), dtype=np.float32)
-    quantized = inference_session(output).run(None, {"x": x})[0]
-    reference = inference_session(path).run(None, {"x": x})[0]
+    feed = feeds(args, 1, 4 if args.model == "stack" else 2, SEED + 1)[0]
+    quantized = inference_session(output).run(None, feed)[0]
+    reference = inference_session(path).run(None, feed)[0]
     return {"loads_in_onnxruntime": True,
             "relative_error": float(np.linalg.norm(quantized - reference) / np.linalg.norm(reference))}
 
@@ -108,7 +162,7 @@ def step(name: str, args: argparse.Namespace, folder: Path) -> dict[str, Any]:
     command = [sys.executable, __file__, "--step", name, "--folder", str(folder), "--gigabytes", str(args.gigabytes),
                "--width", str(args.width), "--threshold", str(args.threshold), "--batches", str(args.batches),
                "--batch", str(args.batch), "--iterations", str(args.iterations), "--cache-budget", str(args.cache_budget),
-               "--storage", args.storage,
+               "--storage", args.storage, "--model", args.model, "--length", str(args.length),
                *(["--finetune", args.finetune] if args.finetune else [])]
     environment = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     print(f"bench_large: {name} ...", file=sys.stderr, flush=True)
@@ -128,18 +182,20 @@ def run_step(args: argparse.Namespace) -> dict[str, Any]:
     folder = Path(args.folder)
     model, output = folder / "large.onnx", folder / "large.int4.onnx"
     if args.step == "build":
-        result = build(model, args.gigabytes, args.width)
+        result = (build if args.model == "stack" else build_decoder)(model, args.gigabytes, args.width)
     elif args.step == "quantize":
         result = quantize(model, output, args)
     else:
-        result = check(model, output, args.width)
+        result = check(model, output, args)
     return {**result, "peak_rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gigabytes", type=float, default=2.5, help="fp32 weights to generate (10^9 bytes)")
-    parser.add_argument("--width", type=int, default=4096, help="each layer's input and output width")
+    parser.add_argument("--model", choices=["stack", "decoder"], default="stack", help="MatMul stack or decoder LLM")
+    parser.add_argument("--width", type=int, default=4096, help="each layer's input and output width (the decoder's model width)")
+    parser.add_argument("--length", type=int, default=128, help="the decoder's tokens per row")
     parser.add_argument("--threshold", type=int, default=2**31 - 1, help="EXTERNAL_DATA_THRESHOLD in bytes")
     parser.add_argument("--finetune", choices=["gptq", "adaquant"], help="tune after quantizing")
     parser.add_argument("--storage", choices=["compact", "float"], default="compact",

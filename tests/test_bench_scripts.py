@@ -225,3 +225,32 @@ def test_bench_smollm2_judges_each_setting_against_float_and_checks_the_lifted_e
     assert all(step["peak_rss_mib"] > 0 for step in results.values())
     for cache in ("no_cache", "cache"):
         assert results["lift"][cache]["outputs_within_bound"] and results["lift"][cache]["greedy_equal"]
+
+
+def test_bench_large_sizes_its_decoder_to_the_weights_asked_for() -> None:
+    """The decoder's shape: Llama-like heads, as many blocks as make the size within half a block's
+    weights (torch's own count of its parameters, the norms' gains aside)."""
+    from finetune.zoo_decoder import TinyDecoder
+
+    bench = script("bench_large")
+    shape = bench.decoder_shape(0.077, 256)
+    assert (shape.heads, shape.kv_heads, shape.mlp, shape.vocabulary) == (2, 1, 704, bench.VOCABULARY)
+    weights = 4 * sum(p.numel() for name, p in TinyDecoder(shape, cache=False).named_parameters() if "norm" not in name)
+    block = 4 * 256 * (2 * 256 + 2 * 128 + 3 * 704)
+    assert abs(weights - 0.077e9) <= block / 2 and shape.blocks == 4
+
+
+@pytest.mark.slow
+def test_bench_large_tunes_a_decoder_block_by_block_with_its_activations_spilled() -> None:
+    """A small decoder (external data forced by a low threshold), quantized and tuned by AdaQuant over
+    its decoder blocks with a cache budget of 64 KiB: activations spill to disk, and the output loads
+    and runs in onnxruntime."""
+    command = [sys.executable, str(SCRIPTS / "bench_large.py"), "--model", "decoder", "--gigabytes", "0.077", "--width", "256",
+               "--threshold", "10000000", "--finetune", "adaquant", "--iterations", "2", "--batches", "2", "--batch", "2",
+               "--length", "16", "--cache-budget", "65536"]
+    report = json.loads(subprocess.run(command, capture_output=True, text=True, check=True).stdout)
+    assert report["build"]["shape"]["blocks"] == 4 and report["quantize"]["units"] == 5  # four blocks, then the head
+    cache = report["quantize"]["cache"]
+    assert cache["spilled_arrays"] > 0 and cache["peak_bytes_in_memory"] <= 65536 < cache["peak_bytes_on_disk"]
+    assert report["check"]["loads_in_onnxruntime"] and 0 < report["check"]["relative_error"] < 1
+    assert len(report["output_files"]) == 2  # the model and one data file

@@ -6,8 +6,8 @@ import importlib.util
 import json
 import subprocess
 import sys
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest

@@ -40,8 +40,8 @@ from finetune.recon import finetune_model
 from finetune.recon.data.cache import ActivationCache
 from finetune.recon.data.rows import UnitInputs
 from finetune.recon.methods import gptq as gptq_method
-from finetune.recon.methods.gptq_layouts import _conv_layout, _gemm_layout, _matmul_layout, input_hessian
 from finetune.recon.methods import gptq_solver
+from finetune.recon.methods.gptq_layouts import _conv_layout, _gemm_layout, _matmul_layout, input_hessian
 from finetune.recon.methods.gptq_solver import gptq, gptq_into
 from finetune.zoo import digits_split
 

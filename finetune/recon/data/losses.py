@@ -42,9 +42,10 @@ def evaluation_interval(held_rows: int, batch_size: int) -> int:
 
 def error_sums(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """float64 [sum of (output - target)^2, sum of target^2, element count], the difference taken in
-    float32 or wider (as before for float32 units; a half-precision unit's difference not rounded to half); summed a slice of SUM_SLICE elements at a time, so the float64 copies stay small
-    where an output is large (an LM head's logits: 131 MB a batch of 8 x 128 tokens at 32,000 words, four
-    float64 copies of it before). The slices depend on neither chunking nor processes."""
+    float32 or wider (a half-precision unit's not rounded to half), summed a slice of SUM_SLICE elements at
+    a time so the float64 copies stay small where an output is large (an LM head's logits: 131 MB a batch
+    of 8 x 128 tokens at 32,000 words, four float64 copies of it before). The slices depend on neither
+    chunking nor processes."""
     output, target = output.reshape(-1), target.reshape(-1)
     wide = torch.promote_types(torch.promote_types(output.dtype, target.dtype), torch.float32)
     sums = torch.zeros(2, dtype=torch.float64, device=target.device)

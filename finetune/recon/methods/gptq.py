@@ -81,8 +81,11 @@ def _quantize_layer(layer: Layer, work: UnitWork, settings: GPTQSettings, weight
     with quantizers_disabled(quantizer, keep_ranges=False) if _feeds_only(module, layer) else contextlib.nullcontext():
         held = [input_hessian(op, layout, work.data.train, work.data.inputs, work.fabric, work.held)]
     groups, columns = held[0].shape[0], held[0].shape[-1]
-    gptq_into(layout.to_matrix(weight), held, grid, weights == "compensated", settings.perc_damp,  # consumes the Hessian
-              settings.block_size, settings.act_order)
+    matrix = layout.to_matrix(weight)
+    if matrix.untyped_storage().data_ptr() != weight.untyped_storage().data_ptr():  # a reshape that had to copy
+        return "its weight's strides give GPTQ no view of it to write through"
+    gptq_into(matrix, held, grid, weights == "compensated", settings.perc_damp, settings.block_size,  # consumes the Hessian
+              settings.act_order)
     logger.debug("GPTQ: %s, %d column(s) in %d group(s)", layer.name, columns, groups)
     return None
 

@@ -24,7 +24,6 @@ import torch
 
 from finetune.formats.grids import FixedGrid
 
-
 # Rows solved at once, in elements (64 MiB of float32): rows are independent problems under one factor,
 # so the working copies are a slice's, not the weight's (an LM head of 32,000 x 2,048 is 256 MiB a copy).
 ROW_SLICE_ELEMENTS = 1 << 24

@@ -31,7 +31,7 @@ from finetune.formats import (
     MXSpec,
     quantize_dequantize,
 )
-from finetune.formats.grids import fixed_grid
+from finetune.formats.grids import FixedGrid, fixed_grid
 from finetune.lift import lift_model
 from finetune.lift.ops.conv import Conv
 from finetune.lift.padding import SpatialPadding
@@ -42,7 +42,7 @@ from finetune.recon.data.rows import UnitInputs
 from finetune.recon.methods import gptq as gptq_method
 from finetune.recon.methods import gptq_solver
 from finetune.recon.methods.gptq_layouts import _conv_layout, _gemm_layout, _matmul_layout, input_hessian
-from finetune.recon.methods.gptq_solver import gptq, gptq_into
+from finetune.recon.methods.gptq_solver import gptq_into
 from finetune.zoo import digits_split
 
 from .recon_helpers import one_thread, run  # noqa: F401  (one_thread: autouse fixture)
@@ -65,6 +65,18 @@ def int4_scales(w: torch.Tensor) -> torch.Tensor:
 
 
 # --- the independent reference ------------------------------------------------------------------
+
+
+def gptq(weight: torch.Tensor, hessian: torch.Tensor, grid: FixedGrid, perc_damp: float = 0.01, block_size: int = 128,
+         act_order: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPTQ's (quantized, compensated) weights of `weight` [groups, rows, columns] under `hessian`: gptq_into
+    on two copies (the Hessian copied each time, so not consumed)."""
+    solved = []
+    for compensated in (False, True):
+        target = weight.clone()
+        gptq_into(target, hessian.clone(), grid, compensated, perc_damp, block_size, act_order)
+        solved.append(target)
+    return solved[0], solved[1]
 
 
 def reference_gptq(w: torch.Tensor, x: torch.Tensor, round_column: Callable[[torch.Tensor, int], torch.Tensor],
@@ -148,12 +160,13 @@ def test_gptq_equals_an_independent_obs_reimplementation(kind: str, act_order: b
     assert bool((margins == 1).all())  # no tie near: float32 and float64 arithmetic round alike
     quantized, compensated = gptq(w.float()[None], h[None], grid.laid_out(lambda t: t[None]), 0.01, 16, act_order)
     assert torch.allclose(quantized[0].double(), expected, rtol=1e-6, atol=0)  # codes equal (float32 products of codes and scales)
-    held = [h[None].clone()]  # handed over to be consumed: the same weights, the list emptied
-    consumed = gptq(w.float()[None], held, grid.laid_out(lambda t: t[None]), 0.01, 16, act_order)
-    assert held == [] and torch.equal(consumed[0], quantized) and torch.equal(consumed[1], compensated)
+    for keep, wanted in ((False, quantized), (True, compensated)):
+        held, consumed = [h[None].clone()], w.float()[None].clone()  # handed over to be consumed: the same weights, the list emptied
+        gptq_into(consumed, held, grid.laid_out(lambda t: t[None]), keep, 0.01, 16, act_order)
+        assert held == [] and torch.equal(consumed, wanted)
     assert torch.equal(grid.laid_out(lambda t: t[None]).round(compensated), quantized)
     weight = w.float().T.contiguous()  # the layer's weight as x @ W holds it: the matrix is its transposed view
-    returned = gptq(weight.T[None], [h[None].clone()], grid.laid_out(lambda t: t[None]), 0.01, 16, act_order)
+    returned = gptq(weight.T[None], h[None], grid.laid_out(lambda t: t[None]), 0.01, 16, act_order)
     for keep, wanted in zip((False, True), returned):
         written = weight.clone()
         gptq_into(written.T[None], [h[None].clone()], grid.laid_out(lambda t: t[None]), keep, 0.01, 16, act_order)

@@ -29,10 +29,11 @@ from finetune.formats.grids import FixedGrid
 ROW_SLICE_ELEMENTS = 1 << 24
 
 
-def gptq(weight: torch.Tensor, hessian: torch.Tensor | list[torch.Tensor], grid: FixedGrid | Callable[[], FixedGrid],
-         perc_damp: float = 0.01, block_size: int = 128, act_order: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(quantized weights, compensated weights) of `weight` [groups, rows, columns] (float32) under
-    `hessian` [groups, columns, columns] (any float dtype; factored in float64), each group on its
+def gptq_into(target: torch.Tensor, hessian: torch.Tensor | list[torch.Tensor], grid: FixedGrid | Callable[[], FixedGrid],
+              compensated: bool, perc_damp: float = 0.01, block_size: int = 128, act_order: bool = False) -> None:
+    """GPTQ's quantized (or, with `compensated`, compensated) weights written over `target` [groups, rows,
+    columns] (a view of a layer's weight, any float dtype), a slice of rows at a time: no full-size copy.
+    `hessian` is [groups, columns, columns] (any float dtype; factored in float64), each group on its
     own; given as [H], H is consumed (the list emptied, a float64 H damped and factored in its own
     memory: one 128 MiB copy less at width 4096). The compensated weights are each column's values
     when its turn came (after the errors of earlier columns reached it): rounding them to nearest on
@@ -40,16 +41,6 @@ def gptq(weight: torch.Tensor, hessian: torch.Tensor | list[torch.Tensor], grid:
     `act_order` rounds the columns of largest curvature first (then in that order within each group).
     `grid` may be a function making it, called once the Hessian is factored (a grid holds tensors shaped
     like the weight, which then never sit beside the float64 matrices)."""
-    quantized, compensated = torch.empty_like(weight, dtype=torch.float32), torch.empty_like(weight, dtype=torch.float32)
-    for rows, q, c in _solved_rows(weight, hessian, grid, perc_damp, block_size, act_order):
-        quantized[:, rows], compensated[:, rows] = q, c
-    return quantized, compensated
-
-
-def gptq_into(target: torch.Tensor, hessian: torch.Tensor | list[torch.Tensor], grid: FixedGrid | Callable[[], FixedGrid],
-              compensated: bool, perc_damp: float = 0.01, block_size: int = 128, act_order: bool = False) -> None:
-    """gptq's quantized (or, with `compensated`, compensated) weights written over `target` [groups, rows,
-    columns] (a view of a layer's weight, any float dtype), a slice of rows at a time: no full-size copy."""
     with torch.no_grad():
         for rows, q, c in _solved_rows(target.detach(), hessian, grid, perc_damp, block_size, act_order):
             target[:, rows] = (c if compensated else q).to(target.dtype)
@@ -57,7 +48,7 @@ def gptq_into(target: torch.Tensor, hessian: torch.Tensor | list[torch.Tensor], 
 
 def _solved_rows(weight: torch.Tensor, hessian: torch.Tensor | list[torch.Tensor], grid: FixedGrid | Callable[[], FixedGrid],
                  perc_damp: float, block_size: int, act_order: bool) -> Iterator[tuple[slice, torch.Tensor, torch.Tensor]]:
-    """gptq's (rows, quantized, compensated) for slices of about ROW_SLICE_ELEMENTS, in order; each slice
+    """GPTQ's (rows, quantized, compensated) for slices of about ROW_SLICE_ELEMENTS, in order; each slice
     is read (copied) before it is yielded, so a caller may overwrite those rows of `weight`."""
     upper, order = _factor(hessian, perc_damp, act_order)
     grid = grid() if callable(grid) else grid

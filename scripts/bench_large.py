@@ -5,8 +5,8 @@ blocks enough for the size; exported by torch.onnx), is loaded, quantized to INT
 the reduction axis (codes stored: INT4_BLOCK32 with block_size 128, weight_storage compact, or float with --storage float) and
 written by the pipeline; then the output is loaded and run in onnxruntime beside the float model.
 With `--finetune gptq` (or adaquant) the quantizing step tunes too, on a few seeded calibration
-batches (one thread; AdaQuant with `--cache-budget` bytes of activations in memory, the rest spilled;
-on the decoder, one decoder block per unit).
+batches (one thread; `--cache-budget` bytes of activations in memory, the rest spilled; AdaQuant on
+the decoder tunes one decoder block per unit).
 Each step runs in a process of its own, so each peak RSS (ru_maxrss) is that step's alone; the
 target for quantizing (and tuning) is the weights' size + 2 GB.
 
@@ -134,10 +134,10 @@ def settings(args: argparse.Namespace) -> dict[str, Any]:
 def tuning(args: argparse.Namespace) -> dict[str, Any]:
     """The fast_finetune section: one thread, the batches given, no held-out batches (the
     benchmark measures memory and time)."""
-    section = {"algorithm": args.finetune, "threads": 1, "batch_size": args.batch, "validation_share": 0.0}
+    section = {"algorithm": args.finetune, "threads": 1, "batch_size": args.batch, "validation_share": 0.0,
+               "cache_budget_bytes": args.cache_budget}
     if args.finetune == "adaquant":
-        section.update(iterations=args.iterations, cache_budget_bytes=args.cache_budget,
-                       **({"unit": "block"} if args.model == "decoder" else {}))
+        section.update(iterations=args.iterations, **({"unit": "block"} if args.model == "decoder" else {}))
     return section
 
 
@@ -203,7 +203,7 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=4, help="calibration batches for tuning")
     parser.add_argument("--batch", type=int, default=8, help="rows per calibration batch")
     parser.add_argument("--iterations", type=int, default=10, help="AdaQuant iterations per unit")
-    parser.add_argument("--cache-budget", type=int, default=2**20, help="AdaQuant's cache_budget_bytes")
+    parser.add_argument("--cache-budget", type=int, default=2**20, help="fast_finetune.cache_budget_bytes")
     parser.add_argument("--step", choices=["build", "quantize", "check"], help=argparse.SUPPRESS)
     parser.add_argument("--folder", help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -1,4 +1,4 @@
-"""A dequantization checks and converts a large tensor a slice at a time (Dequantize._pieces): the
+"""A dequantization checks, encodes and converts a large tensor a slice at a time (Dequantize._pieces): the
 values and the answers are those of the whole tensor at once, for every granularity (per tensor, per
 channel, blocked along either axis), integer and float8 codes, and sizes that do not divide evenly."""
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 from onnx import TensorProto
 
-import finetune.lift.params
+import finetune.formats.blocks
 from finetune.formats import FloatSpec, IntSpec
 from finetune.lift.params import Dequantize
 
@@ -41,8 +41,9 @@ def test_slices_give_the_whole_tensors_values_and_answers(case: str, monkeypatch
     codes = transform.encode(values)
     whole = transform._dequantized(codes)
     assert transform.stands_for(whole, codes)  # what the whole-tensor check says (the codes' own values)
-    monkeypatch.setattr(finetune.lift.params, "PIECE_ELEMENTS", 8)  # many slices, the last one shorter
+    monkeypatch.setattr(finetune.formats.blocks, "SLICE_ELEMENTS", 8)  # many slices, the last one shorter
     assert len(list(transform._pieces(values, codes))) > 2
+    assert np.array_equal(transform.encode(values).view(np.uint8), codes.view(np.uint8))  # encoded a slice at a time
     assert torch.equal(transform.apply(codes), whole)
     assert transform.stands_for(whole, codes)
     last = whole.clone()

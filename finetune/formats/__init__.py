@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .bfp import BFP16, MX4, MX6, MX9, BFPSpec, bfp_quantize_dequantize, bfp_values
 from .bits import RoundFn
-from .blocks import broadcast_param
+from .blocks import broadcast_param, quantizer_slices
 from .cost import bits_per_element
 from .floats import BF16, FP8_E4M3FN, FP8_E5M2, FP16, FloatSpec, float_codes, float_quantize_dequantize, float_values
 from .integer import (
@@ -69,6 +70,7 @@ __all__ = [
     "bfp_quantize_dequantize",
     "bits_per_element",
     "broadcast_param",
+    "codes_array",
     "dequantize_linear",
     "float_codes",
     "float_quantize_dequantize",
@@ -122,3 +124,21 @@ def format_values(
     if isinstance(spec, MXSpec):
         return mx_values(x, spec, with_mask)
     raise TypeError(f"unknown format spec {spec!r}")
+
+
+def codes_array(
+    values: np.ndarray | torch.Tensor, spec: IntSpec | FloatSpec, scale: np.ndarray | torch.Tensor,
+    zero_point: np.ndarray | torch.Tensor, dtype: np.dtype,
+) -> np.ndarray:
+    """The codes QuantizeLinear stores for CPU `values` (round half to even, saturated) as an array of
+    `dtype` (ml_dtypes for int4 and float8), built a slice at a time (blocks.quantizer_slices): the
+    float32 copy and the float64 codes are a slice's, not the tensor's."""
+    codes = np.empty(tuple(values.shape), dtype)
+    params = (torch.as_tensor(scale), torch.as_tensor(zero_point))
+    for index, (scale_part, zero_point_part) in quantizer_slices(tuple(values.shape), spec.axis, params):
+        part = torch.from_numpy(np.array(values[index], np.float32)) if isinstance(values, np.ndarray) else values[index]
+        if isinstance(spec, IntSpec):
+            codes[index] = int_codes(part, scale_part, zero_point_part, spec).numpy()
+        else:
+            codes[index] = float_codes(part, spec, scale_part, zero_point_part).float().numpy()
+    return codes

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from .bits import compute_in_float32, straight_through
-from .blocks import broadcast_param
+from .blocks import broadcast_param, in_slices
 
 FLOAT_TYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
@@ -67,7 +67,15 @@ def _float_float32(x: torch.Tensor, spec: FloatSpec, scale: torch.Tensor | float
 def float_values(
     x: torch.Tensor, spec: FloatSpec, scale: torch.Tensor | float, zero_point: torch.Tensor | float, with_mask: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The quantized values of float32 x (no autograd), and with `with_mask` where no value saturated."""
+    """The quantized values of float32 x (no autograd), and with `with_mask` where no value
+    saturated; a slice at a time on CPU (blocks.in_slices)."""
+    return in_slices(lambda part, s, zp: _float_values(part, spec, s, zp, with_mask), x, spec.axis, scale, zero_point)
+
+
+def _float_values(
+    x: torch.Tensor, spec: FloatSpec, scale: torch.Tensor | float, zero_point: torch.Tensor | float, with_mask: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """float_values of x at once."""
     s = broadcast_param(scale, x, spec.axis, None, torch.float32)
     zp = broadcast_param(zero_point, x, spec.axis, None, torch.float32)
     with torch.no_grad():

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from .bits import RoundFn, compute_in_float32, pow2, round_half_even, straight_through
-from .blocks import broadcast_param
+from .blocks import broadcast_param, in_slices
 
 # Code range of each integer type. x / scale is float32, as in QuantizeLinear; the codes of the
 # 32-bit types are handled in float64 so that codes and zero points beyond 2^24 stay exact.
@@ -86,7 +86,14 @@ def int_values(
     x: torch.Tensor, scale: torch.Tensor | float, zero_point: torch.Tensor | float, spec: IntSpec, with_mask: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The quantized values of float32 x (no autograd) with round-half-to-even, and with
-    `with_mask` where no code was clamped."""
+    `with_mask` where no code was clamped; a slice at a time on CPU (blocks.in_slices)."""
+    return in_slices(lambda part, s, zp: _int_values(part, s, zp, spec, with_mask), x, spec.axis, scale, zero_point)
+
+
+def _int_values(
+    x: torch.Tensor, scale: torch.Tensor | float, zero_point: torch.Tensor | float, spec: IntSpec, with_mask: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """int_values of x at once."""
     code_dtype = torch.float64 if spec.dtype in WIDE_TYPES else torch.float32
     s = broadcast_param(scale, x, spec.axis, spec.block_size, torch.float32)
     zp = broadcast_param(zero_point, x, spec.axis, spec.block_size, code_dtype)

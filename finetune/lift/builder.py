@@ -27,6 +27,7 @@ from onnx2torch.onnx_graph import OnnxGraph
 from onnx2torch.onnx_node import OnnxNode
 from torch import fx, nn
 
+from finetune.formats.blocks import SLICE_ELEMENTS
 from finetune.host_memory import HEAP_SLACK, release_freed_host_memory
 from finetune.onnx.contrib import split_skip_norms
 from finetune.onnx.domains import DEFAULT_DOMAINS
@@ -39,7 +40,7 @@ from . import ops  # noqa: F401  (registers the converters)
 from .fake_quant import FakeQuantize
 from .host_shapes import HostOp, HostShape, host_shapes
 from .ops.control import Body, constant_condition, contained_bodies, control_module, is_control
-from .params import PIECE_ELEMENTS, Dequantize, ParamSource, tensor_array, trainable_initializers
+from .params import Dequantize, ParamSource, tensor_array, trainable_initializers
 from .qdq import QOPERATOR_OPS, QUANTIZE_TO_DEQUANTIZE, is_folded_quantize
 from .registry import find_converter
 
@@ -260,7 +261,7 @@ class _Builder:
             value = transform.apply(array) if transform is not None else to_torch(array)
             if transform is None and _same_bits(existing, value):
                 value = existing.detach()  # its storage, not a copy
-        if transform is not None and array.size >= PIECE_ELEMENTS:  # its slices' temporaries, kept by glibc
+        if transform is not None and array.size >= SLICE_ELEMENTS:  # its slices' temporaries, kept by glibc
             release_freed_host_memory(at_least=HEAP_SLACK)
         if name in self.shared.trainable and value.is_floating_point():
             value = nn.Parameter(value)

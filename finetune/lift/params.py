@@ -14,16 +14,14 @@ import onnx
 import torch
 from onnx import helper, numpy_helper
 
-from finetune.formats import FloatSpec, IntSpec, dequantize_linear, float_codes, int_codes, quantize_dequantize
+from finetune.formats import FloatSpec, IntSpec, codes_array, dequantize_linear, quantize_dequantize
+from finetune.formats.blocks import quantizer_slices
 from finetune.onnx.domains import DEFAULT_DOMAINS
 from finetune.onnx.fold import fold_constants, foldable
 from finetune.onnx.io import loaded_tensor
 from finetune.onnx.layers import PARAMETER_INPUTS
 
 from .qdq import is_quantizer
-
-# Elements per slice where a dequantization checks or converts a large tensor (Dequantize._pieces).
-PIECE_ELEMENTS = 1 << 22
 
 
 @dataclass(frozen=True, eq=False)
@@ -51,12 +49,7 @@ class Dequantize:
 
     def encode(self, values: torch.Tensor) -> np.ndarray:
         """The codes QuantizeLinear gives for `values` (round half to even, saturated), in the ONNX type."""
-        v = values.detach().cpu()
-        if isinstance(self.spec, IntSpec):
-            codes = int_codes(v, self.scale, self.zero_point, self.spec)
-        else:
-            codes = float_codes(v, self.spec, self.scale, self.zero_point).float()
-        return codes.numpy().astype(helper.tensor_dtype_to_np_dtype(self.data_type))
+        return codes_array(values.detach().cpu(), self.spec, self.scale, self.zero_point, helper.tensor_dtype_to_np_dtype(self.data_type))
 
     def stands_for(self, values: torch.Tensor, codes: np.ndarray) -> bool:
         """Whether a parameter holding float `values` in place of these codes' dequantization computes
@@ -71,24 +64,15 @@ class Dequantize:
                        for part, piece, codes_piece in self._pieces(values.detach().cpu(), codes))
 
     def _pieces(self, values: torch.Tensor, codes: np.ndarray) -> Iterator[tuple[Dequantize, torch.Tensor, np.ndarray]]:
-        """The tensor and its codes cut into slices of about PIECE_ELEMENTS along their longest dimension
-        other than the quantization axis, each with this dequantization cut to it (a blocked scale and zero
-        point are cut with them; per-tensor and per-channel ones apply to every slice as they are): checks
-        and conversions then hold float64 temporaries of a slice (about 0.7 GiB for a 4096x4096 weight whole)."""
-        axis = None if self.spec.axis is None or not values.dim() else self.spec.axis % values.dim()
-        others = [d for d in range(values.dim()) if d != axis and values.shape[d] > 1]
-        if values.numel() <= PIECE_ELEMENTS or not others:
+        """The tensor and its codes cut into formats.blocks.quantizer_slices, each with this
+        dequantization cut to it: checks and conversions then hold float64 temporaries of a slice
+        (about 0.7 GiB for a 4096x4096 weight whole)."""
+        slices = quantizer_slices(values.shape, self.spec.axis, (self.scale, self.zero_point))
+        if len(slices) == 1:
             yield self, values, codes
             return
-        dim = max(others, key=lambda d: values.shape[d])
-        step = max(1, values.shape[dim] * PIECE_ELEMENTS // values.numel())
-        for start in range(0, values.shape[dim], step):
-            length = min(step, values.shape[dim] - start)
-            index = (slice(None),) * dim + (slice(start, start + length),)
-            cut = {name: parameter.narrow(dim, start, length)
-                   if parameter.dim() == values.dim() and parameter.shape[dim] == values.shape[dim] else parameter
-                   for name, parameter in (("scale", self.scale), ("zero_point", self.zero_point))}
-            yield dataclasses.replace(self, **cut), values[index], codes[index]
+        for index, (scale, zero_point) in slices:
+            yield dataclasses.replace(self, scale=scale, zero_point=zero_point), values[index], codes[index]
 
 
 @dataclass(frozen=True)

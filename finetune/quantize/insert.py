@@ -8,10 +8,9 @@ from collections import defaultdict
 
 import numpy as np
 import onnx
-import torch
 from onnx import numpy_helper
 
-from finetune.formats import FormatSpec, IntSpec, float_codes, int_codes
+from finetune.formats import FormatSpec, codes_array
 from finetune.onnx.dtypes import numpy_dtype
 from finetune.onnx.fold import drop_unused_initializers
 from finetune.onnx.graphs import all_graphs, graph_reads
@@ -132,11 +131,7 @@ def has_compact_form(use: Use) -> bool:
 
 
 def _stored_codes(tensor: onnx.TensorProto, spec: FormatSpec, scale: np.ndarray, zero_point: np.ndarray, name: str) -> onnx.TensorProto:
-    """The codes QuantizeLinear would produce for a weight, as an initializer of the code type."""
-    values = torch.from_numpy(numpy_helper.to_array(tensor).astype(np.float32))
-    scale, zero_point = torch.as_tensor(np.asarray(scale)), torch.as_tensor(np.asarray(zero_point))
-    if isinstance(spec, IntSpec):
-        codes = int_codes(values, scale, zero_point, spec).numpy()
-    else:
-        codes = float_codes(values, spec, scale, zero_point).float().numpy()
-    return numpy_helper.from_array(codes.astype(numpy_dtype(spec.dtype)), name)
+    """The codes QuantizeLinear would produce for a weight, as an initializer of the code type, read
+    from the stored values (a view), not from a copy of them."""
+    codes = codes_array(numpy_helper.to_array(tensor), spec, np.asarray(scale), np.asarray(zero_point), numpy_dtype(spec.dtype))
+    return numpy_helper.from_array(codes, name)

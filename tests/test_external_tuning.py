@@ -15,6 +15,7 @@ import onnx
 import pytest
 import torch
 
+import finetune.lift.agreement
 import finetune.onnx.io
 import finetune.pipeline
 import finetune.recon
@@ -185,8 +186,8 @@ def test_quantize_and_finetune_hands_a_large_model_over_as_a_file(tmp_path: Path
 
 
 def test_the_quantized_models_bytes_lie_in_a_file_while_units_are_tuned(monkeypatch: pytest.MonkeyPatch) -> None:
-    """From BY_FILE_BYTES on, the QDQ model's large tensors lie in a temporary file while the units are tuned
-    (they are read again only to be written); before the export all come back but the tuned weights' codes,
+    """From BY_FILE_BYTES on, the QDQ model's large tensors lie in a temporary file from the lift on, where
+    onnxruntime's check reads them, and while the units are tuned (they are read again only to be written); before the export all come back but the tuned weights' codes,
     which the export replaces whole: the tuned model is, byte for byte, the one tuned with them in memory."""
     qdq = quantize_model(stack(), "INT4_BLOCK32", None).model
     in_memory, _ = finetune_model(qdq, feeds(), SETTINGS["gptq"])
@@ -199,9 +200,24 @@ def test_the_quantized_models_bytes_lie_in_a_file_while_units_are_tuned(monkeypa
                       set(skip)))
         return restore(header, folder, skip)
 
+    checked: list[tuple[int, bool, int]] = []  # (tensors pointing to the file, a folder given, outputs onnxruntime gave)
+    check, values = finetune.recon.run.check_lifted, finetune.lift.agreement.onnxruntime_values
+
+    def check_spy(model: onnx.ModelProto, module: Any, feed: Any, folder: Path | None = None) -> None:
+        checked.append((sum(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer), folder is not None, 0))
+        return check(model, module, feed, folder)
+
+    def values_spy(*args: Any, **kwargs: Any) -> dict:
+        found = values(*args, **kwargs)
+        checked[-1] = (*checked[-1][:2], len(found))
+        return found
+
     monkeypatch.setattr(finetune.recon.run, "put_back", spy)
+    monkeypatch.setattr(finetune.recon.run, "check_lifted", check_spy)
+    monkeypatch.setattr(finetune.lift.agreement, "onnxruntime_values", values_spy)
     monkeypatch.setattr(finetune.onnx.io, "BY_FILE_BYTES", model_bytes(qdq))
     set_aside, _ = finetune_model(qdq, feeds(), SETTINGS["gptq"])
+    assert checked[0][0] >= 3 and checked[0][1:] == (True, 1)  # onnxruntime ran the model from the set-aside file
     assert len(calls) == 2
     (aside, largest, skipped), (left, _, _) = calls
     assert aside >= 3 and largest < 2 * INLINE_TENSOR_BYTES  # the three weights' codes, at least, were in the file
@@ -212,7 +228,7 @@ def test_the_quantized_models_bytes_lie_in_a_file_while_units_are_tuned(monkeypa
 @pytest.mark.parametrize("large", [False, True])
 def test_free_heap_goes_back_after_the_preparation_and_after_each_unit_of_a_large_run(monkeypatch: pytest.MonkeyPatch,
                                                                                       large: bool) -> None:
-    """After the lifts and after the checks always; after each unit only from LARGE_RUN_BYTES of weights on
+    """After the lifts, after the set-aside and after onnxruntime's check always; after each unit only from LARGE_RUN_BYTES of weights on
     (a smaller model's units keep glibc's reuse), and then where the heap holds HEAP_SLACK free."""
     qdq = quantize_model(stack(), "INT4_BLOCK32", None).model
     asked: list[int] = []
@@ -220,4 +236,4 @@ def test_free_heap_goes_back_after_the_preparation_and_after_each_unit_of_a_larg
     if large:
         monkeypatch.setattr(finetune.recon.run, "LARGE_RUN_BYTES", 1)
     finetune_model(qdq, feeds(), SETTINGS["gptq"])
-    assert asked == [0, 0, *([HEAP_SLACK] * 3 if large else [])]
+    assert asked == [0, 0, 0, *([HEAP_SLACK] * 3 if large else [])]

@@ -7,16 +7,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import onnx
 import pytest
 import torch
+from onnx import helper, numpy_helper
 
 from finetune.config import FastFinetune
+from finetune.export import export_model
+from finetune.lift import lift_model
 from finetune.quantize import quantize_model
 from finetune.recon import finetune_model
 from finetune.recon import run as recon_run
-from finetune.lift import lift_model
-from finetune.export import export_model
 from finetune.recon.data.reference import codes_values
 from finetune.recon.data.sharing import SharedWeights, coded_float_names, float_weights
 from finetune.zoo import digits_split
@@ -141,3 +143,25 @@ def test_codes_a_float_weight_does_not_quantize_to_are_lifted_as_their_own_value
             assert shared == (source.initializer != moved)
             if not shared:
                 assert torch.equal(module.get_parameter(name), alone.get_parameter(name))
+
+
+def test_a_constant_both_models_hold_equal_is_made_once(tmp_path: Path) -> None:
+    """A constant that is no trainable weight (an embedding table, here an added offset) is lifted
+    into the float reference's storage too when both models hold it bit for bit (a 2.5 GB decoder's
+    table was held twice: 250 MiB)."""
+    rng = np.random.default_rng(0)
+    weight = numpy_helper.from_array(rng.standard_normal((8, 8)).astype(np.float32), "weight")
+    offset = numpy_helper.from_array(rng.standard_normal((4, 8)).astype(np.float32), "offset")
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "weight"], ["h"], name="matmul"), helper.make_node("Add", ["h", "offset"], ["y"], name="add")],
+        "offset", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [4, 8])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [4, 8])], [weight, offset])
+    path = tmp_path / "offset.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    quantized = quantize_model(path, {"preset": "XINT8"}, [{"x": rng.standard_normal((4, 8)).astype(np.float32)}])
+    reference = lift_model(quantized.float_model)
+    module = lift_model(quantized.model, reuse=float_weights(reference, coded_float_names(quantized.model, quantized.float_model)))
+    assert "offset" not in {source.initializer for source in module.finetune_params.values()}  # a constant, not a weight
+    held = reference.initializer_values["offset"]
+    assert module.initializer_values["offset"].untyped_storage().data_ptr() == held.untyped_storage().data_ptr()
+    assert torch.equal(held, torch.from_numpy(numpy_helper.to_array(offset).copy()))

@@ -16,7 +16,6 @@ carried through the model, and the module is kept."""
 from __future__ import annotations
 
 import logging
-import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -29,9 +28,9 @@ from torch import fx, nn
 from finetune.calibrate.data import model_inputs
 from finetune.formats.compiled import compiled_kernels
 from finetune.onnx import attach_custom_ops
-from finetune.onnx.io import load_model
+from finetune.onnx.io import load_model, put_back
 from finetune.onnx.normalize import normalize_model
-from finetune.onnx.session import copy_for_session, session_of_copy
+from finetune.onnx.session import copy_for_session, session_folder, session_of_copy
 
 from .builder import ONNX_NODE, LiftError
 from .fake_quant import FakeQuantize
@@ -56,31 +55,32 @@ class LiftMismatch(LiftError):
     """The lifted module computes something else than onnxruntime for a node of the model."""
 
 
-def check_lifted(model: str | Path | onnx.ModelProto, module: nn.Module, feed: Feed) -> None:
+def check_lifted(model: str | Path | onnx.ModelProto, module: nn.Module, feed: Feed, folder: Path | None = None) -> None:
     """Refuse (LiftMismatch, one line naming the first node whose output differs) a module lifted
     from a model with quantizers whose outputs disagree with onnxruntime's on the first sample of
     `feed` (by input name, or in graph order) past float rounding. A float model is not
     checked. The module runs as it is, on its device, with eager kernels (compiled ones give the
-    same bits, and one sample's shapes would be compiled for nothing)."""
+    same bits, and one sample's shapes would be compiled for nothing). A model set aside
+    (onnx.io.set_aside) has its tensors read by onnxruntime from `folder`."""
     if not any(isinstance(m, FakeQuantize) for m in module.modules()):
         return
     with compiled_kernels(False):  # a proto is only read here: no copy of its weights
-        _check(model if isinstance(model, onnx.ModelProto) else load_model(model), module, feed)
+        _check(model if isinstance(model, onnx.ModelProto) else load_model(model), module, feed, folder)
 
 
-def _check(model: onnx.ModelProto, module: nn.Module, feed: Feed) -> None:
+def _check(model: onnx.ModelProto, module: nn.Module, feed: Feed, folder: Path | None) -> None:
     """Compare the outputs; only where they disagree, look for a node that computes otherwise (the
     outputs alone cannot tell a converter's error from a rounding flip carried through the model)."""
     feed = first_sample(model, feed)
     try:
-        expected = onnxruntime_values(model, feed)
+        expected = onnxruntime_values(model, feed, folder=folder)
     except Exception as error:  # onnxruntime raises its own types; tuning a model it cannot run stays allowed
         logger.warning("the lifted module was not compared with onnxruntime, which cannot run the model: %s", " ".join(str(error).split()))
         return
     actual = dict(zip([output.name for output in model.graph.output], _module_outputs(module, list(feed.values()))))
     if all(agrees(actual.get(name), value, exact=False) for name, value in expected.items()):
         return
-    found = first_disagreeing_node(model, module, feed)
+    found = first_disagreeing_node(model if folder is None else put_back(load_model(model), folder), module, feed)
     if found is None:
         logger.info("the lifted module's outputs differ from onnxruntime's past float rounding, but every node agrees "
                     "on onnxruntime's own inputs: a last-bit difference crossed a quantizer's rounding boundary")
@@ -202,15 +202,17 @@ def _message(name: str, op_type: str, output: str, actual: np.ndarray, expected:
             "here: please report this with the model")
 
 
-def onnxruntime_values(model: onnx.ModelProto, feed: dict[str, np.ndarray], names: Sequence[str] = ()) -> dict[str, np.ndarray]:
+def onnxruntime_values(model: onnx.ModelProto, feed: dict[str, np.ndarray], names: Sequence[str] = (),
+                       folder: Path | None = None) -> dict[str, np.ndarray]:
     """onnxruntime's values of the model's outputs and of the named values of its main graph (made
-    outputs), by name, where numpy can hold them (onnxruntime says which after its own type inference)."""
-    with tempfile.TemporaryDirectory(prefix="finetune-agreement-") as folder:  # past 2 GB the copy refers to a data file there
-        exposed = copy_for_session(model, Path(folder))
+    outputs), by name, where numpy can hold them (onnxruntime says which after its own type inference).
+    A model set aside reads its tensors from `folder` (onnx.session.session_folder)."""
+    with session_folder(folder) as where:  # past BY_FILE_BYTES the copy refers to a data file there
+        exposed = copy_for_session(model, where)
         declared = {output.name for output in exposed.graph.output}
         exposed.graph.output.extend(onnx.helper.make_empty_tensor_value_info(name) for name in dict.fromkeys(names)
                                     if name not in declared)
-        session = session_of_copy(attach_custom_ops(exposed, in_place=True), Path(folder))
+        session = session_of_copy(attach_custom_ops(exposed, in_place=True), where)
     wanted = [output.name for output in session.get_outputs() if output.type in NUMPY_TYPES]
     return dict(zip(wanted, session.run(wanted, feed)))
 

@@ -56,13 +56,17 @@ class LiftError(NotImplementedError):
 
 class LiftedModule(fx.GraphModule):
     """The lifted GraphModule; `finetune_params` maps each trainable parameter's qualified name to
-    its ParamSource and survives copy.deepcopy (which a plain GraphModule attribute does not)."""
+    its ParamSource, `initializer_values` each float tensor made from an initializer (not from codes)
+    to the initializer's name (what the lift of a related model may reuse); both survive
+    copy.deepcopy (which a plain GraphModule attribute does not)."""
 
     finetune_params: dict[str, ParamSource]
+    initializer_values: dict[str, torch.Tensor]
 
     def __deepcopy__(self, memo: dict[int, Any]) -> LiftedModule:
         copied = super().__deepcopy__(memo)
         copied.finetune_params = copy.deepcopy(self.finetune_params, memo)
+        copied.initializer_values = copy.deepcopy(self.initializer_values, memo)
         return copied
 
 
@@ -80,8 +84,10 @@ def lift_model(model: str | Path | onnx.ModelProto, owned: bool = False,
     loaded without its external data reads each tensor's values from `folder` as it is made, so
     its weights are never held twice (onnx.io.loaded_tensor)."""
     normalized = normalized_for_lift(model if owned else load_model(model))
-    module = _Builder(normalized.graph, _Shared.of(normalized, reuse or {}, folder)).build()
+    shared = _Shared.of(normalized, reuse or {}, folder)
+    module = _Builder(normalized.graph, shared).build()
     module.finetune_params = _merged_sources(module)
+    module.initializer_values = {name: value for name, (value, transform) in shared.made.items() if transform is None}
     _freeze_unmapped_parameters(module)
     return module
 

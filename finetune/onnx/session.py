@@ -6,9 +6,10 @@ quantize activations: DESIGN decision 5)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import onnx
@@ -65,6 +66,22 @@ def copy_for_session(model: onnx.ModelProto, folder: Path) -> onnx.ModelProto:
         return load_model(model)
     with open(folder / f"{SESSION_FILE}.data", "wb") as data:
         return external_header(model, f"{SESSION_FILE}.data", data.write)
+
+
+@contextlib.contextmanager
+def session_folder(data_folder: Path | None = None) -> Iterator[Path]:
+    """The folder for copy_for_session and session_of_copy: a temporary one, or `data_folder` for a
+    model whose tensors are already in a data file there (onnx.io.set_aside's header), so the session
+    reads them from it and no copy of the weights is made; the session's own files are removed after."""
+    if data_folder is None:
+        with tempfile.TemporaryDirectory(prefix="finetune-session-") as folder:
+            yield Path(folder)
+        return
+    try:
+        yield data_folder
+    finally:
+        for name in (SESSION_FILE, f"{SESSION_FILE}.data"):
+            (data_folder / name).unlink(missing_ok=True)
 
 
 def session_of_copy(

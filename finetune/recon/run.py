@@ -169,10 +169,10 @@ def _tune_units(run: _Run, job: Job, fabric: Fabric, cache: ActivationCache, sou
     inputs = cache_inputs(feeds, [info.name for info in feeds.inputs], cache, fabric.global_rank, fabric.world_size)
     plan = cut(module, units)
     sample = [value.tensor(0, torch.device("cpu")) for value in inputs]
-    _check_before_any_work(run, job, plan, sample, device)
+    trims = _hold_less(job, aside, module)
+    _check_before_any_work(run, job, plan, sample, device, aside)
     if threads is not None:
         threads.begin(module, units, sample, config.batch_size)
-    trims = _hold_less(job, aside, module)
     samples = int(sum_across(fabric, [inputs[0].rows])[0])
     _settings_warnings(run.warnings, config, fabric, samples)
     module.to(device)
@@ -226,20 +226,23 @@ def _settings_warnings(warnings: Warnings, config: FastFinetune, fabric: Fabric,
 
 
 def _hold_less(job: Job, aside: Path, module: LiftedModule) -> bool:
-    """Once the checks have read it, a QDQ model of BY_FILE_BYTES or more keeps its tensors' bytes in
-    `aside` (read again only to be written: see _export); the checks' freed temporaries (onnxruntime's
-    among them) go back to the system. Whether free heap goes back after each unit too (LARGE_RUN_BYTES)."""
+    """Once lifted, a QDQ model of BY_FILE_BYTES or more keeps its tensors' bytes in `aside` (read
+    there by the checks' onnxruntime, and again only to be written: see _export); the lift's freed
+    temporaries go back to the system. Whether free heap goes back after each unit too (LARGE_RUN_BYTES)."""
     if goes_by_file(job.original):
         job.original = set_aside(job.original, aside)
     release_freed_host_memory()
     return sum(p.numel() * p.element_size() for p in module.parameters()) >= LARGE_RUN_BYTES
 
 
-def _check_before_any_work(run: _Run, job: Job, plan: Plan, sample: list[torch.Tensor], device: torch.device) -> None:
+def _check_before_any_work(run: _Run, job: Job, plan: Plan, sample: list[torch.Tensor], device: torch.device,
+                           aside: Path) -> None:
     """On the first calibration batch, on the CPU, before the streams start: the lifted module computes
-    what onnxruntime computes (lift.check_lifted), and no unit's step runs an op without a deterministic
-    CUDA kernel where a CUDA run asks for determinism (see audit)."""
-    check_lifted(job.original, run.module, sample)
+    what onnxruntime computes (lift.check_lifted, from the set-aside data where the model was set
+    aside), and no unit's step runs an op without a deterministic CUDA kernel where a CUDA run asks
+    for determinism (see audit). onnxruntime's freed memory goes back to the system before the audit."""
+    check_lifted(job.original, run.module, sample, aside if (aside / SET_ASIDE).exists() else None)
+    release_freed_host_memory()
     with compiled_kernels(False):
         backward = run.methods[0].optimising()  # type: ignore[attr-defined]  (the first method is the algorithm)
         found = nondeterministic_on_cuda(run.module, run.units, plan, sample, backward)

@@ -86,13 +86,13 @@ class SharedWeights:
 
 
 def float_weights(reference: LiftedModule | None, coded: Mapping[str, str]) -> dict[str, torch.Tensor]:
-    """The float reference's trainable tensors by initializer name, and by the name of each initializer
-    of codes `coded` maps to one of them: the QDQ model is lifted into them (lift_model's reuse), so a
-    weight both hold equal, or one stored as codes it quantizes to, is never made twice."""
+    """The float reference's tensors by initializer name, and by the name of each initializer of codes
+    `coded` maps to one of them: the QDQ model is lifted into them (lift_model's reuse), so a weight
+    or constant (an embedding table) both hold equal, or a weight stored as codes it quantizes to, is
+    never made twice."""
     if reference is None:
         return {}
-    tensors = {source.initializer: reference.get_parameter(name) for name, source in reference.finetune_params.items()
-               if source.transform is None}
+    tensors = reference.initializer_values
     return {**tensors, **{codes: tensors[name] for codes, name in coded.items() if name in tensors}}
 
 

@@ -186,8 +186,8 @@ def test_quantize_and_finetune_hands_a_large_model_over_as_a_file(tmp_path: Path
 
 
 def test_the_quantized_models_bytes_lie_in_a_file_while_units_are_tuned(monkeypatch: pytest.MonkeyPatch) -> None:
-    """From BY_FILE_BYTES on, the QDQ model's large tensors lie in a temporary file from the lift on, where
-    onnxruntime's check reads them, and while the units are tuned (they are read again only to be written); before the export all come back but the tuned weights' codes,
+    """From BY_FILE_BYTES on, the QDQ model's large tensors lie in a temporary file from the lift on (read
+    from there one at a time), where onnxruntime's check reads them, and while the units are tuned (they are read again only to be written); before the export all come back but the tuned weights' codes,
     which the export replaces whole: the tuned model is, byte for byte, the one tuned with them in memory."""
     qdq = quantize_model(stack(), "INT4_BLOCK32", None).model
     in_memory, _ = finetune_model(qdq, feeds(), SETTINGS["gptq"])
@@ -212,12 +212,21 @@ def test_the_quantized_models_bytes_lie_in_a_file_while_units_are_tuned(monkeypa
         checked[-1] = (*checked[-1][:2], len(found))
         return found
 
+    lifted_from: list[Path | None] = []
+    lift = finetune.recon.run.lift_model
+
+    def lift_spy(model: Any, *args: Any, folder: Path | None = None, **kwargs: Any) -> Any:
+        lifted_from.append(folder)
+        return lift(model, *args, folder=folder, **kwargs)
+
     monkeypatch.setattr(finetune.recon.run, "put_back", spy)
+    monkeypatch.setattr(finetune.recon.run, "lift_model", lift_spy)
     monkeypatch.setattr(finetune.recon.run, "check_lifted", check_spy)
     monkeypatch.setattr(finetune.lift.agreement, "onnxruntime_values", values_spy)
     monkeypatch.setattr(finetune.onnx.io, "BY_FILE_BYTES", model_bytes(qdq))
     set_aside, _ = finetune_model(qdq, feeds(), SETTINGS["gptq"])
-    assert checked[0][0] >= 3 and checked[0][1:] == (True, 1)  # onnxruntime ran the model from the set-aside file
+    assert len(lifted_from) == 1 and lifted_from[0] is not None  # the QDQ model was lifted from the set-aside file
+    assert checked[0][0] >= 3 and checked[0][1:] == (True, 1)  # and onnxruntime ran it from there
     assert len(calls) == 2
     (aside, largest, skipped), (left, _, _) = calls
     assert aside >= 3 and largest < 2 * INLINE_TENSOR_BYTES  # the three weights' codes, at least, were in the file
@@ -228,7 +237,7 @@ def test_the_quantized_models_bytes_lie_in_a_file_while_units_are_tuned(monkeypa
 @pytest.mark.parametrize("large", [False, True])
 def test_free_heap_goes_back_after_the_preparation_and_after_each_unit_of_a_large_run(monkeypatch: pytest.MonkeyPatch,
                                                                                       large: bool) -> None:
-    """After the lifts, after the set-aside and after onnxruntime's check always; after each unit only from LARGE_RUN_BYTES of weights on
+    """After the lifts and after onnxruntime's check always; after each unit only from LARGE_RUN_BYTES of weights on
     (a smaller model's units keep glibc's reuse), and then where the heap holds HEAP_SLACK free."""
     qdq = quantize_model(stack(), "INT4_BLOCK32", None).model
     asked: list[int] = []
@@ -236,4 +245,4 @@ def test_free_heap_goes_back_after_the_preparation_and_after_each_unit_of_a_larg
     if large:
         monkeypatch.setattr(finetune.recon.run, "LARGE_RUN_BYTES", 1)
     finetune_model(qdq, feeds(), SETTINGS["gptq"])
-    assert asked == [0, 0, 0, *([HEAP_SLACK] * 3 if large else [])]
+    assert asked == [0, 0, *([HEAP_SLACK] * 3 if large else [])]

@@ -12,7 +12,7 @@ import torch
 from onnx import numpy_helper
 
 import finetune.formats.blocks
-from finetune.formats import FloatSpec, IntSpec, float_values, floats, int_values, integer
+from finetune.formats import FloatSpec, IntSpec, float_values, floats, int_quantize_dequantize, int_values, integer
 from finetune.formats.blocks import in_slices, quantizer_slices
 from finetune.quantize.insert import _stored_codes
 
@@ -107,3 +107,21 @@ def test_tensors_off_the_cpu_stay_whole(monkeypatch: pytest.MonkeyPatch) -> None
     assert calls == [(6, 6)]
     in_slices(values, torch.zeros(6, 6), None, torch.ones(()))
     assert len(calls) == 7
+
+
+@pytest.mark.parametrize("grad", [True, False])
+def test_a_parameter_quantized_without_grad_builds_no_mask(grad: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The straight-through mask is built only where autograd records the op: a weight (a parameter,
+    so requires_grad) run under no_grad needs none (GPTQ's passes, the audit: 62 MiB for an LM head)."""
+    masks: list[bool] = []
+    original = integer._int_values
+
+    def recorded(x: torch.Tensor, scale: object, zero_point: object, spec: IntSpec, with_mask: bool) -> object:
+        masks.append(with_mask)
+        return original(x, scale, zero_point, spec, with_mask)
+
+    monkeypatch.setattr(integer, "_int_values", recorded)
+    weight = torch.nn.Parameter(torch.randn(4, 8, generator=torch.Generator().manual_seed(2)))
+    with torch.set_grad_enabled(grad):
+        y = int_quantize_dequantize(weight, torch.full((4,), 0.01), torch.zeros(4), IntSpec("int8", axis=0))
+    assert masks == [grad] and y.requires_grad == grad

@@ -18,6 +18,7 @@ from .bits import (
     quantize_scaled,
     rounder,
     straight_through,
+    tracks_gradient,
 )
 from .blocks import check_block_attributes, map_blocks, normal_scale_fields, ordinary_fields, shared_exponent_field
 
@@ -90,7 +91,7 @@ def bfp_quantize_dequantize(x: torch.Tensor, spec: BFPSpec) -> torch.Tensor:
 
 def _bfp_float32(x: torch.Tensor, spec: BFPSpec) -> torch.Tensor:
     """The format on float32 x, its gradient straight through where nothing was clamped."""
-    y, passes = bfp_values(x.detach(), spec, with_mask=x.requires_grad)
+    y, passes = bfp_values(x.detach(), spec, with_mask=tracks_gradient(x))
     return straight_through(x, y, passes)
 
 

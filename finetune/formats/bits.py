@@ -186,10 +186,16 @@ class _StraightThrough(torch.autograd.Function):
         return (grad if passes is None else torch.where(passes, grad, 0.0)), None, None
 
 
+def tracks_gradient(x: torch.Tensor) -> bool:
+    """Whether autograd records ops on x here (x requires grad, grad mode on): only then does a
+    quantizer need its straight-through mask (a parameter under no_grad does not: 62 MiB for an LM head)."""
+    return x.requires_grad and torch.is_grad_enabled()
+
+
 def straight_through(x: torch.Tensor, y: torch.Tensor, passes: torch.Tensor | None) -> torch.Tensor:
     """Value of y with the gradient of x where the boolean mask `passes` holds (identity inside
     the range; everywhere when None), zero elsewhere."""
-    if not x.requires_grad:
+    if not tracks_gradient(x):
         return y
     return _StraightThrough.apply(x, y.detach(), passes)
 

@@ -19,7 +19,7 @@ from typing import Any, Literal
 import torch
 
 from . import FloatSpec, FormatSpec, IntSpec, format_values, int_quantize_dequantize, kernels, quantize_dequantize
-from .bits import straight_through
+from .bits import straight_through, tracks_gradient
 from .kernels import Kernel, Key
 
 logger = logging.getLogger(__name__)
@@ -167,7 +167,7 @@ def quantize_dequantize_compiled(
         zero_point = torch.zeros((), device=x.device) if zero_point is None else zero_point
     kernel = _kernel(spec, xf, scale, zero_point)
     if kernel is None:
-        y, passes = format_values(xf.detach(), spec, scale, zero_point, with_mask=xf.requires_grad)
+        y, passes = format_values(xf.detach(), spec, scale, zero_point, with_mask=tracks_gradient(xf))
         y = straight_through(xf, y, passes)
     elif xf.requires_grad and torch.is_grad_enabled():
         y = _CompiledQDQ.apply(xf, kernel, scale, zero_point)

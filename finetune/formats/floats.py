@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .bits import compute_in_float32, straight_through
+from .bits import compute_in_float32, straight_through, tracks_gradient
 from .blocks import broadcast_param, in_slices
 
 FLOAT_TYPES: dict[str, torch.dtype] = {
@@ -60,7 +60,7 @@ def float_quantize_dequantize(
 
 def _float_float32(x: torch.Tensor, spec: FloatSpec, scale: torch.Tensor | float, zero_point: torch.Tensor | float) -> torch.Tensor:
     """The format on float32 x, its gradient straight through where nothing saturated."""
-    y, inside = float_values(x.detach(), spec, scale, zero_point, with_mask=x.requires_grad)
+    y, inside = float_values(x.detach(), spec, scale, zero_point, with_mask=tracks_gradient(x))
     return straight_through(x, y, inside)
 
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .bits import RoundFn, compute_in_float32, pow2, round_half_even, straight_through
+from .bits import RoundFn, compute_in_float32, pow2, round_half_even, straight_through, tracks_gradient
 from .blocks import broadcast_param, in_slices
 
 # Code range of each integer type. x / scale is float32, as in QuantizeLinear; the codes of the
@@ -73,7 +73,7 @@ def _int_float32(
     x: torch.Tensor, scale: torch.Tensor | float, zero_point: torch.Tensor | float, spec: IntSpec, rounding: RoundFn | None
 ) -> torch.Tensor:
     if rounding is None and not (isinstance(scale, torch.Tensor) and scale.requires_grad):
-        y, inside = int_values(x.detach(), scale, zero_point, spec, with_mask=x.requires_grad)
+        y, inside = int_values(x.detach(), scale, zero_point, spec, with_mask=tracks_gradient(x))
         return straight_through(x, y, inside)
     code_dtype = torch.float64 if spec.dtype in WIDE_TYPES else torch.float32
     s = broadcast_param(scale, x, spec.axis, spec.block_size, torch.float32)

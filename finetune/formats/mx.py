@@ -16,6 +16,7 @@ from .bits import (
     round_half_even,
     rounder,
     straight_through,
+    tracks_gradient,
 )
 from .blocks import check_block_attributes, map_blocks, normal_scale_fields, shared_exponent_field
 
@@ -89,7 +90,7 @@ def mx_quantize_dequantize(x: torch.Tensor, spec: MXSpec) -> torch.Tensor:
 
 def _mx_float32(x: torch.Tensor, spec: MXSpec) -> torch.Tensor:
     """The format on float32 x, its gradient straight through where no element saturated."""
-    y, passes = mx_values(x.detach(), spec, with_mask=x.requires_grad)
+    y, passes = mx_values(x.detach(), spec, with_mask=tracks_gradient(x))
     return straight_through(x, y, passes)
 
 

@@ -40,7 +40,7 @@ from . import ops  # noqa: F401  (registers the converters)
 from .fake_quant import FakeQuantize
 from .host_shapes import HostOp, HostShape, host_shapes
 from .ops.control import Body, constant_condition, contained_bodies, control_module, is_control
-from .params import Dequantize, ParamSource, tensor_array, trainable_initializers
+from .params import Dequantize, FolderGraph, ParamSource, tensor_array, trainable_initializers
 from .qdq import QOPERATOR_OPS, QUANTIZE_TO_DEQUANTIZE, is_folded_quantize
 from .registry import find_converter
 
@@ -128,7 +128,7 @@ class _Builder:
 
     def __init__(self, graph: onnx.GraphProto, shared: _Shared):
         self.proto, self.shared = graph, shared
-        self.graph = OnnxGraph(graph)
+        self.graph = FolderGraph(graph, shared.folder)
         self.opsets = shared.opsets
         self.graph_outputs = {o.name for o in graph.output}
         self.consumers: dict[str, list[OnnxNode]] = defaultdict(list)

@@ -12,7 +12,9 @@ from pathlib import Path
 import numpy as np
 import onnx
 import torch
-from onnx import helper, numpy_helper
+from onnx import external_data_helper, helper, numpy_helper
+from onnx2torch.onnx_graph import OnnxGraph
+from onnx2torch.onnx_tensor import OnnxTensor
 
 from finetune.formats import FloatSpec, IntSpec, codes_array, dequantize_linear, quantize_dequantize
 from finetune.formats.blocks import quantizer_slices
@@ -91,6 +93,31 @@ def tensor_array(tensor: onnx.TensorProto, folder: Path | None = None) -> np.nda
     """The value of a tensor proto as numpy (ml_dtypes for int4, bfloat16, float8), read from its
     external data file in `folder` where the model was loaded without it (onnx.io.loaded_tensor)."""
     return numpy_helper.to_array(loaded_tensor(tensor, folder))
+
+
+class StoredTensor(OnnxTensor):
+    """An initializer whose values are still in its external data file: its proto is the reference
+    (name, type, shape), its values are read from `folder` each time a converter asks for them."""
+
+    def __init__(self, proto: onnx.TensorProto, folder: Path) -> None:
+        super().__init__(proto)
+        self.folder = folder
+
+    def to_numpy(self) -> np.ndarray:
+        """The values, read from the data file."""
+        return tensor_array(self.proto, self.folder).copy()
+
+
+class FolderGraph(OnnxGraph):
+    """onnx2torch's graph of a model loaded without its external data (or set aside): converters that
+    read an initializer's values (OnnxTensor.to_numpy, to_torch) get them from `folder`."""
+
+    def __init__(self, graph: onnx.GraphProto, folder: Path | None) -> None:
+        super().__init__(graph)
+        if folder is not None:
+            for name, tensor in list(self._initializers.items()):
+                if external_data_helper.uses_external_data(tensor.proto) and not tensor.proto.HasField("raw_data"):
+                    self._initializers[name] = StoredTensor(tensor.proto, folder)
 
 
 def trainable_initializers(graph: onnx.GraphProto) -> set[str]:

@@ -84,13 +84,12 @@ def tune_process(fabric: Fabric, job: Job) -> tuple[onnx.ModelProto | None, dict
 
 def _tune_and_export(fabric: Fabric, job: Job, sources: dict[str, str | None],
                      threads: ThreadPolicy | None) -> tuple[onnx.ModelProto | None, dict[str, Any]]:
-    """tune_process's work, under the run's thread policy. While the units are tuned, a QDQ model of
-    BY_FILE_BYTES or more keeps its tensors' bytes in a temporary file (it is read again only to be
-    written: 0.29 GiB of codes at 2.5 GB of weights)."""
+    """tune_process's work, under the run's thread policy. From its lift on, a QDQ model of
+    BY_FILE_BYTES or more keeps its tensors' bytes in a temporary file (_set_aside)."""
     config, device = job.config, fabric.device
-    run = _prepare(job)
-    release_freed_host_memory()  # the lifts' temporaries
     with tempfile.TemporaryDirectory(prefix="finetune-aside-") as folder:
+        run = _prepare(job, Path(folder))
+        release_freed_host_memory()  # the lifts' temporaries
         with (deterministic(config.seed, config.deterministic, config.allow_tf32, device), host_memory_kept(device),
               ActivationCache(config.cache_budget_bytes) as cache,
               compiled_kernels(resolve_compile(config.compile, device.type), max(1, config.iterations)) as kernels):
@@ -121,7 +120,7 @@ def _export(run: _Run, job: Job, aside: Path) -> onnx.ModelProto:
     return put_back(model, aside)
 
 
-def _prepare(job: Job) -> _Run:
+def _prepare(job: Job, aside: Path) -> _Run:
     """The lifted QDQ model, its units as the run's methods prepared them, and the float reference."""
     config, original = job.config, job.original
     for change in fold_computed_weights(original):  # so a weight computed from constants is tuned too
@@ -131,9 +130,11 @@ def _prepare(job: Job) -> _Run:
         for change in carry_smoothing(job.float_model, original, job.float_folder):  # SmoothQuant: the float model in the codes' coordinates
             logger.info("float model smoothed as the quantized one: %s", change)
         coded = coded_float_names(original, job.float_model)
+    folder = _set_aside(job, aside)
+    if job.float_model is not None:
         float_module = lift_model(job.float_model, owned=True, folder=job.float_folder)
         job.float_model = None  # its proto, a copy of the weights, is freed before the QDQ model is lifted
-    module = lift_model(original, reuse=float_weights(float_module, coded))
+    module = lift_model(job.original, reuse=float_weights(float_module, coded), folder=folder)
     _check_tunable(module)
     warnings = Warnings()
     units = find_units(module, config.op_types, config.include_output_quant, config.unit, warnings)
@@ -169,7 +170,7 @@ def _tune_units(run: _Run, job: Job, fabric: Fabric, cache: ActivationCache, sou
     inputs = cache_inputs(feeds, [info.name for info in feeds.inputs], cache, fabric.global_rank, fabric.world_size)
     plan = cut(module, units)
     sample = [value.tensor(0, torch.device("cpu")) for value in inputs]
-    trims = _hold_less(job, aside, module)
+    trims = sum(p.numel() * p.element_size() for p in module.parameters()) >= LARGE_RUN_BYTES  # free heap back after each unit
     _check_before_any_work(run, job, plan, sample, device, aside)
     if threads is not None:
         threads.begin(module, units, sample, config.batch_size)
@@ -225,14 +226,16 @@ def _settings_warnings(warnings: Warnings, config: FastFinetune, fabric: Fabric,
                      f"of {fabric.world_size}, to compare with a one-process run of that many pieces)", "config")
 
 
-def _hold_less(job: Job, aside: Path, module: LiftedModule) -> bool:
-    """Once lifted, a QDQ model of BY_FILE_BYTES or more keeps its tensors' bytes in `aside` (read
-    there by the checks' onnxruntime, and again only to be written: see _export); the lift's freed
-    temporaries go back to the system. Whether free heap goes back after each unit too (LARGE_RUN_BYTES)."""
-    if goes_by_file(job.original):
-        job.original = set_aside(job.original, aside)
+def _set_aside(job: Job, aside: Path) -> Path | None:
+    """From BY_FILE_BYTES on, the QDQ model keeps its tensors' bytes in `aside` once its constants are
+    folded: it is lifted one tensor at a time from there (no copy of the proto with its weights),
+    onnxruntime's check reads them there, and they are read again only to be written (see _export).
+    The folder, or None where the model stays in memory."""
+    if not goes_by_file(job.original):
+        return None
+    job.original = set_aside(job.original, aside)
     release_freed_host_memory()
-    return sum(p.numel() * p.element_size() for p in module.parameters()) >= LARGE_RUN_BYTES
+    return aside
 
 
 def _check_before_any_work(run: _Run, job: Job, plan: Plan, sample: list[torch.Tensor], device: torch.device,

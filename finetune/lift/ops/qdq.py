@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from onnx import TensorProto, numpy_helper
+from onnx import TensorProto
 from onnx2torch.onnx_graph import OnnxGraph
 from onnx2torch.onnx_node import OnnxNode
 from onnx2torch.utils.common import OperationConverterResult
@@ -105,10 +105,10 @@ def quantize_code_type(node: OnnxNode, graph: OnnxGraph) -> int:
 def linear_spec(node: OnnxNode, graph: OnnxGraph, code_type: int) -> tuple[IntSpec | FloatSpec, torch.Tensor, torch.Tensor]:
     """Format, scale and zero point of a (Extended)QuantizeLinear / DequantizeLinear node."""
     _check_float32_arithmetic(node)
-    scale = torch.from_numpy(numpy_helper.to_array(_constant(node.input_values[1], graph)).astype(np.float32))
+    scale = torch.from_numpy(_constant_values(node.input_values[1], graph).astype(np.float32))
     has_zero_point = len(node.input_values) > 2 and node.input_values[2]
     zero_point = (
-        torch.from_numpy(numpy_helper.to_array(_constant(node.input_values[2], graph)).astype(np.float32))
+        torch.from_numpy(_constant_values(node.input_values[2], graph).astype(np.float32))
         if has_zero_point
         else torch.zeros_like(scale)
     )
@@ -146,6 +146,12 @@ def _constant(name: str, graph: OnnxGraph) -> Any:
     if name not in graph.initializers:
         raise NotImplementedError(f"scale/zero point {name!r} is computed, not a constant")
     return graph.initializers[name].proto
+
+
+def _constant_values(name: str, graph: OnnxGraph) -> np.ndarray:
+    """The values of a scale or zero point (read from the data folder of a model loaded without them)."""
+    _constant(name, graph)
+    return graph.initializers[name].to_numpy()
 
 
 def _is_symmetric(name: str, zero_point: torch.Tensor) -> bool:

@@ -10,8 +10,10 @@ import torch
 from onnx import TensorProto
 
 import finetune.formats.blocks
+import finetune.lift.params
 from finetune.formats import FloatSpec, IntSpec
-from finetune.lift.params import Dequantize
+from finetune.lift.params import Dequantize, shared_or_made
+from finetune.onnx.dtypes import numpy_dtype, to_torch
 
 CASES = {  # name: (ONNX type, spec, values' shape, scale's shape)
     "int4 blocked along axis 0": (TensorProto.INT4, IntSpec("int4", axis=0, block_size=4), (10, 7), (3, 7)),
@@ -50,3 +52,21 @@ def test_slices_give_the_whole_tensors_values_and_answers(case: str, monkeypatch
     last.view(-1)[-1] = whole.view(-1)[-1] + 1.0  # off the grid in the last slice only
     assert not transform.stands_for(last, codes)
     assert not transform.stands_for(whole, transform.encode(last))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "uint16"])
+def test_a_tensor_is_shared_exactly_where_it_holds_the_arrays_bits(dtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An initializer another model's tensor holds bit for bit reads that storage (compared a slice of
+    bytes at a time, without a copy of the array; widened types as made); one bit off in the last
+    slice, or another type, and it gets a tensor of its own with the array's values."""
+    monkeypatch.setattr(finetune.lift.params, "SLICE_ELEMENTS", 8)  # many slices
+    array = (np.arange(50) * 3 % 17).astype(numpy_dtype(dtype)).reshape(5, 10)
+    held = to_torch(array)
+    shared = shared_or_made(held, array)
+    assert shared.untyped_storage().data_ptr() == held.untyped_storage().data_ptr()
+    off = held.clone()
+    off.view(-1)[-1] += 1
+    for existing in (off, held.double(), None):
+        made = shared_or_made(existing, array)
+        assert torch.equal(made, held) and made.dtype == held.dtype
+        assert existing is None or made.untyped_storage().data_ptr() != existing.untyped_storage().data_ptr()

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from finetune.recon.data.cache import SPILL_PREFIX, ActivationCache, CachedValue, SpilledArray, remove_stale_spills
+from finetune.recon.data.cache import SPILL_PREFIX, ActivationCache, CachedValue, SavedWeights, SpilledArray, remove_stale_spills
 
 
 def test_a_spilled_array_has_no_file_but_keeps_its_values(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -74,3 +74,19 @@ def test_spilled_values_read_back_do_not_stay_resident(tmp_path: Path, monkeypat
     # Half the spilled size: freed 16 MiB batches the C library keeps for reuse count too (after a tuning
     # run in the same process exactly 64 MiB of them stayed), while a plain memory map kept all 256 MiB.
     assert grown < 128 * 1024, f"resident memory grew by {grown} KiB while reading back 256 MiB of spills"
+
+
+def test_a_units_weights_before_tuning_spill_past_the_budget_and_come_back_bit_for_bit() -> None:
+    """SavedWeights keeps a tensor's copy in memory while the cache's budget holds it and writes it to a
+    spill file otherwise (straight from the tensor); restoring gives the values back bit for bit, and
+    leaving the block frees both."""
+    with ActivationCache(budget=64) as cache:
+        small, large = torch.arange(8, dtype=torch.float32), torch.randn(100, generator=torch.Generator().manual_seed(3))
+        before = {"small": small.clone(), "large": large.clone()}
+        with SavedWeights({"small": small, "large": large}, cache) as saved:
+            assert (cache.in_memory, cache.spilled, cache.on_disk) == (32, 1, 400)
+            small.add_(1.0)
+            large.mul_(2.0)
+            saved.restore({"small": small, "large": large})
+            assert torch.equal(small, before["small"]) and torch.equal(large, before["large"])
+        assert (cache.in_memory, cache.on_disk) == (0, 0)

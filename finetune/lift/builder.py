@@ -40,7 +40,7 @@ from . import ops  # noqa: F401  (registers the converters)
 from .fake_quant import FakeQuantize
 from .host_shapes import HostOp, HostShape, host_shapes
 from .ops.control import Body, constant_condition, contained_bodies, control_module, is_control
-from .params import Dequantize, FolderGraph, ParamSource, tensor_array, trainable_initializers
+from .params import Dequantize, FolderGraph, ParamSource, shared_or_made, tensor_array, trainable_initializers
 from .qdq import QOPERATOR_OPS, QUANTIZE_TO_DEQUANTIZE, is_folded_quantize
 from .registry import find_converter
 
@@ -264,9 +264,7 @@ class _Builder:
         if transform is not None and existing is not None and transform.stands_for(existing, array):
             value = existing.detach()  # the float weight these codes quantize it to, not a dequantized copy
         else:
-            value = transform.apply(array) if transform is not None else to_torch(array)
-            if transform is None and _same_bits(existing, value):
-                value = existing.detach()  # its storage, not a copy
+            value = transform.apply(array) if transform is not None else shared_or_made(existing, array)
         if transform is not None and array.size >= SLICE_ELEMENTS:  # its slices' temporaries, kept by glibc
             release_freed_host_memory(at_least=HEAP_SLACK)
         if name in self.shared.trainable and value.is_floating_point():
@@ -317,15 +315,6 @@ def _merged_sources(root: LiftedModule) -> dict[str, ParamSource]:
             merged[key] = dataclasses.replace(earlier, quantizer=earlier.quantizer or local[name].quantizer,
                                               consumers=earlier.consumers + local[name].consumers)
     return merged
-
-
-def _same_bits(existing: torch.Tensor | None, value: torch.Tensor) -> bool:
-    """Whether an existing tensor holds `value` bit for bit (same shape, dtype, device and bytes)."""
-    if existing is None or existing.shape != value.shape or existing.dtype != value.dtype or existing.device != value.device:
-        return False
-    if not (existing.is_contiguous() and value.is_contiguous()):
-        return False
-    return torch.equal(existing.detach().reshape(-1).view(torch.uint8), value.reshape(-1).view(torch.uint8))
 
 
 def _joined(path: str, name: str) -> str:

@@ -17,8 +17,9 @@ from onnx2torch.onnx_graph import OnnxGraph
 from onnx2torch.onnx_tensor import OnnxTensor
 
 from finetune.formats import FloatSpec, IntSpec, codes_array, dequantize_linear, quantize_dequantize
-from finetune.formats.blocks import quantizer_slices
+from finetune.formats.blocks import SLICE_ELEMENTS, quantizer_slices
 from finetune.onnx.domains import DEFAULT_DOMAINS
+from finetune.onnx.dtypes import TORCH_LACKS, to_torch, torch_dtype
 from finetune.onnx.fold import fold_constants, foldable
 from finetune.onnx.io import loaded_tensor
 from finetune.onnx.layers import PARAMETER_INPUTS
@@ -93,6 +94,22 @@ def tensor_array(tensor: onnx.TensorProto, folder: Path | None = None) -> np.nda
     """The value of a tensor proto as numpy (ml_dtypes for int4, bfloat16, float8), read from its
     external data file in `folder` where the model was loaded without it (onnx.io.loaded_tensor)."""
     return numpy_helper.to_array(loaded_tensor(tensor, folder))
+
+
+def shared_or_made(existing: torch.Tensor | None, array: np.ndarray) -> torch.Tensor:
+    """`existing` (detached) where it holds bit for bit the tensor to_torch makes of `array`, else that
+    tensor: the array is compared in place, a slice of bytes at a time, so a table both models hold
+    (250 MiB for a decoder's embedding) is not copied only to be compared; widened types are compared
+    once made."""
+    made = to_torch(array) if array.dtype.name in TORCH_LACKS else None
+    if existing is None or existing.device.type != "cpu" or tuple(existing.shape) != array.shape \
+            or not existing.is_contiguous() or existing.dtype != (made.dtype if made is not None else torch_dtype(array.dtype.name)):
+        return made if made is not None else to_torch(array)
+    mine = existing.detach().reshape(-1).view(torch.uint8).numpy()
+    theirs = np.ascontiguousarray(made.numpy() if made is not None else array).reshape(-1).view(np.uint8)
+    if all(np.array_equal(mine[i : i + SLICE_ELEMENTS], theirs[i : i + SLICE_ELEMENTS]) for i in range(0, mine.size, SLICE_ELEMENTS)):
+        return existing.detach()
+    return made if made is not None else to_torch(array)
 
 
 class StoredTensor(OnnxTensor):

@@ -15,6 +15,7 @@ from typing import Any
 import onnx
 
 from finetune.config import QuantConfig, available_presets, load_config
+from finetune.host_memory import release_freed_host_memory
 from finetune.notices import Notice, warn
 from finetune.onnx import attach_custom_ops
 from finetune.onnx.batchnorm import fold_batch_norms
@@ -84,6 +85,7 @@ def quantize_model(
     if alignments is not None:
         alignments += align_scales(normalized, config, uses, qparams, notices)
     quantized = attach_custom_ops(insert_qdq(normalized, uses, qparams, config.weight_storage), in_place=True)
+    release_freed_host_memory()  # calibration's and the codes' slices, which glibc keeps
     if config.bf16_as_cast:
         changes.append(f"bf16_as_cast: {bf16_pairs_to_casts(quantized)} bfloat16 quantize-dequantize pair(s) written as Cast pairs")
     require_loads(quantized, model, "quantize")

@@ -184,7 +184,7 @@ def _tune_units(run: _Run, job: Job, fabric: Fabric, cache: ActivationCache, sou
     floats = FloatStream(reference, units, inputs, cache, device, quantizers_off=reference is module)
     sharing = SharedWeights(module, reference, units, floats.segments) if reference is not module else None
     stream = QuantizedStream(plan, placeholders, inputs, cache, device)
-    tuner = Tuner(config, fabric, units, job.callbacks, held_out, run.methods)
+    tuner = Tuner(config, fabric, units, job.callbacks, held_out, run.methods, cache)
     if job.checkpoint is not None:
         counts = threads.fingerprint() if threads is not None else torch.get_num_threads()
         job.checkpoint.fingerprint = run_fingerprint(sources, config, inputs, counts)

@@ -23,7 +23,7 @@ from finetune.lift import LiftedModule
 from finetune.notices import Warnings
 
 from .data.batches import Draw
-from .data.cache import CachedValue
+from .data.cache import ActivationCache, CachedValue, SavedWeights
 from .data.heldout import local_chunks
 from .data.losses import Loss, evaluate, kept_or_reverted
 from .data.rows import UnitData, unit_data
@@ -42,8 +42,10 @@ class Tuner:
     the units an earlier run finished instead of tuning them."""
 
     def __init__(self, config: FastFinetune, fabric: Fabric, units: list[Unit], callbacks: Sequence[Any],
-                 held_out: frozenset[int] = frozenset(), methods: list[Method] | None = None) -> None:
+                 held_out: frozenset[int] = frozenset(), methods: list[Method] | None = None,
+                 cache: ActivationCache | None = None) -> None:
         self.config = config
+        self.cache = cache  # where a unit's weights before tuning are kept (SavedWeights); None: clones
         self.units = units
         self.held_out = held_out  # calibration batches (numbered over every process) kept out of training
         self.methods = methods if methods is not None else run_methods(config)  # the algorithm first
@@ -105,30 +107,29 @@ class Tuner:
         unit = self.units[k]
         self.should_stop, self.stop_tail = False, 0
         self.fabric.call("on_unit_start", tuner=self, index=k, unit=unit)
-        original = {name: tuned_tensor(module, name).detach().clone() for name in parameters_of(unit)}
-        work = self._work(k, module, data, starts)
-        skip = data.problem or next((why for m in self.methods if (why := m.skip_reason(unit, module)) is not None), None)
-        if skip:
-            self.warnings.add(unit.name, f"not tuned: {skip}")
-            return self._finish(k, module, work.before, work.before, f"skipped: {skip}", 0, begin, {})
-        self._start(work)
-        if self.config.lr == "auto" and self.rate_search is None and work.optimising:
-            self.rate_search = self._search_rate(work)
-        iterations, best = self._optimisation(work, self).run(Schedule(self.config.iterations, self.lr(k, module))) \
-            if work.optimising else (0, None)
-        after = work.measure()
-        for method in self.methods:
-            after = method.end(work, after)
-        records = {key: value for method in self.methods for key, value in method.record().items()}
-        status, kept = kept_or_reverted(work.before, after)
-        if status != "kept":
-            for name, value in original.items():
-                tuned_tensor(module, name).data.copy_(value)
-        if not after.finite:
-            self.warnings.add(unit.name, f"{status}; the weights before tuning are kept (a lower lr may help)")
-        rejected = after.judged if status == "reverted" else None
-        return self._finish(k, module, work.before, kept, status, iterations, begin, records, rejected,
-                            best if status == "kept" else None)
+        with SavedWeights({name: tuned_tensor(module, name) for name in parameters_of(unit)}, self.cache) as original:
+            work = self._work(k, module, data, starts)
+            skip = data.problem or next((why for m in self.methods if (why := m.skip_reason(unit, module)) is not None), None)
+            if skip:
+                self.warnings.add(unit.name, f"not tuned: {skip}")
+                return self._finish(k, module, work.before, work.before, f"skipped: {skip}", 0, begin, {})
+            self._start(work)
+            if self.config.lr == "auto" and self.rate_search is None and work.optimising:
+                self.rate_search = self._search_rate(work)
+            iterations, best = self._optimisation(work, self).run(Schedule(self.config.iterations, self.lr(k, module))) \
+                if work.optimising else (0, None)
+            after = work.measure()
+            for method in self.methods:
+                after = method.end(work, after)
+            records = {key: value for method in self.methods for key, value in method.record().items()}
+            status, kept = kept_or_reverted(work.before, after)
+            if status != "kept":
+                original.restore({name: tuned_tensor(module, name) for name in parameters_of(unit)})
+            if not after.finite:
+                self.warnings.add(unit.name, f"{status}; the weights before tuning are kept (a lower lr may help)")
+            rejected = after.judged if status == "reverted" else None
+            return self._finish(k, module, work.before, kept, status, iterations, begin, records, rejected,
+                                best if status == "kept" else None)
 
     def _work(self, k: int, module: LiftedModule, data: UnitData, starts: dict[str, torch.Tensor]) -> UnitWork:
         """Unit k's work, with its loss before tuning; a loss that is not finite is an error."""

@@ -111,6 +111,39 @@ class ActivationCache:
             self.in_memory -= array.nbytes
 
 
+class SavedWeights:
+    """A unit's tensors as they were before tuning, to put back where it is reverted: a CPU tensor as
+    the activation cache stores arrays (a copy in memory within its budget, else written to a spill
+    file straight from the tensor: a 2.5 GB decoder's LM head was a 250 MiB copy held beside it while
+    it was tuned), others as clones. A `with` block frees them."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], cache: ActivationCache | None) -> None:
+        self.cache = cache
+        self.saved: dict[str, Any] = {name: self._saved(name, tensor.detach()) for name, tensor in tensors.items()}
+
+    def _saved(self, name: str, tensor: torch.Tensor) -> Any:
+        """One tensor's copy: in the cache where it can hold it (a CPU tensor numpy can view), else a clone."""
+        if self.cache is None or tensor.device.type != "cpu" or tensor.dtype == torch.bfloat16 or not tensor.is_contiguous():
+            return tensor.clone()
+        view = tensor.numpy()
+        fits = self.cache.in_memory + view.nbytes <= self.cache.budget
+        return self.cache.store(view.copy() if fits else view, f"{name} before tuning")
+
+    def restore(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Put the saved values back into `tensors` (by name)."""
+        for name, value in self.saved.items():
+            tensors[name].data.copy_(value if isinstance(value, torch.Tensor) else torch.from_numpy(np.asarray(value)))
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        for value in self.saved.values():
+            if not isinstance(value, torch.Tensor):
+                self.cache.drop(value)  # type: ignore[union-attr]  (only a cache stores arrays)
+        self.saved = {}
+
+
 class SpilledArray:
     """An array in an unlinked file, read back through a read-only mapping whose pages are handed
     back after every read, so reading it costs page cache, not resident memory."""

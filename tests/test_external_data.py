@@ -21,12 +21,16 @@ import finetune.files
 import finetune.onnx.io
 import finetune.onnx.session
 from finetune.cli import main
+from finetune.lift.params import tensor_array
+from finetune.onnx.dtypes import numpy_dtype
 from finetune.onnx.io import (
     check_model,
     copy_without_initializers,
+    external_array,
     has_external_data,
     infer_shapes_of,
     load_model,
+    loaded_tensor,
     model_bytes,
     save_model_atomic,
 )
@@ -217,3 +221,25 @@ def test_the_output_may_not_be_the_input_or_its_data_file(tmp_path: Path, lowere
         command = ["quantize", path, "--config", "INT4_BLOCK32", "-o", output]
         assert main([str(a) for a in command]) == 2
     assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "float8_e4m3fn", "int64", "bool", "int4", "scalar"])
+def test_values_in_a_data_file_are_read_straight_into_an_array(tmp_path: Path, dtype: str) -> None:
+    """tensor_array reads a tensor of a model loaded without its data straight from the data file
+    (external_array: one copy) with the values onnx's own loading gives, bit for bit, for every byte-wide
+    type; sub-byte types go through onnx (external_array declines them)."""
+    rng = np.random.default_rng(0)
+    shape = () if dtype == "scalar" else (3, 40)
+    array = rng.standard_normal(shape).astype(np.float32) if dtype != "bool" else rng.standard_normal(shape) > 0
+    if dtype not in ("scalar", "bool"):
+        array = array.astype(numpy_dtype(dtype)) if dtype != "int64" else (array * 100).astype(np.int64)
+    tensors = [numpy_helper.from_array(np.asarray(array), "big"), numpy_helper.from_array(np.zeros(300, np.float32), "pad")]
+    model = helper.make_model(helper.make_graph([], "g", [], [], tensors))
+    onnx.save(model, tmp_path / "m.onnx", save_as_external_data=True, location="m.data", size_threshold=0)
+    header = onnx.load(str(tmp_path / "m.onnx"), load_external_data=False)
+    stored = {t.name: t for t in header.graph.initializer}["big"]
+    read = tensor_array(stored, tmp_path)
+    loaded = numpy_helper.to_array(loaded_tensor(stored, tmp_path))
+    assert (external_array(stored, tmp_path) is None) == (dtype == "int4")
+    assert read.dtype == loaded.dtype and read.shape == loaded.shape
+    assert read.tobytes() == loaded.tobytes()

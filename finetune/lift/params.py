@@ -21,7 +21,7 @@ from finetune.formats.blocks import SLICE_ELEMENTS, quantizer_slices
 from finetune.onnx.domains import DEFAULT_DOMAINS
 from finetune.onnx.dtypes import TORCH_LACKS, to_torch, torch_dtype
 from finetune.onnx.fold import fold_constants, foldable
-from finetune.onnx.io import loaded_tensor
+from finetune.onnx.io import external_array, loaded_tensor
 from finetune.onnx.layers import PARAMETER_INPUTS
 
 from .qdq import is_quantizer
@@ -92,7 +92,12 @@ class ParamSource:
 
 def tensor_array(tensor: onnx.TensorProto, folder: Path | None = None) -> np.ndarray:
     """The value of a tensor proto as numpy (ml_dtypes for int4, bfloat16, float8), read from its
-    external data file in `folder` where the model was loaded without it (onnx.io.loaded_tensor)."""
+    external data file in `folder` where the model was loaded without it (onnx.io.external_array,
+    else loaded_tensor)."""
+    if folder is not None and external_data_helper.uses_external_data(tensor) and not tensor.HasField("raw_data"):
+        array = external_array(tensor, folder)
+        if array is not None:
+            return array
     return numpy_helper.to_array(loaded_tensor(tensor, folder))
 
 

@@ -9,6 +9,7 @@ import hashlib
 import math
 import os
 import re
+import sys
 import tempfile
 from collections.abc import Callable, Collection
 from pathlib import Path
@@ -128,6 +129,24 @@ def loaded_tensor(tensor: onnx.TensorProto, folder: str | os.PathLike | None) ->
     loaded.data_location = onnx.TensorProto.DEFAULT
     del loaded.external_data[:]
     return loaded
+
+
+def external_array(tensor: onnx.TensorProto, folder: str | os.PathLike) -> np.ndarray | None:
+    """The values of a tensor whose raw bytes lie in a data file in `folder`, read straight into an
+    array (one copy, where loaded_tensor makes a proto of them and to_array a view: the read bytes,
+    the proto's and a caller's copy were 750 MiB at once for a 250 MiB LM head); None where that
+    does not apply (sub-byte types, a location outside the folder, a big-endian host), for
+    loaded_tensor to read."""
+    place = {entry.key: entry.value for entry in tensor.external_data}
+    dtype = np.dtype(helper.tensor_dtype_to_np_dtype(tensor.data_type))
+    path = Path(folder) / place.get("location", "")
+    if tensor.data_type in _SUB_BYTE_BITS or dtype.kind == "O" or sys.byteorder != "little" \
+            or not path.resolve().is_relative_to(Path(folder).resolve()):
+        return None
+    count = math.prod(tensor.dims)
+    if int(place.get("length", count * dtype.itemsize)) != count * dtype.itemsize:
+        return None
+    return np.fromfile(path, dtype, count=count, offset=int(place.get("offset", 0))).reshape(tuple(tensor.dims))
 
 
 def has_external_data(source: str | os.PathLike | onnx.ModelProto) -> bool:

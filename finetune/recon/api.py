@@ -4,6 +4,7 @@ checkpoint of its finished units. `preflight` is what a run checks before any wo
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from collections.abc import Sequence
@@ -81,6 +82,7 @@ def finetune_model(
     job = Job(original, float_proto, data, config, saver, resume, run_callbacks, attach_ops, bf16_as_cast, float_folder)
     del original, float_proto  # the job's are the only references: tuning lets them go, or their bytes, as it can
     tuned, report = launch(fabric, tune_process, job)[0] if config.processes > 1 else tune_process(fabric, job)
+    gc.collect()  # the lifted modules live in reference cycles (fx graphs): their weights go now, not after the load check
     if tuned is None:
         return None, report  # a process other than the first of a data-parallel run: the first one writes
     tuned = to_matmul_nbits(tuned, nbits)[0] if nbits else tuned  # back to the form it came in

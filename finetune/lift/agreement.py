@@ -27,6 +27,7 @@ from torch import fx, nn
 
 from finetune.calibrate.data import model_inputs
 from finetune.formats.compiled import compiled_kernels
+from finetune.host_memory import release_freed_host_memory
 from finetune.onnx import attach_custom_ops
 from finetune.onnx.io import load_model, put_back
 from finetune.onnx.normalize import normalize_model
@@ -77,6 +78,7 @@ def _check(model: onnx.ModelProto, module: nn.Module, feed: Feed, folder: Path |
     except Exception as error:  # onnxruntime raises its own types; tuning a model it cannot run stays allowed
         logger.warning("the lifted module was not compared with onnxruntime, which cannot run the model: %s", " ".join(str(error).split()))
         return
+    release_freed_host_memory()  # the session's, before the module runs (a tuning run's glibc keeps up to 1 GiB free)
     actual = dict(zip([output.name for output in model.graph.output], _module_outputs(module, list(feed.values()))))
     if all(agrees(actual.get(name), value, exact=False) for name, value in expected.items()):
         return

@@ -134,6 +134,7 @@ def _prepare(job: Job, aside: Path) -> _Run:
     if job.float_model is not None:
         float_module = lift_model(job.float_model, owned=True, folder=job.float_folder)
         job.float_model = None  # its proto, a copy of the weights, is freed before the QDQ model is lifted
+        release_freed_host_memory()  # and the float lift's temporaries
     module = lift_model(job.original, reuse=float_weights(float_module, coded), folder=folder)
     _check_tunable(module)
     warnings = Warnings()

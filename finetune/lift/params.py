@@ -107,14 +107,20 @@ def shared_or_made(existing: torch.Tensor | None, array: np.ndarray) -> torch.Te
     (250 MiB for a decoder's embedding) is not copied only to be compared; widened types are compared
     once made."""
     made = to_torch(array) if array.dtype.name in TORCH_LACKS else None
-    if existing is None or existing.device.type != "cpu" or tuple(existing.shape) != array.shape \
-            or not existing.is_contiguous() or existing.dtype != (made.dtype if made is not None else torch_dtype(array.dtype.name)):
-        return made if made is not None else to_torch(array)
-    mine = existing.detach().reshape(-1).view(torch.uint8).numpy()
-    theirs = np.ascontiguousarray(made.numpy() if made is not None else array).reshape(-1).view(np.uint8)
-    if all(np.array_equal(mine[i : i + SLICE_ELEMENTS], theirs[i : i + SLICE_ELEMENTS]) for i in range(0, mine.size, SLICE_ELEMENTS)):
-        return existing.detach()
+    values, dtype = (array, torch_dtype(array.dtype.name)) if made is None else (made.numpy(), made.dtype)
+    if _same_bytes(existing, values, dtype):
+        return existing.detach()  # type: ignore[union-attr]  (_same_bytes checked it)
     return made if made is not None else to_torch(array)
+
+
+def _same_bytes(existing: torch.Tensor | None, values: np.ndarray, dtype: torch.dtype) -> bool:
+    """Whether a contiguous CPU tensor of `dtype` and values' shape holds values' bytes, compared a slice at a time."""
+    if existing is None or existing.device.type != "cpu" or existing.dtype != dtype or tuple(existing.shape) != values.shape \
+            or not existing.is_contiguous():
+        return False
+    mine = existing.detach().reshape(-1).view(torch.uint8).numpy()
+    theirs = np.ascontiguousarray(values).reshape(-1).view(np.uint8)
+    return all(np.array_equal(mine[i : i + SLICE_ELEMENTS], theirs[i : i + SLICE_ELEMENTS]) for i in range(0, mine.size, SLICE_ELEMENTS))
 
 
 class StoredTensor(OnnxTensor):

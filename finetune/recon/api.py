@@ -74,11 +74,7 @@ def finetune_model(
     saver = Checkpoint(checkpoint) if checkpoint is not None else None
     run_callbacks = list(check_callbacks([*([saver] if saver else []), *builtin_callbacks(config, log_dir), *callbacks]))
     fabric = make_fabric(config, device, run_callbacks)
-    float_proto, float_folder = None, None
-    if float_model is not None:  # a file is read once, its external data left in place (tensors read as lifted)
-        from_file = not isinstance(float_model, onnx.ModelProto)
-        float_proto = load_model(float_model, external_values=not from_file)
-        float_folder = Path(float_model).parent if from_file and has_external_data(float_proto) else None  # type: ignore[arg-type]
+    float_proto, float_folder = _float_source(float_model)
     job = Job(original, float_proto, data, config, saver, resume, run_callbacks, attach_ops, bf16_as_cast, float_folder)
     del original, float_proto  # the job's are the only references: tuning lets them go, or their bytes, as it can
     tuned, report = launch(fabric, tune_process, job)[0] if config.processes > 1 else tune_process(fabric, job)
@@ -96,6 +92,16 @@ def finetune_model(
     if saver is not None:
         saver.remove()  # the run is complete: nothing is left to resume
     return tuned, report
+
+
+def _float_source(float_model: str | Path | onnx.ModelProto | None) -> tuple[onnx.ModelProto | None, Path | None]:
+    """The float model and the folder its tensors are read from as they are lifted: a file is read
+    once, its external data left in place; a proto is copied (the caller's stays as it is)."""
+    if float_model is None:
+        return None, None
+    from_file = not isinstance(float_model, onnx.ModelProto)
+    float_proto = load_model(float_model, external_values=not from_file)
+    return float_proto, Path(float_model).parent if from_file and has_external_data(float_proto) else None  # type: ignore[arg-type]
 
 
 def _as_qdq(model: str | Path | onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str, int]]:

@@ -4,7 +4,8 @@ matmul_nbits_quantizer (RTN, HQQ, GPTQ), NNCF (AWQ + scale estimation) and AMD Q
 GPTQ), at two settings: groups of 128 along the reduction axis and per channel, symmetric; and ours
 alone at more: INT8 weights and activations with and without SmoothQuant, MXFP4 and MX4, each also
 after a rotation of the residual stream (`rotation`, QuaRot-style; `_rot` settings) and with online
-rotations of the projections' inputs too (`_online`). Every
+rotations of the projections' inputs too (`_online`), and with each attention head's values rotated
+(`_heads`). Every
 MatMul weight is quantized (the LM head too), the token table stays float. Calibration and
 evaluation windows are disjoint stretches of CPython's `pydoc_data.topics` (bench_smollm2's). Each
 quantizer runs in a process of its own (a peer with its environment's Python and
@@ -44,6 +45,8 @@ SETTINGS = {"g128": {"preset": "INT4_BLOCK32", "weight": {"block_size": 128}},  
             **{f"{name}_online": {**config, "rotation": {"online": True}} for name, config in  # + online Hadamards
                (("mxfp4_rot", {"preset": "MXFP4"}), ("mx4_rot", {"preset": "MX4"}),
                 ("w8a8_rot_sq", {"preset": "A8W8", "smooth_quant": {}}))}}
+SETTINGS.update({f"{name}_heads": {**config, "rotation": {**config["rotation"], "heads": True}}  # + each head's values (R2)
+                 for name, config in list(SETTINGS.items()) if "rotation" in config})
 PEER_SETTINGS = ("g128", "channel")  # the INT4 weight-only settings the peers' drivers run
 OURS = {"ours_rtn": {}, "ours_gptq": {"fast_finetune": GPTQ}, "ours_awq": {"awq": {}},  # method -> what it adds to the setting
         "ours_awq_gptq": {"awq": {}, "fast_finetune": GPTQ}}

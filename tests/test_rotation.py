@@ -207,11 +207,11 @@ def test_the_summary_says_what_was_rotated_and_quark_include_rotation_maps_to_th
 def test_constants_rotated_by_pieces_are_those_rotated_whole(monkeypatch: pytest.MonkeyPatch) -> None:
     """Pieces of a few rows or columns (as an LM head of 128 k x 4096 is rotated) give the whole
     product's values, within the rounding of sums over the width (BLAS may order a piece's sums otherwise)."""
-    from finetune.onnx import rotate
+    from finetune.onnx import rotate_steps
 
     whole, pieces = tied_decoder(), tied_decoder()
     rotate_graph(whole.graph, "hadamard", 0)
-    monkeypatch.setattr(rotate, "PIECE_ELEMENTS", 20)
+    monkeypatch.setattr(rotate_steps, "PIECE_ELEMENTS", 20)
     rotate_graph(pieces.graph, "hadamard", 0)
     for ours, theirs in zip(pieces.graph.initializer, whole.graph.initializer):
         assert ours.name == theirs.name

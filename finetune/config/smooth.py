@@ -68,9 +68,11 @@ class Rotation(Section):
     hadamard`, where one of the stream's width is built here) or a random orthogonal one
     (`random`), drawn from `seed`. With `online`, the inputs of the layers writing into the stream
     from outside it (attention's output and the MLP's down projections) are rotated too, by Hadamard
-    products inserted before them (float nodes: QuaRot's online Hadamard). The float graph computes
-    the same function."""
+    products inserted before them (float nodes: QuaRot's online Hadamard). With `heads`, each
+    attention head's values too, by one matrix of the head's width folded into the value and output
+    projections (QuaRot's R2). The float graph computes the same function."""
 
     kind: Literal["hadamard", "random"] = "hadamard"
     seed: int = 0
     online: bool = False
+    heads: bool = False

@@ -18,9 +18,7 @@ onnxruntime-genai's builder writes them) are followed as the norm and gain they 
 
 from __future__ import annotations
 
-import functools
 from collections import defaultdict
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,25 +28,30 @@ from onnx import helper, numpy_helper
 
 from .contrib import SKIP_SUM, rms_gain_input
 from .domains import DEFAULT_DOMAINS
-from .graphs import node_reads, unique_name
+from .graphs import node_reads
 from .hadamard import online_factors, rotation_matrix
-from .io import loaded_tensor
+from .rotate_heads import plan_heads
 from .rotate_online import insert_online
+from .rotate_steps import (
+    COLUMNS,
+    HEADS,
+    LEFT,
+    ONES,
+    ONLINE,
+    RIGHT,
+    ROWS,
+    SHAPE_ONLY,
+    STREAM,
+    RotationError,
+    Steps,
+    apply_rotation,
+)
 from .smooth import input_axis
 
-RIGHT, LEFT = "right", "left"  # a constant times Q along its last axis; Q^T times it along its first
-ONLINE = "online:"  # + a width: a weight whose input is rotated online by a Hadamard matrix of that order
-ROWS, COLUMNS = "rows:", "columns:"  # + a gain's name: a weight's rows (or a transposed weight's columns) times the gain
-_SHAPE_ONLY = ("Shape", "Size")
 _REDUCTIONS = ("ReduceMean", "ReduceSum")  # of the stream's squares over the last axis: Q keeps them
 _NORMS = ("ReduceL2", "ReduceSumSquare")  # of the stream itself over the last axis: Q keeps them too
 _PER_ROW_STEPS = ("Sqrt", "Reciprocal", "Neg", "Cast", "Add", "Sub", "Mul", "Div", "Pow")
 _FLOATS = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16)
-PIECE_ELEMENTS = 1 << 22  # the most elements of a constant rotated at once in float64 (32 MiB)
-
-
-class RotationError(ValueError):
-    """The graph's stream cannot be rotated exactly: one line naming the value and node."""
 
 
 @dataclass
@@ -59,12 +62,14 @@ class Plan:
     width: int
     table: str  # the Gather that starts the stream
     stream: set[str] = field(default_factory=set)
-    steps: dict[tuple[str, int], list[str]] = field(default_factory=lambda: defaultdict(list))
+    steps: Steps = field(default_factory=lambda: defaultdict(list))
     gains: dict[tuple[str, int], str] = field(default_factory=dict)  # a norm's Mul input -> its gain (set to ones)
     reading: list[str] = field(default_factory=list)  # the layers reading the stream (their weights: Q^T W)
     writing: list[str] = field(default_factory=list)  # the layers writing into it (W Q)
     online: dict[str, int] = field(default_factory=dict)  # a layer whose input is rotated online -> its input width
     inserted: list[str] = field(default_factory=list)  # the MatMuls of the online rotations (float: never quantized)
+    heads: list[tuple[str, str]] = field(default_factory=list)  # (value, output) projections rotated per head
+    head_width: int = 0  # the order of the heads' rotation R (0: none)
 
 
 class _Walk:
@@ -77,7 +82,7 @@ class _Walk:
         self.readers: dict[str, list[tuple[onnx.NodeProto, int]]] = defaultdict(list)
         for node in graph.node:
             for index, name in enumerate(node.input):
-                if name and not (node.op_type in _SHAPE_ONLY and node.domain in DEFAULT_DOMAINS):
+                if name and not (node.op_type in SHAPE_ONLY and node.domain in DEFAULT_DOMAINS):
                     self.readers[name].append((node, index))
             for name in node_reads(node)[len(node.input):]:  # a subgraph's reads of the stream cannot be rotated
                 self.readers[name].append((node, -1))
@@ -303,70 +308,6 @@ def plan_rotation(graph: onnx.GraphProto) -> Plan:
     raise first_error
 
 
-def apply_rotation(graph: onnx.GraphProto, plan: Plan, rotation: np.ndarray, folder: Path | None = None) -> None:
-    """Rewrite the planned constants in place (each step's products in float64, a piece of at most
-    PIECE_ELEMENTS at a time, stored in the constant's own type: an LM head of 128 k x 4096 never
-    stands whole in float64); a constant that other readers share is copied first, so only the
-    planned reads change. Constants whose values are still in a data file in `folder` are read from
-    it, so a tensor's old bytes never stay in the graph's memory beside its new ones."""
-    nodes = {node.name: node for node in graph.node}
-    tensors = {t.name: t for t in graph.initializer}
-    reads: dict[str, int] = defaultdict(int)
-    for node in graph.node:
-        for name in node_reads(node):
-            reads[name] += 1
-    outputs = {o.name for o in graph.output}
-    for (name, index), steps in [*plan.steps.items(), *((key, ["ones"]) for key in plan.gains)]:
-        node = nodes[name]
-        tensor = tensors[node.input[index]]
-        array = numpy_helper.to_array(loaded_tensor(tensor, folder))
-        for step in steps:
-            array = _step(array, step, rotation, lambda gain: numpy_helper.to_array(loaded_tensor(tensors[gain], folder)))
-        if reads[tensor.name] > 1 or tensor.name in outputs:
-            copy = unique_name(f"{tensor.name}_rotated", set(tensors))
-            reads[tensor.name] -= 1
-            tensors[copy] = tensor = graph.initializer.add()
-            tensor.name = node.input[index] = copy
-        tensor.CopyFrom(numpy_helper.from_array(array, tensor.name))
-
-
-def _step(array: np.ndarray, step: str, rotation: np.ndarray, gain_of: Callable[[str], np.ndarray]) -> np.ndarray:
-    """One planned step on a constant, a new array of its type: times Q along its last axis (by
-    pieces of rows), Q^T times it along its first (by pieces of columns), its rows (or columns)
-    times a gain (read before any gain is set to ones), or ones."""
-    if step == "ones":
-        return np.ones_like(array)
-    if step.startswith(ONLINE):  # the input rotated online by H (unnormalised): W := H^T W / n
-        return _left(array, _online_left(int(step[len(ONLINE):])))
-    result = np.empty_like(array)
-    if step == RIGHT:
-        rows, out = array.reshape(-1, array.shape[-1]), result.reshape(-1, array.shape[-1])
-        step_rows = max(1, PIECE_ELEMENTS // rows.shape[1])
-        for start in range(0, rows.shape[0], step_rows):
-            out[start:start + step_rows] = rows[start:start + step_rows].astype(np.float64) @ rotation
-        return result
-    if step == LEFT:
-        return _left(array, rotation.T)
-    gain = gain_of(step.split(":", 1)[1]).astype(array.dtype).reshape(-1)  # one product: rounded once
-    np.multiply(array, gain[:, None] if step.startswith(ROWS) else gain[None, :], out=result)
-    return result
-
-
-def _left(array: np.ndarray, matrix: np.ndarray) -> np.ndarray:
-    """matrix @ array (float64 products by pieces of columns), in the array's type."""
-    result = np.empty_like(array)
-    step_columns = max(1, PIECE_ELEMENTS // array.shape[0])
-    for start in range(0, array.shape[1], step_columns):
-        result[:, start:start + step_columns] = matrix @ array[:, start:start + step_columns].astype(np.float64)
-    return result
-
-
-@functools.lru_cache(maxsize=4)
-def _online_left(n: int) -> np.ndarray:
-    """H^T / n for the Hadamard matrix H of order n that an online rotation applies."""
-    return np.kron(*online_factors(n)).T.astype(np.float64) / n
-
-
 def plan_online(graph: onnx.GraphProto, plan: Plan) -> None:
     """Add an online rotation of the input of every MatMul writing into the stream from outside it
     (attention's output projection, the MLP's down projection: QuaRot's online Hadamard): the input x
@@ -386,14 +327,21 @@ def plan_online(graph: onnx.GraphProto, plan: Plan) -> None:
         plan.online[name] = width
 
 
-def rotate_graph(graph: onnx.GraphProto, kind: str, seed: int, folder: Path | None = None, online: bool = False) -> Plan:
+def rotate_graph(graph: onnx.GraphProto, kind: str, seed: int, folder: Path | None = None, online: bool = False,
+                 heads: bool = False) -> Plan:
     """Rotate the graph's residual stream (see the module's docstring) in place, reading values still
-    in a data file from `folder` (see apply_rotation), and with `online` the inputs of the layers
-    writing into it from outside (plan_online); the plan says what was done."""
+    in a data file from `folder` (see apply_rotation); with `heads` each attention head's values too
+    (finetune.onnx.rotate_heads: before the online rotations, whose products come after R^T on the
+    output projections' rows), and with `online` the inputs of the layers writing into the stream
+    from outside (plan_online); the plan says what was done."""
     plan = plan_rotation(graph)
+    matrices = {STREAM: rotation_matrix(plan.width, kind, seed)}
+    if heads:
+        plan.heads, plan.head_width = plan_heads(graph, plan.steps)
+        matrices[HEADS] = rotation_matrix(plan.head_width, kind, seed)
     if online:
         plan_online(graph, plan)
-    apply_rotation(graph, plan, rotation_matrix(plan.width, kind, seed), folder)
+    apply_rotation(graph, [*plan.steps.items(), *((key, [ONES]) for key in plan.gains)], matrices, folder)
     if online:
         plan.inserted = insert_online(graph, plan.online)
     return plan

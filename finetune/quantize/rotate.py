@@ -21,15 +21,17 @@ def rotate_model(model: onnx.ModelProto, section: Rotation, folder: Path | None 
     """Rotate the normalised float `model` (the quantizer's own copy, or finetune.onnx.io.set_aside's
     header of it with its data file in `folder`, whose rotated tensors are read from there) in place; its
     summary entry: the matrix, the stream's width and table, and how many layers read, write and
-    fold a norm's gain, the layers rotated online and the nodes that rotate them (left float). A stream that cannot be rotated exactly is a one-line ValueError before any
-    weight changes."""
+    fold a norm's gain, the layers rotated online and the nodes that rotate them (left float), and the
+    value and output projections rotated per head. A stream that cannot be rotated exactly is a
+    one-line ValueError before any weight changes."""
     try:
-        plan = rotate_graph(model.graph, section.kind, section.seed, folder, section.online)
+        plan = rotate_graph(model.graph, section.kind, section.seed, folder, section.online, section.heads)
     except RotationError as error:
         raise ValueError(str(error)) from None
     summary = {"kind": section.kind, "seed": section.seed, "width": plan.width, "table": plan.table,
                "stream_values": len(plan.stream), "layers_reading": len(plan.reading), "layers_writing": len(plan.writing),
-               "gains_folded": len(plan.gains), "online": sorted(plan.online), "inserted_nodes": plan.inserted}
+               "gains_folded": len(plan.gains), "online": sorted(plan.online), "inserted_nodes": plan.inserted,
+               "heads": [list(pair) for pair in plan.heads], "head_width": plan.head_width}
     logger.info("rotation (%s, seed %d): the residual stream of width %d from %s, %d layer(s) reading it, %d writing "
                 "into it, %d norm gain(s) folded", section.kind, section.seed, plan.width, plan.table,
                 summary["layers_reading"], summary["layers_writing"], summary["gains_folded"])

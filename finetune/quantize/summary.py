@@ -91,7 +91,9 @@ def format_summary(summary: dict[str, Any]) -> str:
         lines.append(f"rotation ({rotation['kind']}, seed {rotation['seed']}): residual stream of width {rotation['width']}, "
                      f"{rotation['layers_reading']} layer(s) reading it, {rotation['layers_writing']} writing into it, "
                      f"{rotation['gains_folded']} norm gain(s) folded"
-                     + (f", {len(rotation['online'])} layer input(s) rotated online" if rotation["online"] else ""))
+                     + (f", {len(rotation['online'])} layer input(s) rotated online" if rotation["online"] else "")
+                     + (f", the values of {len(rotation['heads'])} attention(s) rotated per head of {rotation['head_width']}"
+                        if rotation.get("heads") else ""))
     if "smooth_quant" in summary:
         smooth = summary["smooth_quant"]
         lines.append(_rescaling_line(f"smooth_quant (alpha {smooth['alpha']:g})", "smoothed", smooth))

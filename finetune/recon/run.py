@@ -23,7 +23,7 @@ from finetune.host_memory import HEAP_SLACK, LARGE_RUN_BYTES, release_freed_host
 from finetune.lift import FakeQuantize, LiftedModule, check_lifted, lift_model
 from finetune.lift.params import fold_computed_weights
 from finetune.notices import Warnings
-from finetune.onnx.io import SET_ASIDE, goes_by_file, model_digest, put_back, set_aside
+from finetune.onnx.io import goes_by_file, model_digest, put_back, set_aside
 
 from .audit import nondeterministic_on_cuda, refuse_nondeterministic
 from .checkpoint import Checkpoint, run_fingerprint
@@ -63,13 +63,15 @@ class Job:
 
 @dataclasses.dataclass
 class _Run:
-    """A process's lifted model with its units, the run's methods, its float reference and warnings."""
+    """A process's lifted model with its units, the run's methods, its float reference and warnings,
+    and the folder its QDQ model's tensors were set aside in (None: they stay in the proto)."""
 
     module: LiftedModule
     units: list[Unit]
     methods: list[Method]
     reference: LiftedModule
     warnings: Warnings
+    aside: Path | None
 
 
 def tune_process(fabric: Fabric, job: Job) -> tuple[onnx.ModelProto | None, dict[str, Any]]:
@@ -93,7 +95,7 @@ def _tune_and_export(fabric: Fabric, job: Job, sources: dict[str, str | None],
         with (deterministic(config.seed, config.deterministic, config.allow_tf32, device), host_memory_kept(device),
               ActivationCache(config.cache_budget_bytes) as cache,
               compiled_kernels(resolve_compile(config.compile, device.type), max(1, config.iterations)) as kernels):
-            tuner, timing = _tune_units(run, job, fabric, cache, sources, threads, Path(folder))
+            tuner, timing = _tune_units(run, job, fabric, cache, sources, threads)
             cache_stats = {"peak_bytes_in_memory": cache.peak_in_memory, "peak_bytes_on_disk": cache.peak_on_disk,
                            "spilled_arrays": cache.spilled}
         report = _report(config, device, run.reference is run.module, tuner, [*run.warnings, *tuner.warnings], timing,
@@ -105,19 +107,19 @@ def _tune_and_export(fabric: Fabric, job: Job, sources: dict[str, str | None],
         if not fabric.is_global_zero:
             return None, report
         run.module.cpu()
-        return _export(run, job, Path(folder)), report
+        return _export(run, job), report
 
 
-def _export(run: _Run, job: Job, aside: Path) -> onnx.ModelProto:
+def _export(run: _Run, job: Job) -> onnx.ModelProto:
     """The tuned model, written into the job's own copy of the QDQ model. Where its tensors were set aside,
-    they come back from `aside` but the tuned ones, which the export replaces whole (their old codes would
+    they come back from there but the tuned ones, which the export replaces whole (their old codes would
     be read only to be dropped: 0.29 GiB at 2.5 GB), and then any it did not replace."""
-    if not (aside / SET_ASIDE).exists():
+    if run.aside is None:
         return export_model(run.module, job.original, job.attach_ops, job.bf16_as_cast, in_place=True)
     tuned = {source.initializer for source in run.module.finetune_params.values()}
-    model = export_model(run.module, put_back(job.original, aside, skip=tuned), job.attach_ops, job.bf16_as_cast,
+    model = export_model(run.module, put_back(job.original, run.aside, skip=tuned), job.attach_ops, job.bf16_as_cast,
                          in_place=True)
-    return put_back(model, aside)
+    return put_back(model, run.aside)
 
 
 def _prepare(job: Job, aside: Path) -> _Run:
@@ -144,7 +146,7 @@ def _prepare(job: Job, aside: Path) -> _Run:
     methods = run_methods(config)
     for method in methods:
         units = method.prepare(module, units, warnings)
-    return _Run(module, units, methods, choose_reference(module, float_module, units, warnings), warnings)
+    return _Run(module, units, methods, choose_reference(module, float_module, units, warnings), warnings, folder)
 
 
 def _check_tunable(module: LiftedModule) -> None:
@@ -160,7 +162,7 @@ def _check_tunable(module: LiftedModule) -> None:
 
 
 def _tune_units(run: _Run, job: Job, fabric: Fabric, cache: ActivationCache, sources: dict[str, str | None],
-                threads: ThreadPolicy | None, aside: Path) -> tuple[Tuner, dict[str, Any]]:
+                threads: ThreadPolicy | None) -> tuple[Tuner, dict[str, Any]]:
     """Cache the inputs (this process's share of the calibration batches), then tune unit after
     unit, advancing the float and the quantized stream to each; units a resumed run finished
     earlier get their kept weights back where tuning would have left them, so both streams pass
@@ -172,7 +174,7 @@ def _tune_units(run: _Run, job: Job, fabric: Fabric, cache: ActivationCache, sou
     plan = cut(module, units)
     sample = [value.tensor(0, torch.device("cpu")) for value in inputs]
     trims = sum(p.numel() * p.element_size() for p in module.parameters()) >= LARGE_RUN_BYTES  # free heap back after each unit
-    _check_before_any_work(run, job, plan, sample, device, aside)
+    _check_before_any_work(run, job, plan, sample, device)
     if threads is not None:
         threads.begin(module, units, sample, config.batch_size)
     samples = int(sum_across(fabric, [inputs[0].rows])[0])
@@ -239,13 +241,12 @@ def _set_aside(job: Job, aside: Path) -> Path | None:
     return aside
 
 
-def _check_before_any_work(run: _Run, job: Job, plan: Plan, sample: list[torch.Tensor], device: torch.device,
-                           aside: Path) -> None:
+def _check_before_any_work(run: _Run, job: Job, plan: Plan, sample: list[torch.Tensor], device: torch.device) -> None:
     """On the first calibration batch, on the CPU, before the streams start: the lifted module computes
     what onnxruntime computes (lift.check_lifted, from the set-aside data where the model was set
     aside), and no unit's step runs an op without a deterministic CUDA kernel where a CUDA run asks
     for determinism (see audit). onnxruntime's freed memory goes back to the system before the audit."""
-    check_lifted(job.original, run.module, sample, aside if (aside / SET_ASIDE).exists() else None)
+    check_lifted(job.original, run.module, sample, run.aside)
     release_freed_host_memory()
     with compiled_kernels(False):
         backward = run.methods[0].optimising()  # type: ignore[attr-defined]  (the first method is the algorithm)

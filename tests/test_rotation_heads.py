@@ -61,6 +61,27 @@ def test_rotated_heads_keep_the_decoders_logits_and_greedy_tokens(exports: dict,
     np.testing.assert_array_equal(*(greedy_tokens(run, prompt, 8) for run in runs))
 
 
+@pytest.mark.parametrize("dynamo", EXPORTERS, ids=["torchscript", "dynamo"])
+def test_a_value_projections_bias_is_rotated_with_its_columns(tmp_path: Path, dynamo: bool) -> None:
+    """Value projections with a bias (Qwen's, GPT-2's): the Add after the MatMul is followed and its
+    constant rotated per head too, so the logits stay the float decoder's."""
+    decoder = tiny_decoder(False)
+    generator = torch.Generator().manual_seed(4)
+    for block in decoder.layers:
+        plain = block.self_attn.v_proj
+        block.self_attn.v_proj = torch.nn.Linear(plain.in_features, plain.out_features, bias=True)
+        with torch.no_grad():
+            block.self_attn.v_proj.weight.copy_(plain.weight)
+            block.self_attn.v_proj.bias.copy_(torch.randn(plain.out_features, generator=generator))
+    path = export_module(decoder, tmp_path / "bias.onnx", dynamo=dynamo)
+    result = quantize_model(path, {"preset": "INT4_PER_CHANNEL", "op_types": ["Conv"], "rotation": {"heads": True}}, None)
+    assert len(result.summary["rotation"]["heads"]) == SHAPE.blocks
+    feed = decoder_feeds(False, 1)[0]
+    expected = run_ort(onnx.load(path), list(feed.values()))[0]
+    np.testing.assert_allclose(run_ort(result.float_model, list(feed.values()))[0], expected,
+                               rtol=1e-4, atol=1e-4 * float(np.abs(expected).max()))
+
+
 def test_each_heads_values_are_the_float_values_times_r(exports: dict) -> None:
     """The value projection's output with heads rotated equals the stream-only rotation's times
     diag(R, R) (two key/value heads of 16), R drawn from the rotation's seed."""

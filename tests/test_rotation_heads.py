@@ -24,7 +24,7 @@ from finetune.zoo_decoder import DecoderShape, decoder_feeds, export_decoder, ex
 
 from .lift_helpers import run_ort
 from .recon_helpers import one_thread  # noqa: F401  (autouse fixture)
-from .test_rotation import tied_decoder
+from .test_rotation import held_out_error, tied_decoder
 
 SHAPE = DecoderShape()
 EXPORTERS = [False, True]
@@ -106,22 +106,17 @@ def test_each_heads_values_are_the_float_values_times_r(exports: dict) -> None:
 def test_rotated_heads_spread_an_outlier_channel_of_the_values_for_per_tensor_int8(tmp_path: Path) -> None:
     """One output channel of every value projection 10x (an outlier channel of a head's values, which
     attention's product and the output projection read): INT8 per tensor, weights and activations,
-    loses less than 70 % as much once each head is rotated (measured: 48 %)."""
+    loses less than 70 % as much once each head is rotated (measured: 48 %). Not with weights per
+    channel: R spreads the large column over the head's columns, each then with a coarser scale of its
+    own (measured at A8W8: 0.075 -> 0.121), so the guide says where it pays."""
     decoder = tiny_decoder(False)
     with torch.no_grad():
         for name, parameter in decoder.named_parameters():
             if name.endswith("v_proj.weight"):
                 parameter[5] *= 10
-    path = export_module(decoder, tmp_path / "outlier.onnx", dynamo=False)
-    calibration, held_out = decoder_feeds(False, 4, seed=1), decoder_feeds(False, 2, seed=2)
-    reference = [run_ort(onnx.load(path), list(f.values()))[0] for f in held_out]
-
-    def error(rotation: dict) -> float:
-        config = {"preset": "A8W8", "weight": {"granularity": "tensor"}, "rotation": rotation}
-        model = quantize_model(path, config, calibration).model
-        return float(np.mean([((run_ort(model, list(f.values()))[0] - r) ** 2).mean() for f, r in zip(held_out, reference)]))
-
-    assert error({"heads": True}) < 0.7 * error({})
+    error = held_out_error(export_module(decoder, tmp_path / "outlier.onnx", dynamo=False))
+    per_tensor = {"preset": "A8W8", "weight": {"granularity": "tensor"}}
+    assert error({**per_tensor, "rotation": {"heads": True}}) < 0.7 * error({**per_tensor, "rotation": {}})
 
 
 @pytest.mark.parametrize("dynamo", EXPORTERS, ids=["torchscript", "dynamo"])

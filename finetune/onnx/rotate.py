@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+from onnx import numpy_helper
 
 from .contrib import SKIP_SUM, rms_gain_input
 from .domains import DEFAULT_DOMAINS
@@ -45,6 +45,7 @@ from .rotate_steps import (
     RotationError,
     Steps,
     apply_rotation,
+    node_axes,
 )
 from .smooth import input_axis
 
@@ -266,11 +267,8 @@ class _Walk:
 
     def over_last_axis(self, node: onnx.NodeProto) -> bool:
         """A reduction over the last axis alone (axes [-1]), keeping its dimension."""
-        attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-        axes = attributes.get("axes")
-        if axes is None and len(node.input) > 1 and node.input[1] in self.tensors:
-            axes = numpy_helper.to_array(self.tensors[node.input[1]]).reshape(-1).tolist()
-        return node.domain in DEFAULT_DOMAINS and attributes.get("keepdims", 1) == 1 and list(axes or []) == [-1]
+        keepdims = next((a.i for a in node.attribute if a.name == "keepdims"), 1)
+        return node.domain in DEFAULT_DOMAINS and keepdims == 1 and node_axes(node, self.tensors) == [-1]
 
     def per_row(self, name: str) -> bool:
         """Whether `name` is one value per row: elementwise steps with scalar constants from a

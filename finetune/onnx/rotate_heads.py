@@ -24,11 +24,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
 
 from .domains import DEFAULT_DOMAINS
 from .graphs import node_reads
-from .rotate_steps import HEADS_LEFT, HEADS_RIGHT, SHAPE_ONLY, RotationError, Steps
+from .rotate_steps import HEADS_LEFT, HEADS_RIGHT, SHAPE_ONLY, RotationError, Steps, node_axes
 
 _KEEP_LAST = ("Reshape", "Transpose", "Unsqueeze", "Squeeze", "Expand", "Cast", "Identity")
 
@@ -121,14 +120,11 @@ class _Heads:
         before, after = self.dims(node.input[0]), self.dims(value)
         if before is None or after is None or not before[-1:]:
             return False
-        attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
         if node.op_type == "Transpose":
-            perm = attributes.get("perm", list(range(len(before)))[::-1])
+            perm = next((list(a.ints) for a in node.attribute if a.name == "perm"), list(range(len(before)))[::-1])
             return perm[-1] == len(before) - 1
         if node.op_type in ("Unsqueeze", "Squeeze"):
-            axes = attributes.get("axes")
-            if axes is None and len(node.input) > 1 and node.input[1] in self.tensors:
-                axes = numpy_helper.to_array(self.tensors[node.input[1]]).reshape(-1).tolist()
+            axes = node_axes(node, self.tensors)
             rank = len(after if node.op_type == "Unsqueeze" else before)
             return axes is not None and rank - 1 not in [a % rank for a in axes] and before[-1] == after[-1]
         return node.op_type == "Reshape" or before[-1] == after[-1]

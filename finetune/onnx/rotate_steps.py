@@ -1,6 +1,7 @@
 """The constants' side of a rotation (finetune.onnx.rotate and .rotate_heads plan it): the steps a
 planned constant goes through, by name, and the rewrite that applies them in place, each product in
-float64 a piece at a time and stored in the constant's own type."""
+float64 a piece at a time and stored in the constant's own type; and what both planners read of a
+node alike (its axes)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-from onnx import numpy_helper
+from onnx import helper, numpy_helper
 
 from .graphs import node_reads, unique_name
 from .hadamard import online_factors
@@ -106,3 +107,12 @@ def _left(array: np.ndarray, matrix: np.ndarray) -> np.ndarray:
 def _online_left(n: int) -> np.ndarray:
     """H^T / n for the Hadamard matrix H of order n that an online rotation applies."""
     return np.kron(*online_factors(n)).T.astype(np.float64) / n
+
+
+def node_axes(node: onnx.NodeProto, tensors: dict[str, onnx.TensorProto]) -> list[int] | None:
+    """A reduction's, Unsqueeze's or Squeeze's axes: its attribute (older opsets) or its constant second
+    input (newer ones); None where neither gives them."""
+    axes = next((helper.get_attribute_value(a) for a in node.attribute if a.name == "axes"), None)
+    if axes is None and len(node.input) > 1 and node.input[1] in tensors:
+        axes = numpy_helper.to_array(tensors[node.input[1]]).reshape(-1).tolist()
+    return None if axes is None else list(axes)
